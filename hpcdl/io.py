@@ -1,0 +1,45 @@
+"""Atomic writes: temporary name in the same directory, fsync, rename, fsync the directory.
+
+A crash or a Slurm time-limit kill then leaves either the old file or the new one, never half
+of one (DESIGN.md: every write that matters is atomic).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import BinaryIO
+
+
+def fsync_directory(directory: str) -> None:
+    fd = os.open(directory or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write(f)`` on a temporary file beside ``path``, then rename it into place."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_directory(directory)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))

@@ -1,0 +1,66 @@
+"""Harness for tests that run under a real ``mpiexec -n P python -m pytest tests/mpi``.
+
+Every rank runs the same tests in the same order. Three rules keep a failing test from hanging
+the whole suite:
+- ranks meet at a barrier after each test, so they stay in lock-step;
+- a watchdog (faulthandler) prints every thread's stack and exits a rank that is stuck in one
+  test longer than HPCDL_TEST_TIMEOUT seconds, which makes mpiexec end the others;
+- ``@pytest.mark.min_ranks(n)`` / ``max_ranks(n)`` skip at collection time, identically on
+  every rank, so no rank waits for a test another rank skipped.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+
+import pytest
+from mpi4py import MPI
+
+TEST_TIMEOUT_S = float(os.environ.get("HPCDL_TEST_TIMEOUT", "240"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "min_ranks(n): needs at least n MPI ranks")
+    config.addinivalue_line("markers", "max_ranks(n): needs at most n MPI ranks")
+    rank = MPI.COMM_WORLD.rank
+    xmlpath = getattr(config.option, "xmlpath", None)
+    if xmlpath:  # one JUnit file per rank; tests/summarize.py reads rank 0's
+        root, ext = os.path.splitext(xmlpath)
+        config.option.xmlpath = f"{root}.rank{rank}{ext}"
+    if rank != 0:  # the other ranks report failures only, so the terminal stays readable
+        config.option.verbose = -1
+        config.option.reportchars = "fE"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    size = MPI.COMM_WORLD.size
+    for item in items:
+        low = item.get_closest_marker("min_ranks")
+        high = item.get_closest_marker("max_ranks")
+        if low and size < low.args[0]:
+            item.add_marker(pytest.mark.skip(reason=f"needs >= {low.args[0]} ranks, have {size}"))
+        if high and size > high.args[0]:
+            item.add_marker(pytest.mark.skip(reason=f"needs <= {high.args[0]} ranks, have {size}"))
+
+
+@pytest.fixture(autouse=True)
+def _lockstep_and_watchdog():
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        MPI.COMM_WORLD.Barrier()
+
+
+@pytest.fixture
+def world() -> MPI.Intracomm:
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One temporary directory that every rank sees (rank 0 creates it, broadcasts the path)."""
+    comm = MPI.COMM_WORLD
+    path = str(tmp_path_factory.mktemp("shared")) if comm.rank == 0 else None
+    return comm.bcast(path, root=0)
