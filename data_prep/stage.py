@@ -1,0 +1,70 @@
+"""Copy the shards a node will read to node-local disk (``hpcdl prep stage``).
+
+Run with one rank per node (``srun --ntasks-per-node=1`` or ``mpiexec -ppn 1``); extra ranks
+on a node are tolerated and only its first rank copies. The node index is the order of the
+nodes' lowest world ranks, from ``Split_type(COMM_TYPE_SHARED)`` -- the same numbering the
+loader uses (hpcdl.data.node_layout), so node k stages exactly the shards k, k+K, ... it
+will read. Copies are atomic (temporary name, rename after the sha256 matched the manifest)
+and files already present with the right sha256 are skipped, so a re-run is cheap.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+from data_prep.shard import MANIFEST, publish, sha256_file
+from data_prep.verify import read_manifest
+from hpcdl.io import atomic_write, atomic_write_text
+
+
+def shards_for_node(manifest: dict, node_index: int, num_nodes: int,
+                    splits: tuple[str, ...] = ("train", "val"),
+                    everything: bool = False) -> list[dict]:
+    """Manifest entries node ``node_index`` of ``num_nodes`` reads: shard i of a split when
+    i mod num_nodes == node_index (all of them with ``everything``, for rotate_shards)."""
+    return [e for e in manifest["shards"]
+            if e["split"] in splits and (everything or e["index"] % num_nodes == node_index)]
+
+
+def copy_verified(src: str, dst: str, sha256: str, chunk: int = 1 << 22) -> None:
+    """Copy ``src`` to ``dst`` atomically, hashing on the way; a mismatch leaves nothing."""
+    def write(out) -> None:
+        digest = hashlib.sha256()
+        with open(src, "rb") as f:
+            while block := f.read(chunk):
+                digest.update(block)
+                out.write(block)
+        if digest.hexdigest() != sha256:
+            raise ValueError(f"{src}: sha256 {digest.hexdigest()[:12]}... does not match the "
+                             f"manifest ({sha256[:12]}...); run `hpcdl prep verify`")
+    atomic_write(dst, write)
+    publish(dst)
+
+
+def stage_node(shard_dir: str, local_dir: str, node_index: int, num_nodes: int,
+               splits: tuple[str, ...] = ("train", "val"), everything: bool = False) -> dict:
+    """Stage one node's shards; returns counts of copied and already-present files."""
+    manifest = read_manifest(shard_dir)
+    os.makedirs(local_dir, exist_ok=True)
+    copied, present, todo = [], [], []
+    for entry in shards_for_node(manifest, node_index, num_nodes, splits, everything):
+        dst = os.path.join(local_dir, entry["name"])
+        if os.path.isfile(dst) and sha256_file(dst) == entry["sha256"]:
+            present.append(entry["name"])
+        else:
+            todo.append(entry)
+    needed, free = sum(e["bytes"] for e in todo), shutil.disk_usage(local_dir).free
+    if needed > free:
+        raise OSError(f"{local_dir}: {needed / 2**30:.1f} GiB to stage but {free / 2**30:.1f} GiB "
+                      "free; stage to a larger disk or use more nodes")
+    for entry in todo:
+        copy_verified(os.path.join(shard_dir, entry["name"]),
+                      os.path.join(local_dir, entry["name"]), entry["sha256"])
+        copied.append(entry["name"])
+    atomic_write_text(os.path.join(local_dir, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+    return {"node_index": node_index, "num_nodes": num_nodes, "copied": copied,
+            "present": present,
+            "bytes": sum(os.path.getsize(os.path.join(local_dir, n)) for n in copied + present)}
+

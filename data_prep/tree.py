@@ -1,0 +1,154 @@
+"""Scan an ImageNet-shaped tree into (relative path, label) lists.
+
+Layout (ILSVRC2012 as unpacked from the official tars, or the Kaggle ``ILSVRC/Data/CLS-LOC``)::
+
+    TREE/train/<wnid>/*.JPEG
+    TREE/val/<wnid>/*.JPEG                 per-class folders, or
+    TREE/val/*.JPEG + a labels file        flat, labelled by one of:
+        LOC_val_solution.csv               Kaggle: "ImageId,PredictionString" rows,
+                                           the first token of PredictionString is the wnid
+        ILSVRC2012_validation_ground_truth.txt
+                                           devkit: one ILSVRC2012_ID (1..1000) per line, in the
+                                           order of the sorted validation file names
+
+The devkit's ids index ``meta.mat`` (a MATLAB file, not sorted by wnid). We do not parse
+meta.mat (that needs scipy); instead ``synsets`` names a text file whose line i holds the wnid
+of ILSVRC2012_ID i (first whitespace-separated token). Without it, id i is taken to be the i-th
+class of the sorted train folders, which is right only for trees relabelled that way; a warning
+says so.
+
+Class indices are the positions of the train folder names in sorted order, empty folders
+included (so class ids stay the ones of the full dataset).
+"""
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+from dataclasses import dataclass, field
+
+LOC_SOLUTION = "LOC_val_solution.csv"
+DEVKIT_GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
+
+
+@dataclass
+class SplitListing:
+    """The files of one split: ``keys[i]`` (path relative to the tree) has label ``labels[i]``."""
+
+    keys: list[str] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    empty_classes: list[str] = field(default_factory=list)
+
+
+def list_classes(tree: str) -> list[str]:
+    """Sorted class folder names under ``TREE/train``."""
+    train = os.path.join(tree, "train")
+    if not os.path.isdir(train):
+        raise FileNotFoundError(f"{train}: no train/ folder; expected TREE/train/<class>/*")
+    classes = sorted(e.name for e in os.scandir(train) if e.is_dir())
+    if not classes:
+        raise ValueError(f"{train}: no class folders; expected TREE/train/<class>/*")
+    return classes
+
+
+def _files(directory: str) -> list[str]:
+    return sorted(e.name for e in os.scandir(directory)
+                  if e.is_file() and not e.name.startswith("."))
+
+
+def scan_class_folders(tree: str, split: str, classes: list[str]) -> SplitListing:
+    """``TREE/split/<class>/*``: the folder names the label. Unknown folders are an error."""
+    root = os.path.join(tree, split)
+    index = {c: i for i, c in enumerate(classes)}
+    unknown = sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name not in index)
+    if unknown:
+        raise ValueError(f"{root}: folders {unknown[:5]} are not train classes")
+    listing = SplitListing()
+    for name in classes:
+        folder = os.path.join(root, name)
+        files = _files(folder) if os.path.isdir(folder) else []
+        if not files:
+            listing.empty_classes.append(name)
+        for f in files:
+            listing.keys.append(f"{split}/{name}/{f}")
+            listing.labels.append(index[name])
+    return listing
+
+
+def read_loc_solution(path: str) -> dict[str, str]:
+    """Kaggle's LOC_val_solution.csv: image id (file name without extension) -> wnid."""
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    if not rows or rows[0][:2] != ["ImageId", "PredictionString"]:
+        raise ValueError(f"{path}: expected the header 'ImageId,PredictionString'")
+    return {row[0]: row[1].split()[0] for row in rows[1:] if row}
+
+
+def read_devkit_ground_truth(path: str, files: list[str], classes: list[str],
+                             synsets: str | None) -> dict[str, str]:
+    """Devkit list: line i is the ILSVRC2012_ID of the i-th sorted validation file."""
+    with open(path, encoding="utf-8") as f:
+        ids = [int(line) for line in f if line.strip()]
+    if len(ids) != len(files):
+        raise ValueError(f"{path}: {len(ids)} labels for {len(files)} validation files")
+    if synsets:
+        with open(synsets, encoding="utf-8") as f:
+            id_to_wnid = [line.split()[0] for line in f if line.strip()]
+    else:
+        warnings.warn(f"{path}: no --synsets file; mapping ILSVRC2012_ID i to the i-th sorted "
+                      "train class (the official devkit order differs: pass --synsets)",
+                      stacklevel=2)
+        id_to_wnid = classes
+    bad = [i for i in ids if not 1 <= i <= len(id_to_wnid)]
+    if bad:
+        raise ValueError(f"{path}: ids {bad[:5]} outside 1..{len(id_to_wnid)}")
+    return {os.path.splitext(f)[0]: id_to_wnid[i - 1] for f, i in zip(files, ids, strict=True)}
+
+
+def find_val_labels(tree: str) -> str | None:
+    """A labels file in the usual places when none is given."""
+    for folder in (tree, os.path.join(tree, "val"), os.path.dirname(os.path.abspath(tree))):
+        for name in (LOC_SOLUTION, DEVKIT_GROUND_TRUTH):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def scan_flat_val(tree: str, classes: list[str], labels_file: str | None,
+                  synsets: str | None = None) -> SplitListing:
+    """``TREE/val/*`` with labels from ``labels_file`` (LOC_val_solution.csv or devkit list)."""
+    root = os.path.join(tree, "val")
+    files = [f for f in _files(root) if f not in (LOC_SOLUTION, DEVKIT_GROUND_TRUTH)]
+    labels_file = labels_file or find_val_labels(tree)
+    if labels_file is None:
+        raise FileNotFoundError(f"{root}: flat validation files need --val-labels "
+                                f"({LOC_SOLUTION} or {DEVKIT_GROUND_TRUTH})")
+    if labels_file.endswith(".csv"):
+        wnid_of = read_loc_solution(labels_file)
+    else:
+        wnid_of = read_devkit_ground_truth(labels_file, files, classes, synsets)
+    index = {c: i for i, c in enumerate(classes)}
+    listing = SplitListing()
+    for f in files:
+        wnid = wnid_of.get(os.path.splitext(f)[0])
+        if wnid is None:
+            raise ValueError(f"{labels_file}: no label for val/{f}")
+        if wnid not in index:
+            raise ValueError(f"{labels_file}: val/{f} has class {wnid!r}, not a train class")
+        listing.keys.append(f"val/{f}")
+        listing.labels.append(index[wnid])
+    return listing
+
+
+def scan_tree(tree: str, val_labels: str | None = None,
+              synsets: str | None = None) -> tuple[list[str], dict[str, SplitListing]]:
+    """Classes and the listing of each split present (``train`` always, ``val`` if it exists)."""
+    classes = list_classes(tree)
+    splits = {"train": scan_class_folders(tree, "train", classes)}
+    val = os.path.join(tree, "val")
+    if os.path.isdir(val):
+        has_folders = any(e.is_dir() for e in os.scandir(val))
+        splits["val"] = (scan_class_folders(tree, "val", classes) if has_folders
+                         else scan_flat_val(tree, classes, val_labels, synsets))
+    return classes, splits

@@ -1,0 +1,53 @@
+"""Check a shard directory against its manifest: every shard present, its sha256 and its
+sample count as recorded. ``hpcdl prep verify DIR`` exits non-zero naming each bad shard."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from data_prep.shard import sha256_file
+from hpcdl.data.format import read_manifest
+
+__all__ = ["read_manifest", "verify_shards", "check_shard"]
+
+
+def shard_count(path: str) -> int:
+    """Samples in one shard file (the length of its ``labels``)."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        counts = {len(f[name]) for name in ("images", "labels", "keys", "shapes")}
+    if len(counts) != 1:
+        raise ValueError(f"{path}: datasets disagree on the sample count {sorted(counts)}")
+    return counts.pop()
+
+
+def check_shard(shard_dir: str, entry: dict) -> str | None:
+    """Why one manifest entry's shard is bad, or None when it is good."""
+    path = os.path.join(shard_dir, entry["name"])
+    if not os.path.isfile(path):
+        return "missing"
+    digest = sha256_file(path)
+    if digest != entry["sha256"]:
+        return f"sha256 {digest[:12]}... != manifest {entry['sha256'][:12]}..."
+    try:
+        count = shard_count(path)
+    except Exception as exc:  # noqa: BLE001 - any HDF5 failure makes the shard bad
+        return f"unreadable: {exc}"
+    if count != entry["num_samples"]:
+        return f"{count} samples != manifest {entry['num_samples']}"
+    return None
+
+
+def verify_shards(shard_dir: str, names: Iterable[str] | None = None) -> dict[str, str]:
+    """Bad shards (name -> reason) among ``names`` (default: all in the manifest)."""
+    manifest = read_manifest(shard_dir)
+    wanted = set(names) if names is not None else None
+    problems = {}
+    for entry in manifest["shards"]:
+        if wanted is not None and entry["name"] not in wanted:
+            continue
+        reason = check_shard(shard_dir, entry)
+        if reason:
+            problems[entry["name"]] = reason
+    return problems

@@ -1,0 +1,132 @@
+"""Prepare ImageNet for training: shard the tree, verify shards, stage them to local disk.
+
+  mpiexec -n P hpcdl prep shard --src TREE --out DIR --shards 1024 [--resize 256] [--format jpeg]
+  hpcdl prep verify DIR
+  srun --ntasks-per-node=1 hpcdl prep stage --shards DIR --to /local/scratch/imagenet
+
+See docs/data.md for the shard format, the validation-label formats and staging.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+COMMAND = "prep"
+HELP = "shard an ImageNet tree into HDF5, verify shards, stage them to node-local disk"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="prep", metavar="ACTION", required=True)
+    shard = sub.add_parser("shard", help="TREE -> DIR/{train,val}-XXXXX-of-YYYYY.h5 + manifest "
+                           "(run under mpiexec for parallelism; resumable)")
+    shard.add_argument("--src", required=True, help="tree with train/<class>/* and val/")
+    shard.add_argument("--out", required=True, help="shard directory to write")
+    shard.add_argument("--shards", type=int, required=True, help="number of train shards")
+    shard.add_argument("--val-shards", type=int, default=None,
+                       help="number of val shards (default: in proportion to --shards)")
+    shard.add_argument("--resize", type=int, default=256,
+                       help="resize the short side down to this many pixels (0: keep)")
+    shard.add_argument("--format", choices=("jpeg", "raw"), default="jpeg",
+                       help="store re-encoded JPEG bytes (default) or decoded uint8 HxWx3")
+    shard.add_argument("--seed", type=int, default=0, help="seed of the sample-to-shard shuffle")
+    shard.add_argument("--val-labels", default=None,
+                       help="LOC_val_solution.csv or ILSVRC2012_validation_ground_truth.txt for "
+                       "a flat val/ folder (default: looked for in TREE)")
+    shard.add_argument("--synsets", default=None,
+                       help="for the devkit ground truth: line i = wnid of ILSVRC2012_ID i")
+    shard.add_argument("--strict", action="store_true",
+                       help="fail on any unreadable source file instead of skipping it")
+    shard.add_argument("--no-progress", action="store_true", help="no progress bar")
+    verify = sub.add_parser("verify", help="recompute checksums and counts; non-zero exit "
+                            "naming each bad shard")
+    verify.add_argument("dir", help="shard directory (with manifest.json)")
+    stage = sub.add_parser("stage", help="copy the shards this node reads to local disk "
+                           "(one rank per node)")
+    stage.add_argument("--shards", required=True, help="shard directory on the shared file system")
+    stage.add_argument("--to", required=True, help="node-local directory")
+    stage.add_argument("--splits", default="train,val", help="comma-separated splits to stage")
+    stage.add_argument("--all", action="store_true",
+                       help="copy every shard (for rotate_shards, which reads all of them)")
+
+
+def run_shard(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from data_prep.shard import shard_tree
+
+    comm = MPI.COMM_WORLD
+    start = time.perf_counter()
+    try:
+        manifest = shard_tree(args.src, args.out, args.shards, val_shards=args.val_shards,
+                              resize=args.resize, image_format=args.format, seed=args.seed,
+                              strict=args.strict, val_labels=args.val_labels,
+                              synsets=args.synsets, comm=comm, progress=not args.no_progress)
+    except Exception as exc:  # noqa: BLE001 - report, then make sure no rank is left waiting
+        print(f"hpcdl prep shard (rank {comm.rank}): {exc}", file=sys.stderr, flush=True)
+        if comm.size > 1:
+            # An error of one rank alone (a full disk, a file gone) would leave the others in
+            # the final allgather; finished shards stay valid and a rerun resumes from them.
+            comm.Abort(1)
+        return 1
+    seconds = time.perf_counter() - start
+    if comm.rank == 0:
+        total = sum(s["num_samples"] for s in manifest["splits"].values())
+        for split, info in manifest["splits"].items():
+            print(f"{split}: {info['num_samples']} images in {info['num_shards']} shards")
+        for item in manifest["skipped"]:
+            print(f"skipped {item['key']}: {item['reason']}")
+        for split, empty in manifest["empty_classes"].items():
+            if empty:
+                print(f"empty class folders in {split}: {', '.join(empty)}")
+        print(f"sharded {total} images in {seconds:.1f} s on {comm.size} ranks "
+              f"({total / max(seconds, 1e-9):.0f} img/s) -> {args.out}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from data_prep.verify import read_manifest, verify_shards
+
+    try:
+        manifest = read_manifest(args.dir)
+        problems = verify_shards(args.dir)
+    except (OSError, ValueError) as exc:
+        print(f"hpcdl prep verify: {exc}", file=sys.stderr)
+        return 1
+    for name, reason in problems.items():
+        print(f"BAD {name}: {reason}")
+    good = len(manifest["shards"]) - len(problems)
+    print(f"{good}/{len(manifest['shards'])} shards OK in {args.dir}")
+    return 1 if problems else 0
+
+
+def run_stage(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from data_prep.stage import stage_node
+    from hpcdl.data.nodes import node_layout
+
+    comm = MPI.COMM_WORLD
+    node_index, num_nodes, local_rank, _ = node_layout(comm)
+    result, error = None, None
+    if local_rank == 0:  # one copier per node even if launched with more ranks
+        try:
+            result = stage_node(args.shards, args.to, node_index, num_nodes,
+                                tuple(args.splits.split(",")), everything=args.all)
+        except (OSError, ValueError) as exc:
+            error = f"node {node_index} (rank {comm.rank}): {exc}"
+    results = comm.gather((result, error), root=0)
+    failed = comm.allreduce(1 if error else 0)
+    if comm.rank == 0:
+        for result, error in results:
+            if error:
+                print(f"hpcdl prep stage: {error}", file=sys.stderr)
+            elif result:
+                print(f"node {result['node_index']}/{result['num_nodes']}: copied "
+                      f"{len(result['copied'])}, already present {len(result['present'])}, "
+                      f"{result['bytes'] / 2**30:.2f} GiB in {args.to}")
+    return 1 if failed else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"shard": run_shard, "verify": run_verify, "stage": run_stage}[args.prep](args)

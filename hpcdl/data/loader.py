@@ -1,0 +1,203 @@
+"""ShardedImageNet: per-node HDF5 shards -> uint8 NCHW batches, prefetched by threads.
+
+Why threads, not worker processes: the work per image is a JPEG decode (simplejpeg) and a
+crop-resize (Pillow), both of which release the GIL, so threads scale across cores; batches
+need no pickling or shared-memory hand-off; and nothing forks after MPI_Init, which is unsafe
+with InfiniBand verbs (registered memory and fork) on the clusters hpcdl targets.
+h5py serialises its own calls with a lock, but a read of one stored JPEG is tens of
+microseconds against milliseconds of decoding.
+
+Shard files are opened read-only with HDF5 file locking off (``locking=False``), which
+Lustre and NFS need; set ``HDF5_USE_FILE_LOCKING=FALSE`` as well for older h5py/HDF5.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from hpcdl.data.augment import (
+    FLIP_DRAW,
+    centre_crop_box,
+    crop_resize,
+    random_resized_crop_boxes,
+    sample_uniforms,
+)
+from hpcdl.data.format import read_manifest, split_shards
+from hpcdl.data.sampler import epoch_order, shard_offsets, train_num_batches, val_num_batches
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+PREFETCH_PER_WORKER = 2
+
+
+def normalize(images_uint8, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    """uint8 NCHW -> float32 (x/255 - mean) / std, on the tensor (in the trainer, not the loader,
+    so batches cross threads as 1 byte per pixel).
+
+    One allocation and two in-place passes, x * (1/(255 std)) + (-mean/std): 5 ms for a
+    32x3x224x224 batch on one core here, against 50 ms for ``(x - 255 mean) / (255 std)``,
+    whose two temporary float batches are fresh memory (page faults) every call.
+    """
+    import torch
+
+    std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    mean_t = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    out = images_uint8.to(torch.float32)
+    return out.mul_(1.0 / (255.0 * std_t)).add_(-mean_t / std_t)
+
+
+def read_rows(images, rows: np.ndarray) -> np.ndarray:
+    """``images[rows]`` of a vlen dataset in one H5Dread on a point selection, in ``rows``
+    order. h5py's fancy indexing builds the same read in Python: 0.30 ms for 4 rows here
+    against 0.09 ms this way, and a read costs ~0.13 ms whatever its size."""
+    from h5py import h5s
+
+    space = images.id.get_space()
+    space.select_elements(np.asarray(rows, dtype=np.uint64).reshape(-1, 1))
+    out = np.empty(len(rows), dtype=images.dtype)
+    images.id.read(h5s.create_simple((len(rows),)), space, out)
+    return out
+
+
+class ShardedImageNet:
+    """Iterates this rank's batches of one split (docs/architecture.md, hpcdl/data)."""
+
+    def __init__(self, shard_dir: str, split: str = "train", node_index: int = 0,
+                 num_nodes: int = 1, local_rank: int = 0, local_size: int = 1,
+                 batch_size: int = 32, image_size: int = 224, seed: int = 0, workers: int = 2,
+                 rotate_shards: bool = False, min_scale: float = 0.08):
+        if not 0 <= node_index < num_nodes:
+            raise ValueError(f"node_index={node_index} outside 0..{num_nodes - 1}")
+        if not 0 <= local_rank < local_size:
+            raise ValueError(f"local_rank={local_rank} outside 0..{local_size - 1}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: need at least 1")
+        self.shard_dir, self.split = shard_dir, split
+        self.node_index, self.num_nodes = node_index, num_nodes
+        self.local_rank, self.local_size = local_rank, local_size
+        self.batch_size, self.image_size, self.seed = batch_size, image_size, seed
+        self.workers, self.rotate_shards, self.min_scale = workers, rotate_shards, min_scale
+        self.manifest = read_manifest(shard_dir)
+        self.classes = self.manifest["classes"]
+        self.image_format = self.manifest["image_format"]
+        self.entries = split_shards(self.manifest, split)
+        self.counts = [e["num_samples"] for e in self.entries]
+        self.offsets = shard_offsets(self.counts)
+        self.train = split == "train"
+        if self.train:
+            self.num_batches = train_num_batches(self.counts, num_nodes, local_size, batch_size)
+            if self.num_batches == 0:
+                raise ValueError(
+                    f"{shard_dir}: {split} has {sum(self.counts)} samples in {len(self.counts)} "
+                    f"shards: too few for {num_nodes} nodes x {local_size} ranks x batch "
+                    f"{batch_size} (each node needs >= 1 shard and local_size*batch samples)")
+        else:
+            self.num_batches = val_num_batches(self.counts, num_nodes, local_size, batch_size)
+        self._files: dict[int, object] = {}
+        self._open_lock = threading.Lock()
+        self.data_wait_s = 0.0
+        self.set_epoch(0)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Order for ``epoch`` (a function of (seed, epoch)); skip the first ``start_batch``."""
+        if not 0 <= start_batch <= self.num_batches:
+            raise ValueError(f"start_batch={start_batch} outside 0..{self.num_batches}")
+        self.epoch, self.start_batch = epoch, start_batch
+        self.order = epoch_order(self.counts, self.node_index, self.num_nodes, self.local_rank,
+                                 self.local_size, self.seed, epoch, self.rotate_shards,
+                                 shuffle=self.train)
+        self.data_wait_s = 0.0
+
+    def batch_indices(self, batch: int) -> np.ndarray:
+        """Global sample indices of this rank's batch ``batch`` this epoch."""
+        return self.order[batch * self.batch_size:(batch + 1) * self.batch_size]
+
+    def _dataset(self, shard: int):
+        with self._open_lock:  # opened on first use, by whichever thread needs it first
+            if shard not in self._files:
+                import h5py
+
+                path = os.path.join(self.shard_dir, self.entries[shard]["name"])
+                f = h5py.File(path, "r", locking=False)
+                self._files[shard] = (f, f["images"], f["shapes"][:], f["labels"][:])
+            return self._files[shard]
+
+    def read_samples(self, indices: np.ndarray) -> tuple[list, np.ndarray, np.ndarray]:
+        """Stored bytes, (H, W, C) and label of each global sample index, one HDF5 read per
+        shard touched (see ``read_rows``)."""
+        data = [None] * len(indices)
+        shapes = np.empty((len(indices), 3), dtype=np.int64)
+        labels = np.empty(len(indices), dtype=np.int64)
+        shards = np.searchsorted(self.offsets, indices, side="right") - 1
+        for shard in np.unique(shards):
+            _, images, shard_shapes, shard_labels = self._dataset(int(shard))
+            where = np.flatnonzero(shards == shard)
+            rows = indices[where] - self.offsets[shard]
+            for position, item in zip(where, read_rows(images, rows), strict=True):
+                data[position] = item
+            shapes[where] = shard_shapes[rows]
+            labels[where] = shard_labels[rows]
+        return data, shapes, labels
+
+    def load_batch(self, batch: int):
+        """Decode and augment one batch: (uint8 NCHW tensor, int64 labels)."""
+        import torch
+
+        indices = self.batch_indices(batch)
+        size = self.image_size
+        images = torch.empty((len(indices), 3, size, size), dtype=torch.uint8)
+        data, shapes, labels = self.read_samples(indices)
+        if self.train:
+            uniforms = sample_uniforms(self.seed, self.epoch, indices)
+            boxes = random_resized_crop_boxes(shapes[:, 0], shapes[:, 1], uniforms,
+                                              scale=(self.min_scale, 1.0)).tolist()
+            flips = (uniforms[:, FLIP_DRAW] < 0.5).tolist()
+        else:
+            boxes = [centre_crop_box(int(h), int(w), size) for h, w, _ in shapes]
+            flips = [False] * len(indices)
+        for b, (shape, box, flip) in enumerate(zip(shapes.tolist(), boxes, flips, strict=True)):
+            crop_resize(data[b], shape, self.image_format, box, size, flip, out=images[b])
+        return images, torch.from_numpy(labels)
+
+    def __iter__(self):
+        batches = range(self.start_batch, self.num_batches)
+        if self.workers <= 0:
+            for batch in batches:
+                start = time.perf_counter()
+                result = self.load_batch(batch)
+                self.data_wait_s += time.perf_counter() - start
+                yield result
+            return
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="hpcdl-loader")
+        pending: deque = deque()
+        todo = iter(batches)
+        try:
+            for batch in todo:
+                pending.append(pool.submit(self.load_batch, batch))
+                if len(pending) >= self.workers * PREFETCH_PER_WORKER:
+                    break
+            while pending:
+                start = time.perf_counter()
+                result = pending.popleft().result()
+                self.data_wait_s += time.perf_counter() - start
+                next_batch = next(todo, None)
+                if next_batch is not None:
+                    pending.append(pool.submit(self.load_batch, next_batch))
+                yield result
+        finally:
+            for future in pending:
+                future.cancel()
+            pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        for f, *_ in self._files.values():
+            f.close()
+        self._files.clear()

@@ -1,0 +1,66 @@
+"""Which samples each rank reads, epoch by epoch, computed without communication.
+
+Shards go to nodes (node k of K reads shards i with (i + shift) mod K == k, shift = epoch when
+``rotate_shards`` else 0), so each node reads only what it staged; the ranks of a node split
+that node's samples. Every quantity here is a function of the manifest, (seed, epoch) and the
+rank's place, so every rank computes every other rank's counts identically -- which is how
+``num_batches`` is the same on all ranks without a collective.
+
+Assumes the same number of ranks on every node (``--ntasks-per-node``), as Slurm gives.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def shard_offsets(counts: list[int]) -> np.ndarray:
+    """Global index of each shard's first sample (shards in index order)."""
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def node_shard_indices(num_shards: int, node_index: int, num_nodes: int, epoch: int,
+                       rotate: bool) -> list[int]:
+    """Shards node ``node_index`` reads this epoch: i with (i + shift) mod K == node_index."""
+    shift = epoch % num_nodes if rotate else 0
+    return [i for i in range(num_shards) if (i + shift) % num_nodes == node_index]
+
+
+def node_samples(counts: list[int], shards: list[int]) -> np.ndarray:
+    """Global sample indices of ``shards``, in shard order."""
+    offsets = shard_offsets(counts)
+    if not shards:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in shards])
+
+
+def train_num_batches(counts: list[int], num_nodes: int, local_size: int, batch_size: int) -> int:
+    """Batches per epoch on every rank: min over nodes and local ranks of samples // batch.
+
+    A node with n samples gives its ranks n // local_size or more each; rotation only permutes
+    which node gets which set, so the minimum is the same every epoch.
+    """
+    per_node = [sum(counts[i] for i in range(k, len(counts), num_nodes)) for k in range(num_nodes)]
+    return min(n // local_size for n in per_node) // batch_size
+
+
+def val_num_batches(counts: list[int], num_nodes: int, local_size: int, batch_size: int) -> int:
+    """Batches on every rank for evaluation: enough for the rank with the most samples."""
+    per_node = [sum(counts[i] for i in range(k, len(counts), num_nodes)) for k in range(num_nodes)]
+    most = -(-max(per_node) // local_size)
+    return -(-most // batch_size)
+
+
+def epoch_order(counts: list[int], node_index: int, num_nodes: int, local_rank: int,
+                local_size: int, seed: int, epoch: int, rotate: bool, shuffle: bool) -> np.ndarray:
+    """Global sample indices this rank reads this epoch, in order.
+
+    Train: the node's samples permuted by a generator seeded with (seed, epoch, node set), then
+    dealt round-robin to local ranks. Val: the node's samples in order, dealt the same way.
+    """
+    shards = node_shard_indices(len(counts), node_index, num_nodes, epoch, rotate)
+    samples = node_samples(counts, shards)
+    if shuffle:
+        first = shards[0] if shards else -1
+        rng = np.random.default_rng([seed, epoch, first + 1])
+        samples = samples[rng.permutation(len(samples))]
+    return samples[local_rank::local_size]

@@ -1,0 +1,245 @@
+"""hpcdl.data: the per-node sharded loader (serial: explicit node_index/num_nodes values)."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep.fashion_mnist import CLASSES, balanced_subset, load_split, write_tree
+from data_prep.shard import shard_tree
+from hpcdl.data import ShardedImageNet, normalize, read_manifest
+from hpcdl.data.augment import random_resized_crop_boxes, sample_uniforms
+from hpcdl.data.sampler import node_shard_indices
+
+
+@pytest.fixture(scope="module")
+def shards(clean_tree, tmp_path_factory) -> str:
+    """40 train samples in 5 shards (8 each), 12 val samples in 3 shards."""
+    out = str(tmp_path_factory.mktemp("loader") / "shards")
+    shard_tree(clean_tree.root, out, shards=5, val_shards=3)
+    return out
+
+
+def loader(shards, **kw) -> ShardedImageNet:
+    kw.setdefault("batch_size", 2)
+    kw.setdefault("image_size", 16)
+    kw.setdefault("workers", 0)
+    return ShardedImageNet(shards, **kw)
+
+
+def epoch_indices(data: ShardedImageNet) -> list[int]:
+    return [int(i) for b in range(len(data)) for i in data.batch_indices(b)]
+
+
+def layouts():
+    return [(1, 1), (1, 3), (2, 1), (2, 2), (3, 2), (5, 1)]
+
+
+@pytest.mark.parametrize("num_nodes,local_size", layouts())
+def test_train_ranks_read_disjoint_samples_from_their_node_shards(shards, num_nodes, local_size):
+    counts = [e["num_samples"] for e in read_manifest(shards)["shards"] if e["split"] == "train"]
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    seen, lengths = [], set()
+    for node, rank in itertools.product(range(num_nodes), range(local_size)):
+        data = loader(shards, node_index=node, num_nodes=num_nodes, local_rank=rank,
+                      local_size=local_size)
+        indices = epoch_indices(data)
+        shard_of = np.searchsorted(offsets, indices, side="right") - 1
+        assert all(s % num_nodes == node for s in shard_of), (node, rank)
+        assert len(indices) == len(data) * 2
+        seen += indices
+        lengths.add(len(data))
+    assert len(lengths) == 1 and lengths.pop() > 0          # every rank: the same batch count
+    assert len(seen) == len(set(seen))                       # no sample read twice
+
+
+@pytest.mark.parametrize("num_nodes,local_size", layouts())
+def test_val_ranks_together_read_every_sample_exactly_once(shards, num_nodes, local_size):
+    seen, lengths = [], set()
+    for node, rank in itertools.product(range(num_nodes), range(local_size)):
+        data = loader(shards, split="val", node_index=node, num_nodes=num_nodes,
+                      local_rank=rank, local_size=local_size)
+        seen += epoch_indices(data)
+        lengths.add(len(data))
+    assert len(lengths) == 1
+    assert sorted(seen) == list(range(12))
+
+
+def test_union_over_ranks_of_a_node_is_the_node_dataset(shards):
+    # One node, 4 ranks, batch 2: 40 samples -> 5 batches each, nothing dropped.
+    seen = []
+    for rank in range(4):
+        data = loader(shards, local_rank=rank, local_size=4)
+        assert len(data) == 5
+        seen += epoch_indices(data)
+    assert sorted(seen) == list(range(40))
+
+
+def test_two_epochs_differ_in_order_but_not_in_content(shards):
+    data = loader(shards, node_index=1, num_nodes=2)
+    first = epoch_indices(data)
+    data.set_epoch(1)
+    second = epoch_indices(data)
+    assert first != second and sorted(first) == sorted(second)
+
+
+def test_labels_follow_the_samples(shards, clean_tree):
+    import h5py
+
+    data = loader(shards, batch_size=5, workers=2)
+    keys_labels = {}
+    for e in data.entries:
+        with h5py.File(f"{shards}/{e['name']}", "r") as f:
+            keys_labels.update(zip(f["keys"].asstr()[:], f["labels"][:], strict=True))
+    assert {k: int(v) for k, v in keys_labels.items()} == {
+        k: clean_tree.labels[k] for k in clean_tree.keys("train")}
+    labels = torch.cat([y for _, y in data])
+    assert labels.dtype == torch.int64
+    assert sorted(labels.tolist()) == sorted(clean_tree.labels[k] for k in clean_tree.keys("train"))
+
+
+def test_batches_are_uint8_nchw_of_image_size(shards):
+    x, y = next(iter(loader(shards, batch_size=4, image_size=24)))
+    assert x.shape == (4, 3, 24, 24) and x.dtype == torch.uint8 and y.shape == (4,)
+    v, _ = next(iter(loader(shards, split="val", batch_size=4, image_size=24)))
+    assert v.shape == (4, 3, 24, 24)
+
+
+def test_threads_give_bit_identical_batches_to_inline_decoding(shards):
+    inline = list(loader(shards, workers=0, batch_size=4))
+    threaded = list(loader(shards, workers=3, batch_size=4))
+    assert len(inline) == len(threaded) == 10
+    for (a, la), (b, lb) in zip(inline, threaded, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_resume_mid_epoch_reproduces_the_rest_of_the_epoch(shards):
+    data = loader(shards, batch_size=4, seed=3)
+    data.set_epoch(2)
+    full = list(data)
+    data.set_epoch(2, start_batch=6)
+    rest = list(data)
+    assert len(rest) == len(full) - 6
+    for (a, la), (b, lb) in zip(full[6:], rest, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_augmentation_differs_between_epochs_and_seeds(shards):
+    a = next(iter(loader(shards, seed=0)))[0]
+    b = next(iter(loader(shards, seed=1)))[0]
+    assert not torch.equal(a, b)
+
+
+def test_rotate_shards_moves_shards_between_nodes_keeping_the_length(shards):
+    data = loader(shards, node_index=0, num_nodes=2, rotate_shards=True)
+    length = len(data)
+    owned = []
+    for epoch in range(3):
+        data.set_epoch(epoch)
+        owned.append(node_shard_indices(5, 0, 2, epoch, True))
+        assert len(data) == length and len(epoch_indices(data)) == length * 2
+    assert owned[0] == [0, 2, 4] and owned[1] == [1, 3] and owned[2] == owned[0]
+
+
+def test_data_wait_counts_time_spent_waiting_and_resets_per_epoch(shards):
+    data = loader(shards)
+    list(data)
+    assert data.data_wait_s > 0
+    data.set_epoch(1)
+    assert data.data_wait_s == 0.0
+
+
+def test_too_few_samples_for_the_layout_is_a_clear_error(shards):
+    with pytest.raises(ValueError, match="too few"):
+        loader(shards, num_nodes=6, node_index=0)
+
+
+def test_normalize_uses_imagenet_mean_and_std():
+    x = torch.full((1, 3, 2, 2), 255, dtype=torch.uint8)
+    y = normalize(x)
+    assert y.dtype == torch.float32
+    assert torch.allclose(y[0, :, 0, 0], torch.tensor([(1 - 0.485) / 0.229, (1 - 0.456) / 0.224,
+                                                       (1 - 0.406) / 0.225]))
+
+
+def test_augmentation_draws_depend_only_on_seed_epoch_and_sample():
+    a = sample_uniforms(0, 1, np.array([5, 9]))
+    b = sample_uniforms(0, 1, np.array([9]))
+    assert np.array_equal(a[1], b[0])
+    assert not np.array_equal(a[0], sample_uniforms(0, 2, np.array([5]))[0])
+    assert a.min() >= 0 and a.max() < 1
+
+
+def test_random_resized_crop_stays_inside_the_image_and_covers_the_scale_range():
+    n = 2000
+    boxes = random_resized_crop_boxes(np.full(n, 30), np.full(n, 40), sample_uniforms(0, 0,
+                                                                                      np.arange(n)))
+    top, left, h, w = boxes.T
+    assert (top >= 0).all() and (top + h <= 30).all() and (left >= 0).all()
+    assert (left + w <= 40).all() and (h > 0).all() and (w > 0).all()
+    area = h * w / 1200
+    assert area.min() < 0.15 and area.max() > 0.9
+
+
+def test_random_resized_crop_falls_back_to_a_centre_crop_for_extreme_shapes():
+    # A 1-pixel-high strip: no attempt fits the 3/4..4/3 ratio, so the centre fallback is used.
+    boxes = random_resized_crop_boxes(np.array([1]), np.array([100]),
+                                      sample_uniforms(0, 0, np.array([0])))
+    assert boxes.tolist() == [[0, 49, 1, 1]]
+
+
+def test_fashion_mnist_demo_subset_is_class_balanced():
+    images, labels = load_split("demo", "train")
+    assert images.shape == (6000, 28, 28)
+    assert np.bincount(labels).tolist() == [600] * 10
+    assert len(balanced_subset(labels, 3)) == 30
+
+
+def test_fashion_mnist_tree_shards_and_loads(tmp_path):
+    tree = str(tmp_path / "fmnist")
+    assert write_tree(tree, train_per_class=3, val_per_class=1) == {"train": 30, "val": 10}
+    out = str(tmp_path / "shards")
+    manifest = shard_tree(tree, out, shards=2)
+    assert manifest["classes"] == CLASSES and manifest["skipped"] == []
+    x, y = next(iter(ShardedImageNet(out, "val", batch_size=10, image_size=28, workers=0)))
+    assert x.shape == (10, 3, 28, 28) and sorted(y.tolist()) == list(range(10))
+    # Grayscale in, RGB out: the three channels are equal.
+    assert torch.equal(x[:, 0], x[:, 1]) and torch.equal(x[:, 1], x[:, 2])
+
+
+def test_bench_loader_writes_both_sides_and_the_ratio(tmp_path):
+    import json
+
+    from hpcdl.cli.main import main as hpcdl_main
+
+    out = tmp_path / "loader.json"
+    assert hpcdl_main(["bench", "loader", "--src", str(tmp_path / "tree"), "--shards",
+                       str(tmp_path / "shards"), "--generate", "10", "--images", "8",
+                       "--batch", "4", "--image-size", "32", "--num-shards", "2",
+                       "--shard-ranks", "", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    sides = {r["name"]: r for r in report["results"]}
+    assert sides["imagefolder_pillow"]["images_per_s_per_core"] > 0
+    assert sides["hdf5_sharded"]["images_per_s_per_core"] > 0
+    assert report["ratios"]["hdf5_vs_imagefolder"] > 0
+
+
+def test_val_rank_without_shards_yields_empty_batches_to_keep_step_with_the_others(shards):
+    # 3 val shards on 5 nodes: nodes 3 and 4 have nothing to read but must not stop early.
+    data = loader(shards, split="val", node_index=4, num_nodes=5)
+    batches = list(data)
+    assert len(batches) == len(data) > 0
+    assert all(x.shape == (0, 3, 16, 16) and y.shape == (0,) for x, y in batches)
+
+
+def test_read_rows_returns_rows_in_the_order_asked(shards):
+    import h5py
+
+    from hpcdl.data.loader import read_rows
+
+    with h5py.File(f"{shards}/train-00000-of-00005.h5", "r") as f:
+        images = f["images"]
+        got = read_rows(images, np.array([5, 1, 3]))
+        assert all(np.array_equal(g, images[r]) for g, r in zip(got, [5, 1, 3], strict=True))
