@@ -1,0 +1,73 @@
+"""Optimizers by name, so a recipe's ``optimizer`` section names one (timm's create_optimizer).
+
+The learning rate comes from the schedule: the trainer builds the optimizer with
+``lr = schedule(0)`` and sets ``group["lr"] = schedule(step)`` before every step.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from hpcdl.optim.lars import LARS, param_groups
+
+__all__ = ["create_optimizer", "list_optimizers", "apply_momentum_correction", "OPTIMIZERS"]
+
+
+def _lars(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, momentum: float = 0.9,
+          trust_coefficient: float = 0.001, eps: float = 0.0, nesterov: bool = False,
+          trust_clip: bool = False) -> torch.optim.Optimizer:
+    """LARS with the MLPerf skip list (BN and biases: no trust ratio, no weight decay)."""
+    return LARS(param_groups(model, weight_decay), lr=lr, momentum=momentum,
+                weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps,
+                nesterov=nesterov, trust_clip=trust_clip)
+
+
+def _sgd(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, momentum: float = 0.9,
+         nesterov: bool = False) -> torch.optim.Optimizer:
+    """Momentum SGD on every parameter, weight decay included (Goyal et al., arXiv:1706.02677).
+
+    torch's form v ← m·v + g; w ← w − lr·v keeps lr out of the buffer, which is exactly the
+    form that needs no momentum correction when lr jumps (Goyal et al. §2.2)."""
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
+                           weight_decay=weight_decay, nesterov=nesterov, foreach=True)
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"lars": _lars, "sgd": _sgd}
+
+_KEYS = {
+    "lars": {"momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip"},
+    "sgd": {"momentum", "weight_decay", "nesterov"},
+}
+
+
+def list_optimizers() -> list[str]:
+    return sorted(OPTIMIZERS)
+
+
+def create_optimizer(cfg: Mapping[str, Any], model: torch.nn.Module,
+                     lr: float | None = None) -> torch.optim.Optimizer:
+    """An optimizer from a recipe's ``optimizer`` section (``name`` plus that optimizer's keys).
+
+    ``lr`` is the initial rate, schedule(0); it may also be given as ``cfg["lr"]``
+    (docs/architecture.md), and defaults to 0 for a trainer that sets it before each step.
+    """
+    name = cfg.get("name")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer.name={name!r} is not one of {list_optimizers()}")
+    kwargs = {k: v for k, v in cfg.items() if k not in ("name", "lr")}
+    unknown = set(kwargs) - _KEYS[name]
+    if unknown:
+        raise ValueError(f"optimizer ({name}): unknown keys {sorted(unknown)}; "
+                         f"known: {sorted(_KEYS[name])}")
+    if lr is None:
+        lr = float(cfg.get("lr", 0.0))
+    return OPTIMIZERS[name](model, lr=float(lr), **kwargs)
+
+
+def apply_momentum_correction(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """Goyal et al.'s momentum correction for optimizers whose buffer holds lr·g (LARS);
+    torch's SGD keeps lr out of its buffer, so it needs none and this leaves it alone."""
+    if isinstance(optimizer, LARS):
+        optimizer.scale_momentum_(factor)

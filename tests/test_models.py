@@ -1,0 +1,151 @@
+"""The model zoo: published parameter counts, torchvision names, shapes, one training step."""
+import pytest
+import torch
+
+from hpcdl.models import create_model, flops, list_models
+from hpcdl.models.resnet import PreActBottleneck, ResNet
+from hpcdl.optim import LARS, param_groups
+
+FULL_SIZE = ["alexnet", "alexnet_bn", "resnet50", "resnet50_v1", "resnet50_v2"]
+SMALL = ["resnet_small", "resnet50_small", "alexnet_bn_small"]
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def preact_small(num_classes=10, zero_init_residual=False):
+    """ResNet-50 v2's pre-activation block at small width, so its path trains in a test."""
+    return ResNet(PreActBottleneck, (1, 1, 1, 1), num_classes, width=8, small_stem=True,
+                  zero_init_residual=zero_init_residual)
+
+
+def build(name, **kw):
+    return preact_small(**kw) if name == "preact_small" else create_model(name, **kw)
+
+
+def meta_model(name, *args, **kw):
+    """Built on the meta device: shapes and names without the cost of initialising 61M floats."""
+    with torch.device("meta"):
+        return create_model(name, *args, **kw)
+
+
+def test_registry_lists_the_zoo():
+    assert set(FULL_SIZE + SMALL) <= set(list_models())
+
+
+@pytest.mark.parametrize("name, count", [("alexnet", 61_100_840), ("resnet50", 25_557_032),
+                                         ("resnet50_v1", 25_557_032)])
+def test_published_parameter_counts(name, count):
+    assert n_params(meta_model(name)) == count
+
+
+def test_num_classes_changes_only_the_classifier():
+    assert n_params(meta_model("resnet50")) - n_params(meta_model("resnet50", 10)) \
+        == 2048 * 990 + 990
+
+
+def test_resnet50_names_follow_torchvision_layout():
+    state = meta_model("resnet50").state_dict()
+    # torchvision's resnet50 state_dict: 161 parameters + 3 buffers for each of 53 BNs.
+    assert len(state) == 320
+    for key in ["conv1.weight", "bn1.running_var", "layer1.0.conv1.weight",
+                "layer1.0.downsample.0.weight", "layer1.0.downsample.1.bias",
+                "layer4.2.bn3.weight", "fc.weight", "fc.bias"]:
+        assert key in state, key
+    assert state["layer3.5.conv3.weight"].shape == (1024, 256, 1, 1)
+    assert state["fc.weight"].shape == (1000, 2048)
+
+
+def test_v1_strides_in_first_1x1_and_v15_in_3x3():
+    v15, v1 = meta_model("resnet50"), meta_model("resnet50_v1")
+    assert v15.layer2[0].conv1.stride == (1, 1) and v15.layer2[0].conv2.stride == (2, 2)
+    assert v1.layer2[0].conv1.stride == (2, 2) and v1.layer2[0].conv2.stride == (1, 1)
+
+
+def test_v2_is_pre_activation():
+    v2 = meta_model("resnet50_v2")
+    block = v2.layer1[0]
+    assert block.bn1.num_features == 64 and block.bn3.num_features == 64
+    assert len(block.downsample) == 1                  # conv-only projection
+    assert v2.bn_final.num_features == 2048
+
+
+@pytest.mark.parametrize("name", ["resnet_small", "resnet50_small", "preact_small"])
+def test_zero_init_residual_zeroes_last_bn_gamma(name):
+    model = build(name, zero_init_residual=True)
+    lasts = [m.last_bn().weight for m in model.modules() if hasattr(m, "last_bn")]
+    assert lasts and all(torch.count_nonzero(w) == 0 for w in lasts)
+    plain = build(name)
+    assert all(torch.count_nonzero(m.last_bn().weight) > 0
+               for m in plain.modules() if hasattr(m, "last_bn"))
+
+
+def test_resnet50_forward_and_flops_at_224():
+    model = create_model("resnet50", zero_init_residual=True).eval()
+    assert all(torch.count_nonzero(b.bn3.weight) == 0
+               for layer in (model.layer1, model.layer4) for b in layer)
+    with torch.no_grad():
+        out = model(torch.randn(1, 3, 224, 224))
+    assert out.shape == (1, 1000) and torch.isfinite(out).all()
+    assert 4.0e9 < flops(model, 224) < 4.2e9          # ≈ 4.1 G multiply-adds
+
+
+def test_flops_of_resnet50_v1_and_alexnet():
+    # v1 strides in the 1×1, so its 3×3s run at the lower resolution: fewer than v1.5's 4.09 G.
+    assert 3.8e9 < flops(create_model("resnet50_v1"), 224) < 3.9e9
+    assert 0.70e9 < flops(create_model("alexnet"), 224) < 0.73e9
+
+
+def test_flops_counts_a_linear_layer_exactly_and_leaves_model_alone():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 8 * 8, 5)).train()
+    assert flops(model, 8) == 4 * 8 * 8 * 3 * 9 + 256 * 5
+    assert flops(model, (3, 8, 8)) == flops(model, (8, 8)) == flops(model, 8)
+    assert model.training
+    assert not model[0]._forward_hooks
+
+
+@pytest.mark.parametrize("name", SMALL)
+@pytest.mark.parametrize("size", [28, 32, 64])
+def test_small_members_take_28_to_64_px(name, size):
+    model = create_model(name, num_classes=10).eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, size, size)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("name", SMALL + ["preact_small"])
+def test_channels_last_matches_contiguous(name):
+    model = build(name, num_classes=10).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x)
+        model = model.to(memory_format=torch.channels_last)
+        got = model(x.to(memory_format=torch.channels_last))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+# Full size: ResNet-50 v1.5 and AlexNet-BN, the papers' two networks; v1, v2 and AlexNet share
+# their code paths (v2's block trains as preact_small; v1 and AlexNet run forward above).
+@pytest.mark.parametrize("name", ["resnet50", "alexnet_bn"] + SMALL + ["preact_small"])
+def test_each_model_trains_one_step(name):
+    torch.manual_seed(0)
+    model = build(name, num_classes=10).train()
+    # 63 px is the smallest input AlexNet's pools accept; ResNet-50 takes 32.
+    size = 64 if name == "alexnet_bn" else 32
+    x, y = torch.randn(2, 3, size, size), torch.randint(0, 10, (2,))
+    opt = LARS(param_groups(model, 5e-4), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    moved = sum(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert moved == len(before)
+
+
+def test_unknown_model_and_option_are_named():
+    with pytest.raises(ValueError, match="resnet51"):
+        create_model("resnet51")
+    with pytest.raises(ValueError, match="widht"):
+        create_model("resnet_small", widht=8)

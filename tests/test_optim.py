@@ -1,0 +1,269 @@
+"""LARS against a float64 reference written from the formula (You et al., arXiv:1708.03888):
+
+    λ = η·‖w‖ / (‖g‖ + β·‖w‖ + ε), λ = 1 if ‖w‖ = 0 or ‖g‖ = 0 (lars=False: λ = 1)
+    v ← m·v + lr·λ·(g + β·w);   w ← w − v   (nesterov: w ← w − (m·v + lr·λ·(g + β·w)))
+    trust_clip: λ ← min(λ, 1)
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+from hpcdl.models import create_model
+from hpcdl.optim import (
+    LARS,
+    apply_momentum_correction,
+    create_optimizer,
+    list_optimizers,
+    param_groups,
+)
+
+
+def reference_step(ws, gs, vs, *, lr, momentum, weight_decay, trust_coefficient=0.001, eps=0.0,
+                   nesterov=False, trust_clip=False, lars=True):
+    """One step on lists of float64 tensors, one tensor at a time, straight from the formula."""
+    new_ws, new_vs = [], []
+    for w, g, v in zip(ws, gs, vs, strict=True):
+        w_norm, g_norm = math.sqrt(float((w * w).sum())), math.sqrt(float((g * g).sum()))
+        if lars and w_norm > 0 and g_norm > 0:
+            trust = trust_coefficient * w_norm / (g_norm + weight_decay * w_norm + eps)
+        else:
+            trust = 1.0
+        if trust_clip:
+            trust = min(trust, 1.0)
+        d = g + weight_decay * w
+        v_new = momentum * v + lr * trust * d
+        w_new = w - (momentum * v_new + lr * trust * d if nesterov else v_new)
+        new_ws.append(w_new)
+        new_vs.append(v_new)
+    return new_ws, new_vs
+
+
+def make_tensors(dtype=torch.float64, seed=0):
+    """Weights of several shapes, one all-zero (a zero-initialised BN γ), one with zero grad."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(8, 4, 3, 3), (16,), (5, 7), (3,), (11,)]
+    ws = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    ws[1].zero_()                      # ‖w‖ = 0: must still move (λ = 1)
+    gs = [torch.randn(s, generator=gen, dtype=dtype) * 0.01 for s in shapes]
+    gs[3].zero_()                      # ‖g‖ = 0: λ = 1, only weight decay acts
+    return ws, gs
+
+
+def grads_for_step(ws, step, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(w.shape, generator=gen, dtype=dtype) * 0.01 for w in ws]
+
+
+CASES = [
+    dict(momentum=0.9, weight_decay=0.0),
+    dict(momentum=0.9, weight_decay=5e-4),
+    dict(momentum=0.9, weight_decay=5e-4, eps=1e-5),
+    dict(momentum=0.9, weight_decay=1e-4, nesterov=True),
+    dict(momentum=0.9, weight_decay=1e-4, trust_clip=True),
+    dict(momentum=0.9, weight_decay=1e-4, trust_coefficient=0.02, trust_clip=True),
+    dict(momentum=0.0, weight_decay=5e-4),
+    dict(momentum=0.9, weight_decay=5e-4, lars=False),
+]
+
+
+def run_lars(ws, grads_per_step, lr, **case):
+    params = [torch.nn.Parameter(w.clone()) for w in ws]
+    lars_flag = case.pop("lars", True)
+    opt = LARS([{"params": params, "lars": lars_flag}], lr=lr, **case)
+    for gs in grads_per_step:
+        for p, g in zip(params, gs, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params], opt
+
+
+def run_reference(ws, grads_per_step, lr, **case):
+    vs = [torch.zeros_like(w) for w in ws]
+    for gs in grads_per_step:
+        ws, vs = reference_step(ws, gs, vs, lr=lr, **case)
+    return ws
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_one_step_matches_float64_reference(case):
+    ws, gs = make_tensors()
+    got, _ = run_lars(ws, [gs], 2.5, **dict(case))
+    want = run_reference(ws, [gs], 2.5, **dict(case))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_several_steps_match_float64_reference(case):
+    ws, gs = make_tensors()
+    steps = [gs] + [grads_for_step(ws, s) for s in range(1, 4)]
+    got, _ = run_lars(ws, steps, 1.5, **dict(case))
+    want = run_reference(ws, steps, 1.5, **dict(case))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-11, atol=1e-13)
+
+
+def test_float32_parameters_follow_float64_reference():
+    ws64, gs64 = make_tensors()
+    steps64 = [gs64, grads_for_step(ws64, 1)]
+    got, _ = run_lars([w.float() for w in ws64], [[g.float() for g in gs] for gs in steps64],
+                      3.0, momentum=0.9, weight_decay=5e-4)
+    want = run_reference(ws64, steps64, 3.0, momentum=0.9, weight_decay=5e-4)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_initialised_tensor_moves():
+    ws, gs = make_tensors()
+    got, _ = run_lars(ws, [gs], 1.0, momentum=0.9, weight_decay=0.0)
+    assert ws[1].abs().sum() == 0
+    # λ = 1 for the zero tensor, so the step is lr·g exactly.
+    torch.testing.assert_close(got[1], -1.0 * gs[1])
+
+
+def test_trust_ratio_scales_step_per_tensor():
+    """Two tensors whose gradients differ 100× in scale take steps of the same relative size."""
+    w = [torch.ones(10, dtype=torch.float64), torch.ones(10, dtype=torch.float64)]
+    g = [torch.full((10,), 1.0, dtype=torch.float64), torch.full((10,), 100.0,
+                                                                 dtype=torch.float64)]
+    got, _ = run_lars(w, [g], 1.0, momentum=0.0, trust_coefficient=0.01)
+    torch.testing.assert_close(got[0], got[1])
+    torch.testing.assert_close(got[0], torch.full((10,), 0.99, dtype=torch.float64))
+
+
+def test_mixed_groups_each_follow_their_rule():
+    ws, gs = make_tensors()
+    params = [torch.nn.Parameter(w.clone()) for w in ws]
+    opt = LARS([{"params": params[:3], "weight_decay": 1e-3},
+                {"params": params[3:], "weight_decay": 0.0, "lars": False}],
+               lr=2.0, momentum=0.9)
+    for p, g in zip(params, gs, strict=True):
+        p.grad = g.clone()
+    opt.step()
+    want_a = run_reference(ws[:3], [gs[:3]], 2.0, momentum=0.9, weight_decay=1e-3)
+    want_b = run_reference(ws[3:], [gs[3:]], 2.0, momentum=0.9, weight_decay=0.0, lars=False)
+    for p, w in zip(params, want_a + want_b, strict=True):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-14)
+
+
+def test_parameters_without_grad_are_left_alone():
+    ws, gs = make_tensors()
+    params = [torch.nn.Parameter(w.clone()) for w in ws]
+    opt = LARS(params, lr=1.0)
+    params[0].grad = gs[0].clone()
+    opt.step()
+    assert not torch.equal(params[0].detach(), ws[0])
+    for p, w in zip(params[1:], ws[1:], strict=True):
+        assert torch.equal(p.detach(), w)
+        assert p not in opt.state
+
+
+def test_param_groups_follow_mlperf_skip_list():
+    model = create_model("resnet_small", num_classes=10, width=4)
+    groups = param_groups(model, 5e-5)
+    by_flag = {g["lars"]: g for g in groups}
+    names = {id(p): n for n, p in model.named_parameters()}
+    skipped = {names[id(p)] for p in by_flag[False]["params"]}
+    adapted = {names[id(p)] for p in by_flag[True]["params"]}
+    assert by_flag[False]["weight_decay"] == 0.0 and by_flag[True]["weight_decay"] == 5e-5
+    assert "fc.bias" in skipped and "bn1.weight" in skipped and "bn1.bias" in skipped
+    assert "layer1.0.bn2.weight" in skipped
+    assert adapted == {n for n, p in model.named_parameters() if n.endswith("weight")
+                       and p.ndim > 1}
+    assert len(skipped) + len(adapted) == len(list(model.parameters()))
+
+
+def test_param_groups_skip_linear_bias_in_alexnet():
+    model = create_model("alexnet_bn_small", num_classes=10, width=4)
+    skipped = {id(p) for g in param_groups(model, 1e-4) if not g["lars"] for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in skipped) == (p.ndim == 1), name
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    ws, gs = make_tensors()
+    steps = [gs] + [grads_for_step(ws, s) for s in range(1, 5)]
+    full, _ = run_lars(ws, steps, 1.0, momentum=0.9, weight_decay=1e-4, nesterov=True)
+
+    half_ws, opt = run_lars(ws, steps[:2], 1.0, momentum=0.9, weight_decay=1e-4, nesterov=True)
+    saved = copy.deepcopy(opt.state_dict())
+    params = [torch.nn.Parameter(w.clone()) for w in half_ws]
+    resumed = LARS([{"params": params, "lars": True}], lr=99.0)   # overwritten by the load
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["nesterov"] is True
+    for gs_step in steps[2:]:
+        for p, g in zip(params, gs_step, strict=True):
+            p.grad = g.clone()
+        resumed.step()
+    for p, w in zip(params, full, strict=True):
+        assert torch.equal(p.detach(), w)
+
+
+def test_steps_are_deterministic():
+    ws, gs = make_tensors(dtype=torch.float32)
+    a, _ = run_lars(ws, [gs, gs], 1.0, momentum=0.9, weight_decay=5e-4)
+    b, _ = run_lars(ws, [gs, gs], 1.0, momentum=0.9, weight_decay=5e-4)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_scale_momentum_multiplies_buffers():
+    ws, gs = make_tensors()
+    _, opt = run_lars(ws, [gs], 1.0, momentum=0.9)
+    before = [s["momentum_buffer"].clone() for s in opt.state.values()]
+    apply_momentum_correction(opt, 0.5)
+    for b, s in zip(before, opt.state.values(), strict=True):
+        torch.testing.assert_close(s["momentum_buffer"], 0.5 * b)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(lr=-1.0), "lr"), (dict(lr=1.0, momentum=1.0), "momentum"),
+    (dict(lr=1.0, weight_decay=-1.0), "weight_decay"),
+    (dict(lr=1.0, trust_coefficient=0.0), "trust_coefficient"),
+    (dict(lr=1.0, momentum=0.0, nesterov=True), "nesterov"),
+])
+def test_bad_hyperparameters_are_named(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        LARS([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_create_optimizer_builds_lars_with_skip_list():
+    model = create_model("resnet_small", num_classes=10, width=4)
+    opt = create_optimizer({"name": "lars", "momentum": 0.9, "weight_decay": 5e-5,
+                            "trust_coefficient": 0.001, "eps": 0.0, "nesterov": False,
+                            "trust_clip": False}, model, lr=3.0)
+    assert isinstance(opt, LARS)
+    assert sorted(g["lars"] for g in opt.param_groups) == [False, True]
+    assert all(g["lr"] == 3.0 for g in opt.param_groups)
+
+
+def test_create_optimizer_sgd_and_lr_from_cfg():
+    model = create_model("resnet_small", num_classes=10, width=4)
+    opt = create_optimizer({"name": "sgd", "momentum": 0.9, "weight_decay": 1e-4,
+                            "nesterov": False, "lr": 3.2}, model)
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == 3.2
+    assert list_optimizers() == ["lars", "sgd"]
+
+
+@pytest.mark.parametrize("cfg, word", [
+    ({"name": "adam"}, "adam"),
+    ({"name": "lars", "momentun": 0.9}, "momentun"),
+    ({"name": "sgd", "trust_coefficient": 0.001}, "trust_coefficient"),
+])
+def test_create_optimizer_rejects_bad_config(cfg, word):
+    with pytest.raises(ValueError, match=word):
+        create_optimizer(cfg, create_model("resnet_small", num_classes=10, width=4))
+
+
+def test_bfloat16_parameters_step_close_to_reference():
+    ws64, gs64 = make_tensors()
+    got, _ = run_lars([w.bfloat16() for w in ws64], [[g.bfloat16() for g in gs64]], 2.0,
+                      momentum=0.9, weight_decay=5e-4)
+    want = run_reference([w.bfloat16().double() for w in ws64],
+                         [[g.bfloat16().double() for g in gs64]], 2.0, momentum=0.9,
+                         weight_decay=5e-4)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.double(), w, rtol=2e-2, atol=2e-2)
