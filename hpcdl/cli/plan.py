@@ -1,0 +1,168 @@
+"""Predict a data-parallel training run before asking for the allocation.
+
+    hpcdl plan --model resnet50 --global-batch 32768 --procs 2048 --machine knl
+    hpcdl plan --recipe recipes/alexnet_bn_lars_32k.yaml --procs 2048 --machine skx --plot a.png
+    hpcdl plan --calibrate                  # measure this machine into `local`
+    hpcdl plan --validate --json FILE       # predict, then run `hpcdl bench train` at np 2, 4
+
+Prints the per-iteration breakdown (compute, gradient allreduce and the part hidden behind
+backward, data loading), time per epoch and in total, images/s and scaling efficiency, and a
+sweep over process counts. The model and every machine figure with its source:
+docs/planner.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+COMMAND = "plan"
+HELP = "predict time per iteration / epoch / run from machine figures (α-β-γ cost model)"
+
+DEFAULTS = {"model": "resnet50", "image_size": 224, "global_batch": 32768, "epochs": 90.0,
+            "bucket_mb": 25.0, "wire_dtype": "float32"}
+WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _procs_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--sweep wants comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--sweep wants positive process counts, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--calibrate", action="store_true",
+                      help="measure this machine into the `local` machine file")
+    mode.add_argument("--validate", action="store_true",
+                      help="predict `hpcdl bench train` at np 2 and 4 here, then measure it")
+    run = parser.add_argument_group("the run to predict (defaults: the recipe, then ResNet-50 "
+                                    "at 32K for 90 epochs)")
+    run.add_argument("--recipe", help="recipes/X.yaml: take model, image size, batch, epochs, "
+                                      "bucket size and wire dtype from it (flags override)")
+    run.add_argument("--model", help="a name from hpcdl.models (default resnet50)")
+    run.add_argument("--image-size", type=int, help="training crop in pixels (default 224)")
+    run.add_argument("--global-batch", type=int, help="images per iteration, all ranks (32768)")
+    run.add_argument("--procs", type=int, default=2048, help="MPI ranks (default 2048)")
+    run.add_argument("--procs-per-node", type=int,
+                     help="ranks per node (default: the machine file's ranks_per_node)")
+    run.add_argument("--epochs", type=float, help="epochs (default 90)")
+    run.add_argument("--dataset-size", type=int, default=1_281_167,
+                     help="training images (default 1,281,167 = ImageNet-1k train)")
+    run.add_argument("--allreduce", choices=("ring", "rabenseifner", "hierarchical"),
+                     default="ring", help="gradient allreduce algorithm to cost (default ring)")
+    run.add_argument("--bucket-mb", type=float, help="fusion bucket size in MB (default 25)")
+    run.add_argument("--wire-dtype", choices=sorted(WIRE_BYTES),
+                     help="gradient dtype on the wire (default float32)")
+    run.add_argument("--no-overlap", action="store_true",
+                     help="cost communication as if none of it hid behind backward")
+    run.add_argument("--loader-cores", type=float,
+                     help="cores decoding images per node (default: machine file)")
+    run.add_argument("--synthetic", action="store_true", help="no data loading (synthetic input)")
+    where = parser.add_argument_group("machine")
+    where.add_argument("--machine",
+                       help="machine name (skx, knl, local, or your own) or a YAML path "
+                            "(default knl; local for --validate)")
+    where.add_argument("--machines-dir", help="look here first for NAME.yaml; --calibrate "
+                                              "writes here (default ~/.config/hpcdl/machines)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--sweep", type=_procs_list,
+                     help="process counts for the sweep table, e.g. 256,512,1024 "
+                          "(default: powers of two up to 2 x --procs)")
+    out.add_argument("--plot", metavar="FILE", help="write the sweep as a PNG")
+    out.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
+    cal = parser.add_argument_group("--calibrate / --validate")
+    cal.add_argument("--quick", action="store_true",
+                     help="fewer repetitions (for tests and busy machines)")
+    cal.add_argument("--batch-per-rank", type=int, default=8,
+                     help="images per rank per step of the measured train step (default 8)")
+    cal.add_argument("--steps", type=int, default=5, help="--validate: measured steps (5)")
+    cal.add_argument("--validate-timeout", type=float, default=1200,
+                     help="--validate: seconds allowed per bench train run (1200)")
+
+
+def _recipe_values(path: str) -> dict:
+    """The planner's inputs from a recipe (recipes are data: read the YAML, no trainer)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise SystemExit(f"hpcdl plan: cannot read recipe {path}: {exc}") from exc
+    found = {
+        "model": (doc.get("model") or {}).get("name"),
+        "image_size": (doc.get("data") or {}).get("image_size"),
+        "global_batch": (doc.get("batch") or {}).get("global"),
+        "epochs": doc.get("epochs"),
+        "bucket_mb": (doc.get("comm") or {}).get("bucket_mb"),
+        "wire_dtype": (doc.get("comm") or {}).get("wire_dtype"),
+    }
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def resolve(args: argparse.Namespace) -> dict:
+    """Flags over recipe over defaults."""
+    values = dict(DEFAULTS)
+    if args.recipe:
+        values.update(_recipe_values(args.recipe))
+    for key in DEFAULTS:
+        if getattr(args, key, None) is not None:
+            values[key] = getattr(args, key)
+    if values["wire_dtype"] not in WIRE_BYTES:
+        raise SystemExit(f"hpcdl plan: wire dtype {values['wire_dtype']!r} is not one of "
+                         f"{sorted(WIRE_BYTES)}")
+    return values
+
+
+def predict(args: argparse.Namespace) -> int:
+    from hpcdl.plan.machine import MachineError, load_machine
+    from hpcdl.plan.model import PlanInputs, default_sweep, plan, sweep
+    from hpcdl.plan.report import describe, plan_json, plot_sweep, sweep_table, write_plan_json
+    from hpcdl.plan.workload import workload
+
+    values = resolve(args)
+    try:
+        machine = load_machine(args.machine or "knl", args.machines_dir)
+        work = workload(values["model"], int(values["image_size"]))
+        inp = PlanInputs(
+            global_batch=int(values["global_batch"]), procs=args.procs,
+            procs_per_node=args.procs_per_node or machine.ranks_per_node,
+            epochs=float(values["epochs"]), dataset_size=args.dataset_size,
+            allreduce=args.allreduce, bucket_mb=float(values["bucket_mb"]),
+            wire_bytes=WIRE_BYTES[values["wire_dtype"]], overlap=not args.no_overlap,
+            loader_cores_per_node=args.loader_cores, synthetic_data=args.synthetic)
+        result = plan(machine, work, inp)
+        procs_list = args.sweep or default_sweep(inp.procs, inp.global_batch)
+        rows = sweep(machine, work, inp, [p for p in procs_list if p <= inp.global_batch])
+    except (MachineError, ValueError) as exc:
+        print(f"hpcdl plan: {exc}", file=sys.stderr)
+        return 2
+    print(describe(result, machine, work, inp))
+    print(f"\nsweep: global batch {inp.global_batch} fixed, {inp.procs_per_node} ranks per node")
+    print(sweep_table(rows))
+    if args.plot:
+        plot_sweep(args.plot, rows, f"{work.model} {work.image_size}px, batch "
+                   f"{inp.global_batch}, {machine.name}, {inp.allreduce}")
+        print(f"wrote {args.plot}")
+    if args.json:
+        write_plan_json(args.json, plan_json(result, rows, machine, work, replace(inp)))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        from hpcdl.plan.calibrate import calibrate_command
+
+        return calibrate_command(args)
+    if args.validate:
+        from hpcdl.plan.validate import validate_command
+
+        return validate_command(args)
+    return predict(args)

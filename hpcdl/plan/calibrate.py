@@ -1,0 +1,444 @@
+"""``hpcdl plan --calibrate``: measure this machine into the ``local`` machine file.
+
+What is measured, and which figure it sets (each written with ``source: measured DATE by
+hpcdl plan --calibrate`` and the number behind it):
+
+* peak: cores (``os.cpu_count``) × clock (``/proc/cpuinfo``) × FLOP/cycle from the CPU flags
+  (AVX-512: 2 FMA × 16 lanes × 2 = 64; AVX2+FMA: 32; otherwise SSE 8 — a spec derivation,
+  not a measurement); fp32 matmul FLOP/s at 1 thread and on all cores is recorded beside it.
+* ``sustained_fraction``: the trainer's own step (``mpiexec -n 1 hpcdl bench train --modes
+  no_comm --synthetic --threads 1``: forward, backward, LARS, channels-last) of ResNet-50 at
+  112 px on one core: train FLOPs (3 × 2 × MACs) / compute time / one core's peak; the node
+  is taken as cores × that (one single-threaded rank per core). One thread, because on a
+  shared machine a multi-threaded step measures the scheduler (threads that wait at oneDNN's
+  barriers for a descheduled sibling), not the cores. Measured, so the local prediction's
+  compute term is calibrated on the work it predicts. The model's separate LARS estimate
+  (32 B/parameter at the measured stream rate) is taken out of the step first. Without the
+  train bench, a plain forward + backward + SGD step in this process stands in (and the
+  source says so).
+* ``core_stream_Bps`` / ``memory_bandwidth_Bps``: ``a += b`` on 64 MB arrays at 1 thread and
+  on all cores (3 bytes moved per byte summed): γ of the α-β-γ model.
+* ``intra_node`` α and β: ``mpiexec -n 2 hpcdl bench allreduce`` (subprocess) over sizes small
+  to large; least squares of the mpi backend's time on bytes gives T(n) = c0 + c1·n; at p = 2
+  every allreduce algorithm costs 2α + nβ + (n/2)γ, so α = c0 / 2 and β = c1 − γ/2.
+* ``decode_images_per_s_per_core``: hpcdl.data.augment.crop_resize (simplejpeg decode +
+  random-resized crop + flip, the loader's per-image work) on a 256 px JPEG, one thread.
+
+The file is written atomically to ``--machines-dir`` or ``~/.config/hpcdl/machines/local.yaml``
+(the package directory may be read-only on a cluster). The repository ships a ``local.yaml``
+measured on the development VM.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from hpcdl.io import atomic_write_text
+from hpcdl.plan.machine import parse_machine, user_machines_dir
+from hpcdl.plan.model import OPTIMIZER_BYTES_PER_PARAMETER
+
+CALIBRATION_MODEL = "resnet50"
+CALIBRATION_IMAGE_SIZE = 112
+ALLREDUCE_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+
+
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
+    """Fastest of ``repeats`` timed calls: the machine is shared, the minimum is the signal."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_mhz() -> float | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("cpu MHz"):
+                    return float(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def flops_per_cycle(flags: set[str]) -> tuple[int, str]:
+    """fp32 FLOP/cycle/core from the vector ISA, assuming two FMA pipes (Skylake-SP Gold/
+    Platinum, Zen 2+, Haswell+): lanes × 2 FLOP × 2 pipes."""
+    if "avx512f" in flags:
+        return 64, "CPU flags: avx512f -> 2 FMA x 16 fp32 lanes x 2 = 64 (assumes 2 FMA units)"
+    if "avx2" in flags and "fma" in flags:
+        return 32, "CPU flags: avx2+fma -> 2 FMA x 8 fp32 lanes x 2 = 32 (assumes 2 FMA units)"
+    return 8, "CPU flags: no FMA/AVX2 -> SSE 4 lanes x (add + mul) = 8"
+
+
+def matmul_flops(threads: int, n: int = 1024, repeats: int = 5) -> float:
+    """fp32 GEMM FLOP/s (2n³ per product) with ``threads`` torch threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        return 2 * n ** 3 / best_of(lambda: torch.mm(a, b), repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def stream_Bps(threads: int, nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Bytes/s moved by ``a += b`` (read a, read b, write a) with ``threads`` torch threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.ones(nbytes // 4)
+        b = torch.ones(nbytes // 4)
+        a.add_(b)
+        return 3 * nbytes / best_of(lambda: a.add_(b), repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def train_step_s(model_name: str, image_size: int, batch: int, steps: int,
+                 threads: int) -> float:
+    """Best forward + backward (+ plain SGD update) time of ``model_name`` on random input."""
+    import torch
+
+    from hpcdl.models import create_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = create_model(model_name).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(batch, 3, image_size, image_size)
+        y = torch.randint(0, 1000, (batch,))
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+        step()  # warm-up: allocator, oneDNN primitive creation
+        return best_of(step, steps)
+    finally:
+        torch.set_num_threads(before)
+
+
+def bench_train_step_s(model_name: str, image_size: int, batch: int, steps: int,
+                       threads: int, timeout_s: float = 1200) -> float:
+    """Compute time of one trainer step at 1 rank, from ``hpcdl bench train --modes no_comm``."""
+    base = [sys.executable, "-m", "hpcdl.cli.main", "bench", "train"]
+    help_text = subprocess.run(base + ["--help"], capture_output=True, text=True).stdout
+    if "--modes" not in help_text:
+        raise RuntimeError("hpcdl bench train is not available")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "train.json")
+        cmd = ["mpiexec", "-n", "1", *base, "--model", model_name, "--image-size",
+               str(image_size), "--synthetic", "--modes", "no_comm", "--batch", str(batch),
+               "--steps", str(steps), "--threads", str(threads), "--json", out]
+        if "--warmup" in help_text:
+            cmd += ["--warmup", "1"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout)[-800:]}")
+        with open(out, encoding="utf-8") as f:
+            record = json.load(f)["results"][0]
+        return float(record.get("compute_s") or record["step_time_s"])
+
+
+def random_crop_boxes(rng: Any, count: int, height: int,
+                      width: int) -> list[tuple[int, int, int, int]]:
+    """(top, left, h, w) RandomResizedCrop boxes: area 8-100%, aspect 3/4-4/3 (torchvision's
+    ranges), clipped to the image; the loader's own sampler is not needed to time the work."""
+    import math
+
+    boxes = []
+    for _ in range(count):
+        area = height * width * rng.uniform(0.08, 1.0)
+        aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w = max(1, min(width, int(round(math.sqrt(area * aspect)))))
+        h = max(1, min(height, int(round(math.sqrt(area / aspect)))))
+        boxes.append((int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)),
+                      h, w))
+    return boxes
+
+
+def decode_images_per_s(image_size: int = 224, images: int = 64) -> float:
+    """One thread's rate of the loader's per-image work on a 256 x 341 JPEG."""
+    import numpy as np
+    import simplejpeg
+    import torch
+
+    from hpcdl.data.augment import crop_resize
+
+    rng = np.random.default_rng(0)
+    # A smooth image with noise compresses like a photograph (pure noise would not).
+    yy, xx = np.mgrid[0:256, 0:341]
+    base = np.stack([(xx * 0.7) % 256, (yy * 0.9) % 256, ((xx + yy) * 0.4) % 256], axis=-1)
+    rgb = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+    jpeg = np.frombuffer(simplejpeg.encode_jpeg(rgb, quality=90), dtype=np.uint8)
+    boxes = random_crop_boxes(rng, images, 256, 341)
+    out = torch.empty(3, image_size, image_size, dtype=torch.uint8)   # one batch slot
+
+    def work() -> None:
+        for i, box in enumerate(boxes):
+            crop_resize(jpeg, (256, 341, 3), "jpeg", box, image_size, i % 2 == 0, out=out)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)   # a rate per core
+    try:
+        return images / best_of(work, 3)
+    finally:
+        torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------- allreduce fit
+def fit_alpha_beta(records: Sequence[Mapping[str, Any]], gamma: float,
+                   backends: Sequence[str] = ("mpi", "default")) -> dict[str, float]:
+    """Least-squares T(n) = c0 + c1·n over ``hpcdl bench allreduce`` records of the MPI
+    backend at 2 ranks; α = c0/2, β = c1 − γ/2 (p = 2: T = 2α + nβ + (n/2)γ)."""
+    import numpy as np
+
+    points: list[tuple[float, float]] = []
+    for backend in backends:   # the first backend with enough records: never a mix
+        points = [(float(r["bytes"]), float(r["time_s"])) for r in records
+                  if str(r.get("backend", "")) == backend and int(r.get("ranks", 2)) == 2
+                  and "bytes" in r and "time_s" in r]
+        if len(points) >= 2:
+            break
+    if len(points) < 2:
+        raise ValueError(f"need >= 2 allreduce records of backend {list(backends)} at 2 ranks, "
+                         f"got {len(points)} (of {len(records)} records)")
+    x = np.array([p[0] for p in points])
+    t = np.array([p[1] for p in points])
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (c0, c1), *_ = np.linalg.lstsq(design, t, rcond=None)
+    alpha = max(float(c0) / 2, 1e-7)   # a negative intercept is noise around ~0
+    beta = float(c1) - gamma / 2
+    if beta <= 0:                      # the fit cannot separate β from γ: give β the slope
+        beta = float(c1) / 2
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "intercept_s": float(c0),
+            "slope_s_per_byte": float(c1), "points": len(points)}
+
+
+def allreduce_records(mpiexec: str = "mpiexec", timeout_s: float = 600) -> list[dict]:
+    """Run ``hpcdl bench allreduce`` at 2 ranks and return its result records."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "allreduce.json")
+        cmd = [mpiexec, "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "allreduce",
+               "--json", out]
+        help_text = subprocess.run(
+            [sys.executable, "-m", "hpcdl.cli.main", "bench", "allreduce", "--help"],
+            capture_output=True, text=True).stdout
+        if "--sizes" in help_text:
+            cmd += ["--sizes", ",".join(str(s) for s in ALLREDUCE_SIZES)]
+        if "--backends" in help_text:
+            cmd += ["--backends", "mpi"]   # the one the fit reads; the others cost time
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout)[-800:]}")
+        with open(out, encoding="utf-8") as f:
+            return list(json.load(f).get("results", []))
+
+
+# --------------------------------------------------------------------------- the file
+def _fig(value: float, source: str) -> dict[str, Any]:
+    return {"value": float(value), "source": source}
+
+
+def measure(quick: bool = False, batch: int = 8, model: str = CALIBRATION_MODEL,
+            image_size: int = CALIBRATION_IMAGE_SIZE,
+            log: Callable[[str], None] = print) -> dict:
+    """Every measurement calibration makes, as raw numbers."""
+    from hpcdl.plan.workload import workload
+
+    cores = os.cpu_count() or 1
+    reps = 2 if quick else 5
+    m: dict[str, Any] = {"cores": cores, "cpu_mhz": cpu_mhz()}
+    m["flops_per_cycle"], m["flops_per_cycle_source"] = flops_per_cycle(cpu_flags())
+    log("matmul FLOP/s ...")
+    m["matmul_flops_1_thread"] = matmul_flops(1, repeats=reps)
+    m["matmul_flops_all_cores"] = matmul_flops(cores, repeats=reps)
+    log("memory stream ...")
+    m["stream_Bps_1_thread"] = stream_Bps(1, repeats=reps)
+    m["stream_Bps_all_cores"] = stream_Bps(cores, repeats=reps)
+    log(f"{model} train step at {image_size} px, batch {batch} ...")
+    work = workload(model, image_size)
+    m["step_model"] = f"{model}@{image_size}"
+    m["step_batch"] = batch
+    steps = 2 if quick else 5
+    try:
+        m["step_s_1_core"] = bench_train_step_s(model, image_size, batch, steps, 1)
+        m["step_how"] = ("mpiexec -n 1 hpcdl bench train --modes no_comm --threads 1 "
+                         "(compute_s)")
+    except (RuntimeError, OSError, KeyError, ValueError, subprocess.TimeoutExpired) as exc:
+        log(f"bench train unavailable ({exc}); timing a plain step in this process")
+        m["step_s_1_core"] = train_step_s(model, image_size, batch, steps, 1)
+        m["step_how"] = "in-process forward + backward + SGD (hpcdl bench train unavailable)"
+    # The measured step includes the LARS update, which the model costs apart (memory-bound,
+    # hpcdl.plan.model.optimizer_s): take its estimate out so it is not counted twice.
+    m["optimizer_estimate_s"] = (OPTIMIZER_BYTES_PER_PARAMETER * work.parameters
+                                 / m["stream_Bps_1_thread"])
+    fwd_bwd = max(m["step_s_1_core"] - m["optimizer_estimate_s"], 0.5 * m["step_s_1_core"])
+    m["step_flops_1_core"] = batch * work.train_flops_per_image / fwd_bwd
+    log("JPEG decode + augment ...")
+    try:
+        m["decode_images_per_s_1_thread"] = decode_images_per_s(images=32 if quick else 64)
+    except Exception as exc:  # noqa: BLE001 - a loader change must not cost the other figures
+        m["decode_error"] = f"{type(exc).__name__}: {exc}"
+        log(f"decode measurement failed ({m['decode_error']}); an assumption is written")
+    log("allreduce alpha/beta (mpiexec -n 2 hpcdl bench allreduce) ...")
+    try:
+        m["allreduce"] = fit_alpha_beta(allreduce_records(), 3.0 / m["stream_Bps_1_thread"])
+    except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as exc:
+        m["allreduce_error"] = str(exc)
+        log(f"allreduce calibration failed: {exc}")
+    return m
+
+
+def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = None) -> dict:
+    """The ``local`` machine file from measurements ``m`` (allreduce figures from ``previous``
+    when the allreduce bench could not run)."""
+    stamp = f"measured {datetime.date.today().isoformat()} by hpcdl plan --calibrate"
+    cores = m["cores"]
+    mhz = m.get("cpu_mhz") or 2000.0
+    freq_src = (f"/proc/cpuinfo cpu MHz = {mhz:g} ({stamp})" if m.get("cpu_mhz")
+                else "assumption: 2 GHz (/proc/cpuinfo has no cpu MHz)")
+    core_peak = mhz * 1e6 * m["flops_per_cycle"]
+    fraction = m["step_flops_1_core"] / core_peak
+    gamma = 3.0 / m["stream_Bps_1_thread"]
+    doc: dict[str, Any] = {
+        "name": "local",
+        "description": f"this machine ({_cpu_name()}, {cores} cores), one node",
+        "node": {
+            "sockets": _fig(1, f"one node as seen by os.cpu_count() ({stamp})"),
+            "cores_per_socket": _fig(cores, f"os.cpu_count() = {cores} ({stamp})"),
+            "frequency_hz": _fig(mhz * 1e6, freq_src),
+            "flops_per_cycle_per_core": _fig(m["flops_per_cycle"], m["flops_per_cycle_source"]),
+            "sustained_fraction": _fig(fraction, (
+                f"{stamp}: {m['step_model']} train step ({m.get('step_how', 'in-process')}), "
+                f"batch {m['step_batch']}, 1 rank x 1 thread "
+                f"{m['step_s_1_core']:.4g} s less LARS estimate "
+                f"{m.get('optimizer_estimate_s', 0):.3g} s = "
+                f"{m['step_flops_1_core'] / 1e9:.4g} GFLOP/s"
+                f" / one core's peak {core_peak / 1e9:.4g} GFLOP/s; the node is taken as cores x "
+                f"this (one single-threaded rank per core, as hpcdl bench train runs) "
+                f"(fp32 matmul reaches "
+                f"{m['matmul_flops_all_cores'] / 1e9:.4g} GFLOP/s all cores, "
+                f"{m['matmul_flops_1_thread'] / 1e9:.4g} at 1 thread)")),
+            "memory_bandwidth_Bps": _fig(
+                max(m["stream_Bps_all_cores"], m["stream_Bps_1_thread"]),
+                f"{stamp}: a += b on 64 MB, all cores "
+                f"({m['stream_Bps_all_cores'] / 1e9:.3g} GB/s; 1 thread "
+                f"{m['stream_Bps_1_thread'] / 1e9:.3g} GB/s; the larger is kept: a node has at "
+                "least one core's bandwidth, a lower all-core figure is contention)"),
+            "core_stream_Bps": _fig(m["stream_Bps_1_thread"],
+                                    f"{stamp}: a += b on 64 MB, 1 thread"),
+            "ranks_per_node": _fig(1, "convention: one rank per machine unless --procs-per-node"),
+        },
+        "data": {
+            "decode_images_per_s_per_core": (
+                _fig(m["decode_images_per_s_1_thread"], (
+                    f"{stamp}: hpcdl.data.augment.crop_resize (simplejpeg decode + random-resized"
+                    " crop to 224 + flip) of a 256x341 JPEG, 1 thread"))
+                if "decode_images_per_s_1_thread" in m else
+                _fig(300, f"assumption: measurement failed ({m.get('decode_error')})")),
+            "loader_cores_per_node": _fig(1, "assumption: one core's worth of loader threads"),
+        },
+    }
+    if "allreduce" in m:
+        fit = m["allreduce"]
+        src = (f"{stamp}: least squares over {fit['points']} sizes of mpiexec -n 2 hpcdl bench "
+               f"allreduce (mpi backend): T = {fit['intercept_s']:.3g} s + "
+               f"{fit['slope_s_per_byte']:.3g} s/B x n; p=2: T = 2a + nb + (n/2)g")
+        intra = {"latency_s": _fig(fit["alpha_s"], src + " -> a = c0/2"),
+                 "bandwidth_Bps": _fig(1 / fit["beta_s_per_byte"], src + " -> b = c1 - g/2")}
+    elif previous and "intra_node" in previous:
+        intra = dict(previous["intra_node"])
+    else:
+        intra = {"latency_s": _fig(1e-6, "assumption: allreduce bench unavailable; ~1 us shm"),
+                 "bandwidth_Bps": _fig(5e9, "assumption: allreduce bench unavailable; ~5 GB/s")}
+    doc["intra_node"] = intra
+    doc["network"] = {k: {"value": v["value"],
+                          "source": f"single node: no network; same as intra_node ({v['source']})"}
+                      for k, v in intra.items()}
+    doc["measured"] = {k: v for k, v in m.items() if not isinstance(v, dict)}
+    if "allreduce" in m:
+        doc["measured"]["allreduce_fit"] = m["allreduce"]
+    doc["measured"]["gamma_s_per_byte"] = gamma
+    return doc
+
+
+def _cpu_name() -> str:
+    from hpcdl.bench.report import cpu_model
+
+    return cpu_model()
+
+
+def write_machine(doc: Mapping[str, Any], directory: str) -> str:
+    """Validate and write ``directory/NAME.yaml`` atomically; returns the path."""
+    path = os.path.join(directory, f"{doc['name']}.yaml")
+    parse_machine(doc, path)   # never write a file the planner would reject
+    header = ("# Written by `hpcdl plan --calibrate`: every figure is a measurement on this\n"
+              "# machine (or a stated assumption); `measured:` keeps the raw numbers.\n")
+    atomic_write_text(path, header + yaml.safe_dump(dict(doc), sort_keys=False, width=100))
+    return path
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    directory = args.machines_dir or user_machines_dir()
+    previous = None
+    old = os.path.join(directory, "local.yaml")
+    if os.path.exists(old):
+        with open(old, encoding="utf-8") as f:
+            previous = yaml.safe_load(f)
+    if shutil.which("mpiexec") is None:
+        print("hpcdl plan --calibrate: mpiexec not found; allreduce figures are kept or assumed",
+              file=sys.stderr)
+    m = measure(quick=args.quick, batch=args.batch_per_rank,
+                model=args.model or CALIBRATION_MODEL,
+                image_size=args.image_size or CALIBRATION_IMAGE_SIZE)
+    doc = machine_document(m, previous)
+    try:
+        path = write_machine(doc, directory)
+    except OSError as exc:
+        print(f"hpcdl plan --calibrate: cannot write {directory}: {exc}; use --machines-dir",
+              file=sys.stderr)
+        return 1
+    print(yaml.safe_dump({k: doc[k] for k in ("node", "intra_node", "data")}, sort_keys=False,
+                         width=100))
+    print(f"wrote {path}")
+    if "allreduce" not in m:
+        print("hpcdl plan --calibrate: warning: allreduce figures not measured (see above)",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,171 @@
+"""Machine descriptions for the planner: one YAML file per machine, every figure with its source.
+
+A machine file holds figures as ``{value: ..., source: "..."}`` leaves (spec sheet, paper,
+measurement, or a stated assumption with its reasoning), grouped by what they describe::
+
+    name: knl
+    description: "..."
+    node:    {sockets, cores_per_socket, frequency_hz, flops_per_cycle_per_core,
+              sustained_fraction, memory_bandwidth_Bps, core_stream_Bps, ranks_per_node}
+    network: {latency_s, bandwidth_Bps}            # between nodes (alpha, 1/beta)
+    intra_node: {latency_s, bandwidth_Bps}         # between ranks of one node (shared memory)
+    data:    {decode_images_per_s_per_core, loader_cores_per_node}
+
+A file may also carry a ``measured:`` section of raw calibration numbers (``hpcdl plan
+--calibrate``); the planner reads only the sections above.
+
+Where machine files are looked up, first match wins: ``--machines-dir DIR``, then
+``$HPCDL_MACHINES_DIR``, then ``~/.config/hpcdl/machines`` (``$XDG_CONFIG_HOME``), then the files
+shipped in this package (``hpcdl/plan/machines``), which may be read-only on a cluster.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+PACKAGE_MACHINES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "machines")
+
+# Every figure the cost model reads, by section. A file missing one is rejected by name.
+REQUIRED_FIGURES: dict[str, tuple[str, ...]] = {
+    "node": ("sockets", "cores_per_socket", "frequency_hz", "flops_per_cycle_per_core",
+             "sustained_fraction", "memory_bandwidth_Bps", "core_stream_Bps", "ranks_per_node"),
+    "network": ("latency_s", "bandwidth_Bps"),
+    "intra_node": ("latency_s", "bandwidth_Bps"),
+    "data": ("decode_images_per_s_per_core", "loader_cores_per_node"),
+}
+
+
+class MachineError(ValueError):
+    """A machine file is missing, malformed, or a figure lacks its value or source."""
+
+
+def user_machines_dir() -> str:
+    """Where ``--calibrate`` writes by default: the user's config dir, writable on a cluster."""
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(config, "hpcdl", "machines")
+
+
+def machine_search_path(machines_dir: str | None = None) -> list[str]:
+    """Directories searched for ``NAME.yaml``, most specific first."""
+    dirs = [machines_dir, os.environ.get("HPCDL_MACHINES_DIR"), user_machines_dir(),
+            PACKAGE_MACHINES_DIR]
+    return [d for d in dirs if d]
+
+
+def list_machines(machines_dir: str | None = None) -> list[str]:
+    names = set()
+    for directory in machine_search_path(machines_dir):
+        if os.path.isdir(directory):
+            names.update(f[:-5] for f in os.listdir(directory) if f.endswith(".yaml"))
+    return sorted(names)
+
+
+def find_machine_file(name: str, machines_dir: str | None = None) -> str:
+    """The path of machine ``name`` (a name on the search path, or a path to a YAML file)."""
+    if name.endswith((".yaml", ".yml")) or os.sep in name:
+        if not os.path.isfile(name):
+            raise MachineError(f"machine file {name!r} does not exist")
+        return name
+    for directory in machine_search_path(machines_dir):
+        path = os.path.join(directory, f"{name}.yaml")
+        if os.path.isfile(path):
+            return path
+    raise MachineError(
+        f"unknown machine {name!r}; known: {list_machines(machines_dir)} "
+        f"(searched {machine_search_path(machines_dir)}; measure this one with "
+        f"`hpcdl plan --calibrate`)")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number of a machine and where it comes from."""
+
+    value: float
+    source: str
+
+
+def _figure(path: str, key: str, leaf: Any) -> Figure:
+    if not isinstance(leaf, Mapping) or "value" not in leaf or "source" not in leaf:
+        raise MachineError(
+            f"{path}: {key} must be a mapping with 'value' and 'source', got {leaf!r}")
+    value, source = leaf["value"], leaf["source"]
+    if isinstance(value, str):
+        # PyYAML (YAML 1.1) reads exponent forms like 1.4e9 as strings: accept them as numbers.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise MachineError(f"{path}: {key}.value must be a positive number, got {value!r}")
+    if not isinstance(source, str) or not source.strip():
+        raise MachineError(f"{path}: {key}.source must say where the figure comes from")
+    return Figure(float(value), source.strip())
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A node type and its network, as the cost model (hpcdl.plan.model) reads it."""
+
+    name: str
+    description: str
+    path: str
+    figures: dict[str, Figure]          # "section.key" -> Figure
+
+    def __getitem__(self, dotted: str) -> float:
+        return self.figures[dotted].value
+
+    @property
+    def cores_per_node(self) -> float:
+        return self["node.sockets"] * self["node.cores_per_socket"]
+
+    @property
+    def peak_flops_per_node(self) -> float:
+        """Peak fp32 FLOP/s of a node: cores × clock × FLOP/cycle/core (FMA counts as 2)."""
+        return (self.cores_per_node * self["node.frequency_hz"]
+                * self["node.flops_per_cycle_per_core"])
+
+    @property
+    def sustained_flops_per_node(self) -> float:
+        """What a CNN training step sustains: peak × the stated sustained fraction."""
+        return self.peak_flops_per_node * self["node.sustained_fraction"]
+
+    @property
+    def ranks_per_node(self) -> int:
+        return int(self["node.ranks_per_node"])
+
+    def sources(self) -> dict[str, str]:
+        return {k: f.source for k, f in self.figures.items()}
+
+
+def parse_machine(doc: Any, path: str) -> Machine:
+    """Validate a loaded machine document: every required figure present with value + source."""
+    if not isinstance(doc, Mapping):
+        raise MachineError(f"{path}: a machine file is a mapping, got {type(doc).__name__}")
+    figures: dict[str, Figure] = {}
+    for section, keys in REQUIRED_FIGURES.items():
+        block = doc.get(section)
+        if not isinstance(block, Mapping):
+            raise MachineError(f"{path}: missing section {section!r} (needs {list(keys)})")
+        for key in keys:
+            if key not in block:
+                raise MachineError(f"{path}: missing figure {section}.{key}")
+        for key, leaf in block.items():
+            figures[f"{section}.{key}"] = _figure(path, f"{section}.{key}", leaf)
+    name = doc.get("name") or os.path.splitext(os.path.basename(path))[0]
+    return Machine(name=str(name), description=str(doc.get("description", "")), path=path,
+                   figures=figures)
+
+
+def load_machine(name: str, machines_dir: str | None = None) -> Machine:
+    """Machine ``name`` from the search path (see module docstring), validated."""
+    path = find_machine_file(name, machines_dir)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        raise MachineError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_machine(doc, path)

@@ -1,0 +1,340 @@
+"""The planner's cost model: one synchronous data-parallel SGD iteration, term by term.
+
+An iteration on ``p`` ranks with global batch ``B`` (per-rank batch ``b = B / p``) is::
+
+    iteration = compute + optimizer + comm_exposed + data_exposed
+
+* **compute** = b × train FLOPs per image ÷ the rank's sustained FLOP/s. Train FLOPs are
+  3 × 2 × forward MACs (hpcdl.plan.workload). A rank's FLOP/s is the node's sustained FLOP/s
+  (peak × stated sustained fraction) divided by the ranks placed on the node, so more ranks
+  per node than cores slows each rank proportionally (they time-share the cores).
+* **optimizer** = the LARS update after the allreduce (You et al. ICPP'18, Alg. 1): memory-
+  bound, ~32 bytes moved per parameter (norms read w and g; the update reads g, w, momentum,
+  writes momentum and w) at the rank's memory bandwidth (its cores' stream rate, capped by
+  its share of the node's bandwidth).
+* **comm** = the gradient allreduce, one per fusion bucket, each costed with the α-β-γ model
+  (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in
+  MPICH", IJHPCA 2005; Patarasuk & Yuan 2009 for the ring): α per message, β per byte on the
+  wire, γ per byte reduced.
+* **overlap** (comm_exposed): the reducer (hpcdl/comm/reducer.py) launches a bucket's allreduce
+  as soon as backward has filled it, so every bucket but the last can run while backward is
+  still computing; backward is 2/3 of compute (forward = 1 of the 3 forwards). Hidden =
+  min(comm − comm of the last bucket, backward). When the ranks of a node leave no core free
+  and the transport is shared memory (one node), the copies and sums are done by the cores
+  that compute, so nothing is hidden.
+* **data**: a node decodes ``b × ranks_per_node`` images per iteration with its loader cores
+  (decode + augment rate per core from the machine file); loader workers prefetch in
+  parallel with the step, so only the part longer than the step is exposed.
+
+Epoch = floor(dataset / B) iterations (the loader drops the last partial batch); total =
+epochs × epoch. Evaluation, start-up and checkpointing are not modelled.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hpcdl.plan.machine import Machine
+from hpcdl.plan.workload import Workload
+
+IMAGENET_TRAIN_IMAGES = 1_281_167
+BACKWARD_SHARE = 2.0 / 3.0   # backward = 2 of the 3 forward-equivalents of a training step
+BYTES_TOUCHED_PER_REDUCED_BYTE = 3.0   # a += b reads a and b and writes a
+# LARS step: ||w||, ||g|| read w, g (8 B); update reads g, w, m (12 B), writes m, w (8 B); the
+# final w -= m re-reads them (4 B): ~32 bytes per fp32 parameter.
+OPTIMIZER_BYTES_PER_PARAMETER = 32.0
+
+
+# --------------------------------------------------------------------------- allreduce models
+def ring_allreduce_s(p: int, n: float, alpha: float, beta: float, gamma: float) -> float:
+    """Ring allreduce (reduce-scatter + allgather, p−1 steps each) of ``n`` bytes on ``p`` ranks:
+    2(p−1)α + 2(p−1)/p·nβ + (p−1)/p·nγ  (Patarasuk & Yuan 2009; Thakur et al. 2005 §4)."""
+    if p <= 1 or n <= 0:
+        return 0.0
+    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
+
+
+def rabenseifner_allreduce_s(p: int, n: float, alpha: float, beta: float,
+                             gamma: float) -> float:
+    """Rabenseifner: recursive-halving reduce-scatter + recursive-doubling allgather,
+    2·log2(p)·α + 2(p−1)/p·nβ + (p−1)/p·nγ for p a power of two (Thakur et al. 2005, §4.4).
+
+    For other p, MPICH first folds the r = p − 2^⌊log2 p⌋ extra ranks into partners (one send
+    of n bytes, reduced) and sends them the result at the end: + 2α + 2nβ + nγ.
+    """
+    if p <= 1 or n <= 0:
+        return 0.0
+    p2 = 1 << (p.bit_length() - 1)
+    t = 2 * math.log2(p2) * alpha + 2 * (p2 - 1) / p2 * n * beta + (p2 - 1) / p2 * n * gamma
+    if p2 != p:
+        t += 2 * alpha + 2 * n * beta + n * gamma
+    return t
+
+
+def hierarchical_allreduce_s(nodes: int, local_size: int, n: float,
+                             alpha: float, beta: float,
+                             alpha_intra: float, beta_intra: float, gamma: float) -> float:
+    """Two-level allreduce: reduce-scatter inside each node (q = local_size ranks, shared
+    memory), then the q ranks of a node each allreduce their n/q slice with the same slice
+    on the other nodes (ring across nodes; the q flows share the node's NIC, so the wire
+    carries n per node), then an allgather inside the node.
+
+        intra RS: (q−1)α_i + (q−1)/q·nβ_i + (q−1)/q·nγ
+        inter:    2(N−1)α + 2(N−1)/N·nβ + (N−1)/N·(n/q)γ
+        intra AG: (q−1)α_i + (q−1)/q·nβ_i
+
+    With q = 1 it is the ring across nodes; with one rank in all it is zero.
+    """
+    q, big_n = max(1, local_size), max(1, nodes)
+    if q * big_n <= 1 or n <= 0:
+        return 0.0
+    intra_rs = (q - 1) * alpha_intra + (q - 1) / q * n * (beta_intra + gamma)
+    inter = (2 * (big_n - 1) * alpha + 2 * (big_n - 1) / big_n * n * beta
+             + (big_n - 1) / big_n * (n / q) * gamma)
+    intra_ag = (q - 1) * alpha_intra + (q - 1) / q * n * beta_intra
+    return intra_rs + inter + intra_ag
+
+
+ALLREDUCE_ALGORITHMS = ("ring", "rabenseifner", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How ``procs`` ranks sit on nodes."""
+
+    procs: int
+    procs_per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.procs / self.procs_per_node)
+
+    @property
+    def local_size(self) -> int:
+        """Ranks that share a node (the last node may hold fewer; the model uses full nodes)."""
+        return min(self.procs, self.procs_per_node)
+
+
+def reduction_gamma(machine: Machine, local_size: int) -> float:
+    """γ, seconds per byte reduced: a rank streams 3 bytes per byte summed, at one core's
+    memory bandwidth or its share of the node's, whichever is lower."""
+    per_rank_bw = min(machine["node.core_stream_Bps"],
+                      machine["node.memory_bandwidth_Bps"] / max(1, local_size))
+    return BYTES_TOUCHED_PER_REDUCED_BYTE / per_rank_bw
+
+
+def allreduce_s(algorithm: str, machine: Machine, placement: Placement, n: float) -> float:
+    """Seconds for one allreduce of ``n`` bytes with ``algorithm`` on ``placement``."""
+    p, q, nodes = placement.procs, placement.local_size, placement.nodes
+    gamma = reduction_gamma(machine, q)
+    a_net, b_net = machine["network.latency_s"], 1.0 / machine["network.bandwidth_Bps"]
+    a_shm, b_shm = machine["intra_node.latency_s"], 1.0 / machine["intra_node.bandwidth_Bps"]
+    # A flat algorithm over several nodes is paced by its inter-node hops: with ranks placed
+    # node by node, each ring step moves one chunk per node across the network.
+    alpha, beta = (a_net, b_net) if nodes > 1 else (a_shm, b_shm)
+    if algorithm == "ring":
+        return ring_allreduce_s(p, n, alpha, beta, gamma)
+    if algorithm == "rabenseifner":
+        return rabenseifner_allreduce_s(p, n, alpha, beta, gamma)
+    if algorithm == "hierarchical":
+        return hierarchical_allreduce_s(nodes, q, n, a_net, b_net, a_shm, b_shm, gamma)
+    raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of "
+                     f"{ALLREDUCE_ALGORITHMS}")
+
+
+def bucket_sizes(total_bytes: float, bucket_bytes: float) -> list[float]:
+    """The fusion buckets the reducer fills: full buckets, then the remainder."""
+    if total_bytes <= 0:
+        return []
+    if bucket_bytes <= 0 or bucket_bytes >= total_bytes:
+        return [total_bytes]
+    full = int(total_bytes // bucket_bytes)
+    rest = total_bytes - full * bucket_bytes
+    return [bucket_bytes] * full + ([rest] if rest > 0 else [])
+
+
+# --------------------------------------------------------------------------- one iteration
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a prediction depends on besides the machine and the model's cost."""
+
+    global_batch: int
+    procs: int
+    procs_per_node: int
+    epochs: float = 90
+    dataset_size: int = IMAGENET_TRAIN_IMAGES
+    allreduce: str = "ring"
+    bucket_mb: float = 25.0
+    wire_bytes: int = 4              # bytes per gradient element on the wire (4 fp32, 2 bf16)
+    overlap: bool = True
+    loader_cores_per_node: float | None = None   # None: the machine file's figure
+    synthetic_data: bool = False     # True: no decoding (hpcdl bench train --synthetic)
+
+
+@dataclass
+class Plan:
+    """A prediction: the per-iteration breakdown, then epoch, total and efficiency."""
+
+    machine: str
+    model: str
+    image_size: int
+    procs: int
+    nodes: int
+    procs_per_node: int
+    global_batch: int
+    batch_per_rank: float
+    allreduce: str
+    compute_s: float
+    optimizer_s: float
+    comm_s: float
+    comm_hidden_s: float
+    comm_exposed_s: float
+    data_s: float
+    data_exposed_s: float
+    iteration_s: float
+    iterations_per_epoch: int
+    epoch_s: float
+    total_s: float
+    images_per_s: float
+    images_per_s_per_rank: float
+    scaling_efficiency: float
+    required_images_per_s_per_node: float
+    decode_images_per_s_per_node: float
+    gradient_bytes: float
+    buckets: int
+    dominant: str
+    notes: list[str] = field(default_factory=list)
+
+    def per_iteration(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in (
+            "compute_s", "optimizer_s", "comm_s", "comm_hidden_s", "comm_exposed_s", "data_s",
+            "data_exposed_s", "iteration_s")}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rank_flops(machine: Machine, procs_per_node: int) -> float:
+    """Sustained FLOP/s of one rank: the node's, shared by the ranks placed on it."""
+    return machine.sustained_flops_per_node / procs_per_node
+
+
+def rank_memory_Bps(machine: Machine, procs_per_node: int) -> float:
+    """Stream bandwidth of one rank: its cores' rate, capped by its share of the node's."""
+    cores = max(1.0, machine.cores_per_node / procs_per_node)
+    return min(machine["node.core_stream_Bps"] * cores,
+               machine["node.memory_bandwidth_Bps"] / procs_per_node)
+
+
+def optimizer_s(machine: Machine, work: Workload, procs_per_node: int) -> float:
+    """The LARS update of every parameter, memory-bound (see module docstring)."""
+    return (OPTIMIZER_BYTES_PER_PARAMETER * work.parameters
+            / rank_memory_Bps(machine, procs_per_node))
+
+
+def compute_s(machine: Machine, work: Workload, batch_per_rank: float,
+              procs_per_node: int) -> float:
+    return batch_per_rank * work.train_flops_per_image / rank_flops(machine, procs_per_node)
+
+
+def exposed_comm_s(comm_total: float, last_bucket: float, compute: float,
+                   overlap: bool) -> float:
+    """Communication left on the critical path after hiding behind backward."""
+    if not overlap:
+        return comm_total
+    hidden = min(comm_total - last_bucket, BACKWARD_SHARE * compute)
+    return comm_total - max(0.0, hidden)
+
+
+def _check(machine: Machine, inp: PlanInputs) -> None:
+    if inp.procs < 1:
+        raise ValueError(f"--procs must be >= 1, got {inp.procs}")
+    if inp.procs_per_node < 1:
+        raise ValueError(f"--procs-per-node must be >= 1, got {inp.procs_per_node}")
+    if inp.global_batch < inp.procs:
+        raise ValueError(f"global batch {inp.global_batch} is smaller than {inp.procs} ranks: "
+                         "every rank needs at least one image")
+    if inp.dataset_size < inp.global_batch:
+        raise ValueError(f"dataset of {inp.dataset_size} images holds no full batch of "
+                         f"{inp.global_batch}")
+    if inp.allreduce not in ALLREDUCE_ALGORITHMS:
+        raise ValueError(f"unknown allreduce algorithm {inp.allreduce!r}; choose one of "
+                         f"{ALLREDUCE_ALGORITHMS}")
+
+
+def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
+    """Predict one configuration (see the module docstring for the model)."""
+    _check(machine, inp)
+    place = Placement(inp.procs, inp.procs_per_node)
+    notes: list[str] = []
+    b = inp.global_batch / inp.procs
+    if inp.global_batch % inp.procs:
+        notes.append(f"global batch {inp.global_batch} is not a multiple of {inp.procs} ranks; "
+                     f"costed at the mean {b:.3g} images per rank")
+    if place.local_size > machine.cores_per_node:
+        notes.append(f"{place.local_size} ranks per node share {machine.cores_per_node:g} cores: "
+                     "compute per rank slows proportionally")
+
+    compute = compute_s(machine, work, b, inp.procs_per_node)
+    optimizer = optimizer_s(machine, work, inp.procs_per_node)
+
+    grad_bytes = work.parameters * inp.wire_bytes
+    buckets = bucket_sizes(grad_bytes, inp.bucket_mb * 1e6)
+    bucket_times = [allreduce_s(inp.allreduce, machine, place, n) for n in buckets]
+    comm = sum(bucket_times)
+    no_free_core = place.nodes == 1 and place.local_size >= machine.cores_per_node
+    overlap = inp.overlap and not no_free_core
+    if inp.overlap and no_free_core and comm > 0:
+        notes.append("no free core on the node and shared-memory transport: communication "
+                     "is not hidden behind backward")
+    comm_exposed = exposed_comm_s(comm, bucket_times[-1] if bucket_times else 0.0, compute,
+                                  overlap)
+
+    node_images = b * place.local_size
+    loader_cores = (inp.loader_cores_per_node if inp.loader_cores_per_node is not None
+                    else machine["data.loader_cores_per_node"])
+    decode_rate = machine["data.decode_images_per_s_per_core"] * loader_cores
+    data = 0.0 if inp.synthetic_data else node_images / decode_rate
+    data_exposed = max(0.0, data - (compute + optimizer + comm_exposed))
+
+    iteration = compute + optimizer + comm_exposed + data_exposed
+    iterations = inp.dataset_size // inp.global_batch
+    epoch = iterations * iteration
+    images_per_s = inp.global_batch / iteration
+    # Baseline: one rank alone at the machine's usual placement, same per-rank batch, no
+    # communication and no data stall; efficiency = delivered / (p × baseline).
+    base_rate = b / (compute_s(machine, work, b, machine.ranks_per_node)
+                     + optimizer_s(machine, work, machine.ranks_per_node))
+    efficiency = images_per_s / (inp.procs * base_rate)
+    terms = {"compute": compute, "optimizer": optimizer, "communication": comm_exposed,
+             "data loading": data_exposed}
+    return Plan(
+        machine=machine.name, model=work.model, image_size=work.image_size,
+        procs=inp.procs, nodes=place.nodes, procs_per_node=inp.procs_per_node,
+        global_batch=inp.global_batch, batch_per_rank=b, allreduce=inp.allreduce,
+        compute_s=compute, optimizer_s=optimizer, comm_s=comm, comm_hidden_s=comm - comm_exposed,
+        comm_exposed_s=comm_exposed, data_s=data, data_exposed_s=data_exposed,
+        iteration_s=iteration, iterations_per_epoch=iterations, epoch_s=epoch,
+        total_s=inp.epochs * epoch, images_per_s=images_per_s,
+        images_per_s_per_rank=images_per_s / inp.procs, scaling_efficiency=efficiency,
+        required_images_per_s_per_node=node_images / iteration,
+        decode_images_per_s_per_node=decode_rate, gradient_bytes=float(grad_bytes),
+        buckets=len(buckets), dominant=max(terms, key=terms.__getitem__), notes=notes)
+
+
+def default_sweep(procs: int, global_batch: int) -> list[int]:
+    """Powers of two up to twice ``procs`` (and ``procs`` itself), each ≤ the global batch."""
+    counts = {procs}
+    p = 1
+    while p <= 2 * procs and p <= global_batch:
+        counts.add(p)
+        p *= 2
+    return sorted(c for c in counts if c <= global_batch)
+
+
+def sweep(machine: Machine, work: Workload, inp: PlanInputs, procs_list: list[int]) -> list[Plan]:
+    """The same run at each process count (global batch fixed: strong scaling of the step)."""
+    from dataclasses import replace
+
+    return [plan(machine, work, replace(inp, procs=p)) for p in procs_list]

@@ -1,0 +1,98 @@
+"""What one image costs a model: forward multiply-adds and the gradient bytes to allreduce.
+
+Units, once and for all: ``hpcdl.models.flops`` returns forward **multiply-accumulates**
+(MACs). One MAC is 2 floating-point operations, and a training step (forward + backward for
+activations + backward for weights) is counted as 3 forwards, the usual convention (Kaplan et
+al. 2020, §2.1; Goyal et al. 2017 count ResNet-50 as ~4 GMACs "FLOPs" forward), so::
+
+    train_flops_per_image = 3 × 2 × forward_macs
+
+Counting ResNet-50 forward MACs on a real 224 px tensor takes seconds, so results are cached
+per (model, image size) in ``~/.cache/hpcdl/flops.json`` (``$XDG_CACHE_HOME``); models are
+built on PyTorch's ``meta`` device where ``flops`` allows it (no memory, no arithmetic).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from hpcdl.io import atomic_write_text
+
+FLOPS_PER_MAC = 2
+TRAIN_FORWARDS = 3   # forward + backward-data + backward-weights, each ≈ one forward
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model at one image size, as the cost model needs it."""
+
+    model: str
+    image_size: int
+    forward_macs: float      # per image
+    parameters: int          # trainable parameters = gradient elements per allreduce
+    source: str
+
+    @property
+    def train_flops_per_image(self) -> float:
+        return TRAIN_FORWARDS * FLOPS_PER_MAC * self.forward_macs
+
+    def gradient_bytes(self, bytes_per_element: int = 4) -> float:
+        return float(self.parameters * bytes_per_element)
+
+
+def flops_cache_path() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "hpcdl", "flops.json")
+
+
+def _read_cache(path: str) -> dict[str, dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}   # a missing or corrupt cache is recomputed, never fatal
+
+
+def _cache_key(model: str, image_size: int) -> str:
+    return f"{model}@{image_size}"
+
+
+def _count(model_name: str, image_size: int) -> tuple[float, int]:
+    """Forward MACs per image and trainable parameters, from hpcdl.models."""
+    import torch
+
+    from hpcdl.models import create_model, flops, list_models
+
+    if model_name not in list_models():
+        raise ValueError(f"unknown model {model_name!r}; known: {list_models()}")
+    try:
+        with torch.device("meta"):
+            model = create_model(model_name)
+        macs = flops(model, image_size)
+    except Exception:  # noqa: BLE001 - flops may need real tensors; fall back to CPU memory
+        model = create_model(model_name)
+        macs = flops(model, image_size)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return float(macs), int(params)
+
+
+def workload(model: str, image_size: int = 224, cache_path: str | None = None) -> Workload:
+    """The cost of ``model`` at ``image_size``, from the cache or counted once and cached."""
+    if image_size <= 0:
+        raise ValueError(f"image size must be > 0, got {image_size}")
+    path = cache_path or flops_cache_path()
+    key = _cache_key(model, image_size)
+    cached = _read_cache(path).get(key)
+    if cached:
+        return Workload(model, image_size, float(cached["forward_macs"]),
+                        int(cached["parameters"]), f"cached in {path}")
+    macs, params = _count(model, image_size)
+    entries = _read_cache(path)
+    entries[key] = {"forward_macs": macs, "parameters": params}
+    try:
+        atomic_write_text(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    except OSError:
+        pass   # a read-only home only costs recounting next time
+    return Workload(model, image_size, macs, params, "hpcdl.models.flops")

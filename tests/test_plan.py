@@ -1,0 +1,315 @@
+"""The planner's cost model (hpcdl/plan): α-β-γ formulas by hand, placement, overlap, machine
+files, calibration fitting and bench-JSON parsing. No real ResNet-50 tensors: flops come from a
+pre-filled cache (conftest-free fixture below)."""
+import json
+import math
+import os
+
+import pytest
+
+from hpcdl.plan.calibrate import fit_alpha_beta, machine_document, write_machine
+from hpcdl.plan.machine import (
+    PACKAGE_MACHINES_DIR,
+    REQUIRED_FIGURES,
+    MachineError,
+    load_machine,
+    parse_machine,
+)
+from hpcdl.plan.model import (
+    PlanInputs,
+    bucket_sizes,
+    default_sweep,
+    hierarchical_allreduce_s,
+    plan,
+    rabenseifner_allreduce_s,
+    ring_allreduce_s,
+)
+from hpcdl.plan.validate import measured_step
+from hpcdl.plan.workload import Workload, workload
+
+RESNET50 = Workload("resnet50", 224, 4_089_184_256, 25_557_032, "test")
+ALPHA, BETA, GAMMA = 1e-6, 1e-9, 2e-10
+N = 1e6
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path, monkeypatch):
+    """No user config or cache leaks in; flops for the paper's models are pre-cached."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("HPCDL_MACHINES_DIR", raising=False)
+    cache = tmp_path / "cache" / "hpcdl" / "flops.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({
+        "resnet50@224": {"forward_macs": RESNET50.forward_macs, "parameters": 25_557_032},
+        "resnet50@112": {"forward_macs": 1_077_899_264, "parameters": 25_557_032}}))
+
+
+def small_machine(cores=2, ranks_per_node=1):
+    """A 2-core single node, like the development VM, with round figures."""
+    def fig(v):
+        return {"value": v, "source": "test"}
+    return parse_machine({
+        "name": "vm",
+        "node": {"sockets": fig(1), "cores_per_socket": fig(cores), "frequency_hz": fig(2e9),
+                 "flops_per_cycle_per_core": fig(32), "sustained_fraction": fig(0.25),
+                 "memory_bandwidth_Bps": fig(2e10), "core_stream_Bps": fig(1e10),
+                 "ranks_per_node": fig(ranks_per_node)},
+        "network": {"latency_s": fig(1e-6), "bandwidth_Bps": fig(1e9)},
+        "intra_node": {"latency_s": fig(5e-7), "bandwidth_Bps": fig(5e9)},
+        "data": {"decode_images_per_s_per_core": fig(500), "loader_cores_per_node": fig(1)},
+    }, "vm.yaml")
+
+
+# --------------------------------------------------------------------------- α-β-γ by hand
+def test_ring_matches_hand_computed_value():
+    # 2·3·1e-6 + 2·3/4·1e6·1e-9 + 3/4·1e6·2e-10
+    assert ring_allreduce_s(4, N, ALPHA, BETA, GAMMA) == pytest.approx(6e-6 + 1.5e-3 + 1.5e-4)
+
+
+def test_rabenseifner_power_of_two_matches_hand_computed_value():
+    # 2·log2(8)·α + 2·7/8·nβ + 7/8·nγ
+    assert rabenseifner_allreduce_s(8, N, ALPHA, BETA, GAMMA) == pytest.approx(
+        6e-6 + 1.75e-3 + 1.75e-4)
+
+
+def test_rabenseifner_non_power_of_two_adds_the_fold_step():
+    # p=6 -> 4 ranks of recursive halving/doubling + fold in/out: 2α + 2nβ + nγ
+    expected = (4e-6 + 1.5e-3 + 1.5e-4) + (2e-6 + 2e-3 + 2e-4)
+    assert rabenseifner_allreduce_s(6, N, ALPHA, BETA, GAMMA) == pytest.approx(expected)
+
+
+def test_hierarchical_matches_hand_computed_value():
+    # 4 nodes x 2 ranks: intra RS + inter ring on n (slices of n/2 reduced) + intra AG
+    a_i, b_i, g = 5e-7, 2e-10, 1e-10
+    intra_rs = a_i + 0.5 * N * (b_i + g)
+    inter = 6 * ALPHA + 1.5 * N * BETA + 0.75 * (N / 2) * g
+    intra_ag = a_i + 0.5 * N * b_i
+    assert hierarchical_allreduce_s(4, 2, N, ALPHA, BETA, a_i, b_i, g) == pytest.approx(
+        intra_rs + inter + intra_ag)
+
+
+def test_hierarchical_with_one_rank_per_node_is_the_ring_across_nodes():
+    assert hierarchical_allreduce_s(8, 1, N, ALPHA, BETA, 5e-7, 2e-10, GAMMA) == pytest.approx(
+        ring_allreduce_s(8, N, ALPHA, BETA, GAMMA))
+
+
+@pytest.mark.parametrize("cost", [
+    lambda: ring_allreduce_s(1, N, ALPHA, BETA, GAMMA),
+    lambda: rabenseifner_allreduce_s(1, N, ALPHA, BETA, GAMMA),
+    lambda: hierarchical_allreduce_s(1, 1, N, ALPHA, BETA, 5e-7, 2e-10, GAMMA),
+])
+def test_one_rank_communicates_nothing(cost):
+    assert cost() == 0.0
+
+
+def test_buckets_are_full_then_the_remainder():
+    assert bucket_sizes(102e6, 25e6) == [25e6, 25e6, 25e6, 25e6, pytest.approx(2e6)]
+    assert bucket_sizes(10e6, 25e6) == [10e6]
+
+
+# --------------------------------------------------------------------------- the iteration
+def knl_inputs(procs, **kw):
+    return PlanInputs(global_batch=32768, procs=procs, procs_per_node=1, **kw)
+
+
+def test_more_procs_means_less_compute_per_iteration():
+    knl = load_machine("knl")
+    computes = [plan(knl, RESNET50, knl_inputs(p)).compute_s for p in default_sweep(2048, 32768)]
+    assert all(a > b for a, b in zip(computes, computes[1:], strict=False))
+
+
+def test_compute_uses_three_forwards_of_two_flops_per_mac():
+    knl = load_machine("knl")
+    p = plan(knl, RESNET50, knl_inputs(2048))
+    expected = 16 * 6 * RESNET50.forward_macs / (6.0928e12 * knl["node.sustained_fraction"])
+    assert p.compute_s == pytest.approx(expected, rel=1e-4)
+
+
+def test_ranks_beyond_the_cores_slow_compute_proportionally():
+    vm = small_machine(cores=2)
+    two = plan(vm, RESNET50, PlanInputs(global_batch=16, procs=2, procs_per_node=2))
+    four = plan(vm, RESNET50, PlanInputs(global_batch=32, procs=4, procs_per_node=4))
+    assert four.compute_s == pytest.approx(2 * two.compute_s)
+    assert any("share" in n for n in four.notes)
+
+
+def test_overlap_hides_at_most_backward_and_never_the_last_bucket():
+    knl = load_machine("knl")
+    p = plan(knl, RESNET50, knl_inputs(2048))
+    assert 0 < p.comm_exposed_s < p.comm_s
+    assert p.comm_hidden_s <= 2 / 3 * p.compute_s + 1e-12
+    flat = plan(knl, RESNET50, knl_inputs(2048, overlap=False))
+    assert flat.comm_exposed_s == pytest.approx(flat.comm_s)
+    assert flat.iteration_s > p.iteration_s
+
+
+def test_single_node_without_a_free_core_hides_no_communication():
+    p = plan(small_machine(cores=2), RESNET50,
+             PlanInputs(global_batch=16, procs=2, procs_per_node=2, synthetic_data=True))
+    assert p.comm_exposed_s == pytest.approx(p.comm_s) and p.comm_s > 0
+
+
+def test_totals_follow_from_the_iteration():
+    p = plan(load_machine("knl"), RESNET50, knl_inputs(2048, epochs=90))
+    assert p.iterations_per_epoch == 1_281_167 // 32768
+    assert p.total_s == pytest.approx(90 * p.iterations_per_epoch * p.iteration_s)
+    assert p.images_per_s == pytest.approx(32768 / p.iteration_s)
+    assert 0 < p.scaling_efficiency <= 1
+
+
+def test_one_rank_is_perfectly_efficient():
+    assert plan(load_machine("knl"), RESNET50, knl_inputs(1)).scaling_efficiency == 1.0
+
+
+def test_every_algorithm_costs_communication():
+    skx = load_machine("skx")
+    for algorithm in ("ring", "rabenseifner", "hierarchical"):
+        assert plan(skx, RESNET50, PlanInputs(32768, 2048, 2, allreduce=algorithm)).comm_s > 0
+
+
+def test_hierarchical_and_rabenseifner_cut_the_latency_term_of_a_small_allreduce():
+    # 100k parameters on 2,048 ranks, 24 per node: the ring's 2(p-1) alpha dominates.
+    small = Workload("tiny", 224, 1e6, 100_000, "test")
+    skx = load_machine("skx")
+    times = {a: plan(skx, small, PlanInputs(32768, 2048, 24, allreduce=a)).comm_s
+             for a in ("ring", "rabenseifner", "hierarchical")}
+    assert times["hierarchical"] < times["ring"] / 5
+    assert times["rabenseifner"] < times["ring"] / 5
+
+
+def test_batch_smaller_than_the_ranks_is_a_clear_error():
+    with pytest.raises(ValueError, match="smaller than 4096 ranks"):
+        plan(load_machine("knl"), RESNET50, PlanInputs(2048, 4096, 1))
+
+
+def test_unknown_algorithm_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown allreduce algorithm 'tree'"):
+        plan(load_machine("knl"), RESNET50, PlanInputs(32768, 64, 1, allreduce="tree"))
+
+
+# --------------------------------------------------------------------------- machine files
+@pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(PACKAGE_MACHINES_DIR)
+                                        if f.endswith(".yaml")))
+def test_shipped_machine_files_load_and_every_figure_has_a_source(name):
+    machine = load_machine(name)
+    for section, keys in REQUIRED_FIGURES.items():
+        for key in keys:
+            assert machine.figures[f"{section}.{key}"].source.strip()
+            assert machine[f"{section}.{key}"] > 0
+
+
+def test_knl_peak_is_68_cores_at_1_4_ghz_times_64():
+    assert load_machine("knl").peak_flops_per_node == pytest.approx(68 * 1.4e9 * 64)
+
+
+def test_a_figure_without_source_is_rejected_by_name(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open(os.path.join(PACKAGE_MACHINES_DIR, "knl.yaml")).read().replace(
+        'source: "Intel ARK, Xeon Phi 7250: 68 cores (4 hardware threads each)"', "note: x"))
+    with pytest.raises(MachineError, match="node.cores_per_socket"):
+        load_machine(str(bad))
+
+
+def test_unknown_machine_names_the_known_ones():
+    with pytest.raises(MachineError, match=r"unknown machine 'cray'.*knl"):
+        load_machine("cray")
+
+
+def test_machines_dir_comes_first(tmp_path):
+    text = open(os.path.join(PACKAGE_MACHINES_DIR, "knl.yaml")).read()
+    (tmp_path / "knl.yaml").write_text(text.replace("value: 68", "value: 64"))
+    assert load_machine("knl", str(tmp_path)).cores_per_node == 64
+    assert load_machine("knl").cores_per_node == 68
+
+
+# --------------------------------------------------------------------------- workload
+def test_workload_comes_from_the_cache_without_counting():
+    w = workload("resnet50", 224)
+    assert w.forward_macs == RESNET50.forward_macs and "cached" in w.source
+    assert w.train_flops_per_image == 6 * RESNET50.forward_macs
+
+
+def test_workload_counts_with_hpcdl_models_once_then_caches(tmp_path):
+    cache = str(tmp_path / "flops.json")
+    first = workload("resnet_small", 32, cache_path=cache)
+    assert first.forward_macs > 0 and first.parameters > 0
+    assert "cached" in workload("resnet_small", 32, cache_path=cache).source
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown model 'vgg99'"):
+        workload("vgg99", 224, cache_path=str(tmp_path / "f.json"))
+
+
+# --------------------------------------------------------------------------- calibration
+def test_alpha_beta_fit_recovers_the_line():
+    alpha, beta, gamma = 3e-6, 2e-10, 1e-10
+    records = [{"backend": "mpi", "ranks": 2, "bytes": n,
+                "time_s": 2 * alpha + n * beta + n / 2 * gamma}
+               for n in (1 << 10, 1 << 16, 1 << 20, 1 << 24)]
+    records.append({"backend": "ring", "ranks": 2, "bytes": 1 << 20, "time_s": 9.0})
+    records += [{"backend": "default", "ranks": 2, "bytes": n, "time_s": 5.0}
+                for n in (1 << 10, 1 << 20)]   # another backend's line is never mixed in
+    fit = fit_alpha_beta(records, gamma)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-3)
+    assert fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-3)
+    assert fit["points"] == 4
+
+
+def test_alpha_beta_fit_needs_mpi_records():
+    with pytest.raises(ValueError, match="need >= 2"):
+        fit_alpha_beta([{"backend": "ring", "ranks": 2, "bytes": 1, "time_s": 1}], 1e-10)
+
+
+def test_calibration_writes_a_machine_file_the_planner_loads(tmp_path):
+    m = {"cores": 2, "cpu_mhz": 2400.0, "flops_per_cycle": 32, "flops_per_cycle_source": "flags",
+         "matmul_flops_1_thread": 5e10, "matmul_flops_all_cores": 9e10,
+         "stream_Bps_1_thread": 1e10, "stream_Bps_all_cores": 1.5e10, "step_model": "r@112",
+         "step_batch": 8, "step_s_1_core": 1.0, "step_flops_1_core": 2e10,
+         "decode_images_per_s_1_thread": 400.0,
+         "allreduce": {"alpha_s": 2e-6, "beta_s_per_byte": 2e-10, "intercept_s": 4e-6,
+                       "slope_s_per_byte": 2.5e-10, "points": 6}}
+    path = write_machine(machine_document(m), str(tmp_path))
+    local = load_machine("local", str(tmp_path))
+    assert local.path == path
+    assert local["node.sustained_fraction"] == pytest.approx(2e10 / (2.4e9 * 32))
+    assert local["intra_node.bandwidth_Bps"] == pytest.approx(5e9)
+    assert "measured" in local.figures["node.sustained_fraction"].source
+
+
+# --------------------------------------------------------------------------- bench train JSON
+def test_measured_step_reads_a_step_time():
+    report = {"results": [{"ranks": 2, "batch_per_rank": 8, "step_s": 1.5, "compute_s": 1.2}]}
+    assert measured_step(report, 2) == {"step_s": 1.5, "batch_per_rank": 8.0, "compute_s": 1.2}
+
+
+def test_measured_step_derives_step_from_images_per_second_per_rank():
+    report = {"results": [{"ranks": 4, "variant": "baseline", "batch": 8,
+                           "images_per_s_per_rank": 2.0},
+                          {"ranks": 4, "variant": "hpcdl", "batch": 8,
+                           "images_per_s_per_rank": 4.0}]}
+    assert measured_step(report, 4)["step_s"] == pytest.approx(2.0)
+
+
+def test_measured_step_without_a_time_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot find a step time"):
+        measured_step({"results": [{"ranks": 2, "loss": 1.0}]}, 2)
+
+
+def test_default_sweep_is_powers_of_two_and_the_asked_count():
+    assert default_sweep(48, 32768) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert math.log2(default_sweep(2048, 32768)[-1]) == 12
+
+
+def test_validation_predicts_np4_on_two_cores_as_twice_the_compute_of_np2():
+    from hpcdl.plan.validate import predict_step, validation_record
+
+    vm = small_machine(cores=2)
+    np2 = predict_step(vm, RESNET50, 2, batch=8, allreduce="ring", bucket_mb=25)
+    np4 = predict_step(vm, RESNET50, 4, batch=8, allreduce="ring", bucket_mb=25)
+    assert np4.compute_s == pytest.approx(2 * np2.compute_s)
+    assert np2.data_s == 0 and np4.comm_exposed_s == pytest.approx(np4.comm_s)
+    record = validation_record(np2, {"step_s": np2.iteration_s * 1.25, "compute_s": 1.0})
+    assert record["predicted_vs_measured"] == pytest.approx(0.8)
+    assert record["measured_compute_s"] == 1.0

@@ -1,0 +1,81 @@
+"""`hpcdl plan` as a user runs it: the table, the JSON keys, the plot, recipes, clear errors."""
+import json
+
+import pytest
+
+from hpcdl.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("HPCDL_MACHINES_DIR", raising=False)
+    cache = tmp_path / "cache" / "hpcdl" / "flops.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({
+        "resnet50@224": {"forward_macs": 4_089_184_256, "parameters": 25_557_032},
+        "alexnet_bn@224": {"forward_macs": 714_188_480, "parameters": 61_110_184}}))
+
+
+def test_plan_prints_the_breakdown_and_a_sweep_table(capsys):
+    assert main(["plan", "--model", "resnet50", "--global-batch", "32768", "--procs", "2048",
+                 "--machine", "knl", "--epochs", "90"]) == 0
+    out = capsys.readouterr().out
+    for term in ("compute", "communication", "hidden", "exposed", "data loading", "iteration",
+                 "epochs", "images/s", "scaling efficiency"):
+        assert term in out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("procs"))
+    assert "iteration_s" in header and "scaling_efficiency" in header
+    assert "\n 2048 " in out or "\n2048 " in out
+
+
+def test_plan_json_holds_totals_and_the_per_iteration_breakdown(tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--machine", "skx", "--model", "alexnet_bn", "--procs", "2048",
+                 "--epochs", "100", "--allreduce", "hierarchical", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    for key in ("total_s", "images_per_s", "scaling_efficiency", "per_iteration", "results"):
+        assert key in doc
+    for key in ("compute_s", "comm_s", "comm_exposed_s", "data_s", "iteration_s"):
+        assert doc["per_iteration"][key] >= 0
+    assert doc["inputs"]["allreduce"] == "hierarchical"
+    assert doc["total_s"] == pytest.approx(
+        100 * (1_281_167 // 32768) * doc["per_iteration"]["iteration_s"])
+    assert all(f["source"] for f in doc["machine"]["figures"].values())
+
+
+def test_plan_writes_a_png(tmp_path):
+    path = tmp_path / "sweep.png"
+    assert main(["plan", "--machine", "knl", "--procs", "256", "--sweep", "64,128,256",
+                 "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_recipe_supplies_model_batch_and_epochs_and_flags_override(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: alexnet_bn}\nbatch: {global: 16384}\nepochs: 100\n"
+                      "comm: {bucket_mb: 50}\n")
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--recipe", str(recipe), "--machine", "skx", "--procs", "512",
+                 "--epochs", "10", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["workload"]["model"] == "alexnet_bn"
+    assert doc["inputs"]["global_batch"] == 16384
+    assert doc["inputs"]["bucket_mb"] == 50
+    assert doc["inputs"]["epochs"] == 10
+
+
+def test_unknown_machine_is_a_clear_error(capsys):
+    assert main(["plan", "--machine", "bluegene", "--procs", "8"]) == 2
+    assert "unknown machine 'bluegene'" in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert main(["plan", "--model", "vgg99", "--machine", "knl", "--procs", "8"]) == 2
+    assert "unknown model 'vgg99'" in capsys.readouterr().err
+
+
+def test_sweep_rejects_non_numbers():
+    with pytest.raises(SystemExit):
+        main(["plan", "--sweep", "8,lots"])
