@@ -1,0 +1,30 @@
+"""Debugging a job under mpirun: rank-aware logs, fail-fast, stack dumps, stall reports,
+collective records and a chrome://tracing timeline (docs/debugging.md).
+
+The trainer calls ``setup_rank_logging``, ``install_fail_fast``, ``install_stack_dump`` and
+``Timeline``; the communicator's ``_collective`` calls a ``CollectiveMonitor`` (no-op unless
+debug mode or the stall watchdog is switched on).
+"""
+from hpcdl.debug.faults import dump_stacks_now, install_fail_fast, install_stack_dump
+from hpcdl.debug.log import debug_enabled, rank_log_path, setup_rank_logging
+from hpcdl.debug.monitor import (
+    note_activity,
+    unwatch_collectives,
+    watch_collectives,
+    watch_region,
+)
+from hpcdl.debug.trace import Timeline
+
+__all__ = [
+    "Timeline",
+    "debug_enabled",
+    "dump_stacks_now",
+    "install_fail_fast",
+    "install_stack_dump",
+    "note_activity",
+    "rank_log_path",
+    "setup_rank_logging",
+    "unwatch_collectives",
+    "watch_collectives",
+    "watch_region",
+]

@@ -1,0 +1,424 @@
+"""``hpcdl doctor``: is this launch laid out the way the job needs?
+
+Run under the job's own launcher (``mpiexec -n P hpcdl doctor``, ``srun hpcdl doctor``). Each
+rank describes itself (:func:`collect_rank_info`); rank 0 gathers the dicts, and the checks
+(:func:`diagnose`) are pure functions over that list, so the tests build layouts by hand as well
+as running the real thing. The checks are the mistakes that cost allocations on CPU clusters:
+more threads than cores, ranks bound to the same cores, a rank spread over two sockets when the
+paper's layout is one rank per socket (You et al., ICPP'18), HDF5 file locking on a parallel file
+system, and -- the commonest -- mpi4py built against a different MPI than the launcher, which
+makes every rank a world of one.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import shutil
+import socket
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: File systems where HDF5's POSIX locks fail or serialise readers.
+PARALLEL_FS = ("lustre", "gpfs", "nfs", "nfs4", "beegfs", "cephfs", "ceph", "pvfs2",
+               "orangefs", "panfs", "wekafs", "fuse.glusterfs")
+#: Threading / math-library settings worth seeing side by side.
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY", "KMP_BLOCKTIME",
+              "KMP_HW_SUBSET", "MKL_NUM_THREADS", "MKL_DYNAMIC", "OPENBLAS_NUM_THREADS")
+#: Environment variables launchers set, as (variable, what it means).
+LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS",
+                     "SLURM_NTASKS", "MV2_COMM_WORLD_SIZE", "PALS_SIZE")
+LAUNCHER_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
+                     "MV2_COMM_WORLD_RANK", "PALS_RANKID")
+LOW_SPACE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem the doctor found: ``level`` is "error" (exit non-zero) or "warning"."""
+
+    level: str
+    check: str
+    message: str
+    fix: str
+
+
+# -- what one rank knows about itself -----------------------------------------------------------
+def cpu_socket(cpu: int) -> int:
+    path = f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id"
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def online_cpus() -> list[int]:
+    """Every logical CPU of the node (not just this rank's mask)."""
+    try:
+        with open("/sys/devices/system/cpu/online", encoding="ascii") as f:
+            return parse_cpu_list(f.read())
+    except OSError:
+        return list(range(os.cpu_count() or 1))
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's and Slurm's mask syntax)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    items, out, i = sorted(set(cpus)), [], 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def mount_of(path: str, mounts_text: str) -> tuple[str, str]:
+    """(mount point, fs type) of ``path`` from /proc/mounts text (longest matching prefix)."""
+    path = os.path.realpath(path)
+    best = ("/", "unknown")
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, fields[2])
+    return best
+
+
+def _read_mounts() -> str:
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _library_info() -> dict[str, Any]:
+    import mpi4py
+    import torch
+    from mpi4py import MPI
+
+    vendor, vendor_version = MPI.get_vendor()
+    info: dict[str, Any] = {
+        "mpi_library": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+        "mpi_vendor": f"{vendor} {'.'.join(map(str, vendor_version))}",
+        "mpi_standard": ".".join(map(str, MPI.Get_version())),
+        "mpi4py": mpi4py.__version__,
+        "mpi4py_config": {k: str(v) for k, v in mpi4py.get_config().items()},
+        "thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                         MPI.THREAD_SERIALIZED: "serialized",
+                         MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?"),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "ipex": importlib.util.find_spec("intel_extension_for_pytorch") is not None,
+        "oneccl": importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None,
+    }
+    try:
+        import h5py
+
+        info["h5py"] = h5py.__version__
+        info["hdf5"] = h5py.version.hdf5_version
+    except ImportError:
+        info["h5py"] = info["hdf5"] = None
+    return info
+
+
+def collect_rank_info(mpi_comm: Any, staging_dir: str, data_dir: str | None = None) -> dict:
+    """Everything the checks need about this rank (collective over ``mpi_comm``)."""
+    from mpi4py import MPI
+
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.rank)
+    leader = mpi_comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, mpi_comm.rank)
+    node_index = node.bcast(leader.rank if node.rank == 0 else None, root=0)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count() or 1))
+    node_masks = node.allgather(cpus)
+    local_rank, local_size = node.rank, node.size
+    if leader != MPI.COMM_NULL:
+        leader.Free()
+    node.Free()
+    node_cpus = online_cpus()
+    mounts = _read_mounts()
+    staging_mount, staging_fs = mount_of(staging_dir, mounts)
+    try:
+        free = shutil.disk_usage(staging_dir).free
+    except OSError:
+        free = None
+    info = {
+        "rank": mpi_comm.rank, "size": mpi_comm.size, "host": socket.gethostname(),
+        "node_index": node_index, "local_rank": local_rank, "local_size": local_size,
+        "pid": os.getpid(), "cpus": cpus, "sockets": sorted({cpu_socket(c) for c in cpus}),
+        # Cores the job may use on this node: the union of its ranks' masks (a Slurm job with
+        # part of a node sees only its cgroup's cores), not every core the kernel lists.
+        "node_cpus": len(set().union(*map(set, node_masks))),
+        "node_sockets": len({cpu_socket(c) for c in node_cpus}),
+        "hpcdl_threads": _hpcdl_threads(cpus, node_masks),
+        "env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
+        "launcher_env": {k: os.environ[k] for k in LAUNCHER_SIZE_ENV + LAUNCHER_RANK_ENV
+                         if k in os.environ},
+        "hdf5_file_locking": os.environ.get("HDF5_USE_FILE_LOCKING"),
+        "staging_dir": staging_dir, "staging_exists": os.path.isdir(staging_dir),
+        "staging_free_bytes": free, "staging_fs": staging_fs,
+        "staging_mount": staging_mount, "python": platform.python_version(),
+    }
+    if data_dir:
+        info["data_dir"] = data_dir
+        info["data_mount"], info["data_fs"] = mount_of(data_dir, mounts)
+    info.update(_library_info())
+    return info
+
+
+def _hpcdl_threads(cpus: Sequence[int], node_masks: Sequence[Sequence[int]]) -> int | None:
+    """The thread count ``hpcdl train`` will give torch (hpcdl/train/threads.py's rule)."""
+    try:
+        from hpcdl.train.threads import threads_per_rank
+    except Exception:  # noqa: BLE001 - the trainer may be absent; the doctor still works
+        return None
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    limit = int(env) if env.isdigit() else None
+    threads, _ = threads_per_rank(frozenset(cpus), [frozenset(m) for m in node_masks], limit)
+    return threads
+
+
+# -- the checks (pure) --------------------------------------------------------------------------
+def threads_of(info: Mapping[str, Any]) -> int:
+    """Threads this rank computes with: hpcdl's rule when known, else torch's own default."""
+    return int(info.get("hpcdl_threads") or info["torch_threads"])
+
+
+def check_launcher_mismatch(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """The launcher started P > 1 processes but MPI says each is a world of one."""
+    findings = []
+    for info in ranks:
+        if info["size"] != 1:
+            continue
+        claimed = {k: v for k, v in info.get("launcher_env", {}).items()
+                   if k in LAUNCHER_SIZE_ENV and str(v).isdigit() and int(v) > 1}
+        if not claimed:
+            continue
+        said = ", ".join(f"{k}={v}" for k, v in sorted(claimed.items()))
+        findings.append(Finding(
+            "error", "launcher-mismatch",
+            f"the launcher started this process as one of several ({said}) but MPI reports "
+            f"size 1 on {info['host']}: mpi4py is linked to {info['mpi_library']!r}, a different "
+            f"MPI than the launcher's, so every rank trains alone",
+            "launch with the mpiexec of the MPI mpi4py was built against (`python -c \"import "
+            "mpi4py; print(mpi4py.get_config())\"`), or rebuild mpi4py against the site MPI: "
+            "`module load <mpi>; MPICC=mpicc pip install --no-binary=mpi4py --force-reinstall "
+            "mpi4py` (with Slurm: srun --mpi=pmix or pmi2, whichever the MPI supports)"))
+    return findings
+
+
+def check_oversubscription(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """Threads x ranks on a node must not exceed its cores."""
+    findings = []
+    for host, infos in _by_host(ranks).items():
+        cores = infos[0]["node_cpus"]
+        total = sum(threads_of(i) for i in infos)
+        if total > cores:
+            per = sorted({threads_of(i) for i in infos})
+            findings.append(Finding(
+                "warning", "oversubscribed",
+                f"{host}: {len(infos)} rank(s) x {'/'.join(map(str, per))} thread(s) = {total} "
+                f"threads on {cores} core(s) available to the job"
+                f"{_omp_note(infos)}",
+                f"run at most {cores} threads per node: fewer ranks per node, or "
+                f"OMP_NUM_THREADS={max(1, cores // len(infos))} with one rank per socket "
+                f"(mpiexec -n P -ppn <sockets> -bind-to socket; srun --cpu-bind=sockets)"))
+    return findings
+
+
+def _omp_note(infos: Sequence[Mapping[str, Any]]) -> str:
+    omp = {i["env"].get("OMP_NUM_THREADS") for i in infos} - {None}
+    return f" (OMP_NUM_THREADS={'/'.join(sorted(omp))})" if omp else ""
+
+
+def check_shared_cores(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """Two ranks of one node whose affinity masks overlap compete for the same cores."""
+    findings = []
+    for host, infos in _by_host(ranks).items():
+        pairs = [(a["rank"], b["rank"], sorted(set(a["cpus"]) & set(b["cpus"])))
+                 for i, a in enumerate(infos) for b in infos[i + 1:]]
+        pairs = [p for p in pairs if p[2]]
+        if pairs:
+            shown = "; ".join(f"ranks {a},{b} share cores {format_cpu_list(c)}"
+                              for a, b, c in pairs[:4])
+            more = f" (and {len(pairs) - 4} more pairs)" if len(pairs) > 4 else ""
+            findings.append(Finding(
+                "warning", "shared-cores", f"{host}: {shown}{more}",
+                "bind each rank to its own cores: mpiexec -bind-to socket (MPICH/Intel MPI: "
+                "-bind-to socket, Open MPI: --bind-to socket --map-by socket), srun "
+                "--cpu-bind=sockets"))
+    return findings
+
+
+def check_socket_span(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """One rank per socket was meant (ranks on the node == sockets) but a rank spans two."""
+    findings = []
+    for host, infos in _by_host(ranks).items():
+        sockets = infos[0]["node_sockets"]
+        if sockets < 2 or len(infos) != sockets:
+            continue
+        spanning = [i for i in infos if len(i["sockets"]) > 1]
+        if spanning:
+            listed = ", ".join(f"rank {i['rank']} on sockets {format_cpu_list(i['sockets'])}"
+                               for i in spanning)
+            findings.append(Finding(
+                "warning", "socket-span",
+                f"{host}: {len(infos)} ranks for {sockets} sockets (one rank per socket) but "
+                f"{listed}: its threads cross the socket link to reach memory",
+                "bind one rank per socket: mpiexec -bind-to socket / srun --cpu-bind=sockets "
+                "(check with `hpcdl doctor` again: each rank should list one socket)"))
+    return findings
+
+
+def check_hdf5_locking(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """HDF5's POSIX file locks on Lustre/GPFS/NFS fail (errno 38/524) or serialise opens."""
+    findings, seen = [], set()
+    for info in ranks:
+        locking = (info.get("hdf5_file_locking") or "").strip().upper()
+        if locking in ("FALSE", "0", "BEST_EFFORT"):
+            continue
+        for role in ("staging", "data"):
+            fs = info.get(f"{role}_fs")
+            if fs not in PARALLEL_FS or (role, fs, info["host"]) in seen:
+                continue
+            seen.add((role, fs, info["host"]))
+            findings.append(Finding(
+                "warning", "hdf5-locking",
+                f"{info['host']}: the {role} directory {info.get(f'{role}_dir')} is on {fs} "
+                f"and HDF5_USE_FILE_LOCKING is {info.get('hdf5_file_locking') or 'unset'}: "
+                f"opening shards takes POSIX locks that {fs} refuses or serialises",
+                "export HDF5_USE_FILE_LOCKING=FALSE in the job script (shards are read-only "
+                "during training), or stage the shards to node-local disk (hpcdl stage)"))
+    return findings
+
+
+def check_staging_space(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    findings, seen = [], set()
+    for info in ranks:
+        if info.get("staging_exists") is False and info["host"] not in seen:
+            seen.add(info["host"])
+            findings.append(Finding(
+                "error", "staging-missing",
+                f"{info['host']}: staging directory {info['staging_dir']} does not exist",
+                "create it in the job script (mkdir -p) or pass --staging the node-local "
+                "scratch directory ($TMPDIR)"))
+            continue
+        free = info.get("staging_free_bytes")
+        if free is None or free >= LOW_SPACE_BYTES or info["host"] in seen:
+            continue
+        seen.add(info["host"])
+        findings.append(Finding(
+            "warning", "staging-space",
+            f"{info['host']}: only {free / 2**30:.2f} GiB free in {info['staging_dir']}",
+            "point --staging (and $TMPDIR) at the node-local disk with room for the shards"))
+    return findings
+
+
+def check_accelerators(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """IPEX / oneCCL are optional: say what is missing and how to get it (never faked)."""
+    info = ranks[0]
+    missing = [name for name, key in (("intel-extension-for-pytorch", "ipex"),
+                                      ("oneccl_bindings_for_pytorch", "oneccl")) if not info[key]]
+    if not missing:
+        return []
+    return [Finding("info", "accelerators", f"not installed: {', '.join(missing)} (optional)",
+                    "only for --ipex / comm backend ccl: install the builds matching torch "
+                    f"{info['torch']} (pip install '.[intel]' where wheels exist)")]
+
+
+CHECKS = (check_launcher_mismatch, check_oversubscription, check_shared_cores,
+          check_socket_span, check_hdf5_locking, check_staging_space, check_accelerators)
+
+
+def diagnose(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """Every check over the gathered per-rank dicts, errors first."""
+    findings = [f for check in CHECKS for f in check(ranks)]
+    order = {"error": 0, "warning": 1, "info": 2}
+    return sorted(findings, key=lambda f: order.get(f.level, 3))
+
+
+def exit_code(findings: Sequence[Finding], strict: bool = False) -> int:
+    """1 when any error (or, with ``strict``, any warning) was found."""
+    bad = ("error", "warning") if strict else ("error",)
+    return 1 if any(f.level in bad for f in findings) else 0
+
+
+def _by_host(ranks: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    groups: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for info in ranks:
+        groups[info["host"]].append(info)
+    return groups
+
+
+# -- output -------------------------------------------------------------------------------------
+ROW_COLUMNS = ("rank", "host", "node", "local", "cores", "sockets", "threads", "OMP", "free GiB")
+
+
+def table_rows(ranks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for i in ranks:
+        free = i.get("staging_free_bytes")
+        rows.append({
+            "rank": f"{i['rank']}/{i['size']}", "host": i["host"], "node": i["node_index"],
+            "local": f"{i['local_rank']}/{i['local_size']}", "cores": format_cpu_list(i["cpus"]),
+            "sockets": format_cpu_list(i["sockets"]),
+            "threads": f"{threads_of(i)} (torch {i['torch_threads']})",
+            "OMP": i["env"].get("OMP_NUM_THREADS", "-"),
+            "free GiB": "?" if free is None else f"{free / 2**30:.1f}"})
+    return rows
+
+
+def format_report(ranks: Sequence[Mapping[str, Any]], findings: Sequence[Finding]) -> str:
+    rows = table_rows(ranks)
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in ROW_COLUMNS}
+    lines = ["  ".join(c.ljust(widths[c]) for c in ROW_COLUMNS)]
+    lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in ROW_COLUMNS) for r in rows]
+    lines.append("")
+    first = ranks[0]
+    for key in ("mpi_library", "mpi_vendor", "mpi_standard", "thread_level", "mpi4py",
+                "mpi4py_config", "torch", "ipex", "oneccl", "h5py", "hdf5", "hdf5_file_locking",
+                "staging_dir", "staging_fs", "data_dir", "data_fs"):
+        if key not in first:
+            continue
+        values = {str(i.get(key)) for i in ranks}
+        shown = values.pop() if len(values) == 1 else "DIFFERS: " + "; ".join(
+            f"rank {i['rank']}={i.get(key)}" for i in ranks)
+        lines.append(f"{key:18s} {shown}")
+    thread_env = {k: v for k, v in first["env"].items()}
+    lines.append(f"{'thread env':18s} "
+                 f"{' '.join(f'{k}={v}' for k, v in thread_env.items()) or '(none set)'}")
+    launcher = first.get("launcher_env", {})
+    lines.append(f"{'launcher env':18s} "
+                 f"{' '.join(f'{k}={v}' for k, v in launcher.items()) or '(none seen)'}")
+    lines.append("")
+    if not any(f.level in ("error", "warning") for f in findings):
+        lines.append("no problems found")
+    for f in findings:
+        lines.append(f"{f.level.upper()} [{f.check}] {f.message}")
+        lines.append(f"    fix: {f.fix}")
+    return "\n".join(lines)
+
+
+def report_json(ranks: Sequence[Mapping[str, Any]], findings: Sequence[Finding]) -> dict:
+    return {"ranks": [dict(r) for r in ranks], "findings": [asdict(f) for f in findings],
+            "errors": sum(f.level == "error" for f in findings),
+            "warnings": sum(f.level == "warning" for f in findings)}

@@ -1,0 +1,114 @@
+"""Fail fast on a dead rank, and dump stacks of a live one.
+
+A rank that raises and simply exits leaves every other rank blocked in its next allreduce
+until Slurm's time limit: hours of allocation for nothing. ``install_fail_fast`` makes an
+uncaught exception, in the main thread or the communication thread, print its traceback with
+the rank and then ``MPI_Abort`` the whole job with a non-zero code.
+
+``install_stack_dump`` lets a person look inside a hang without a debugger: ``SIGUSR2`` makes a
+rank write every thread's Python stack to its log (``faulthandler``), and ``HPCDL_DUMP=1`` at
+start makes every rank do so every ``HPCDL_DUMP_EVERY_S`` seconds (default 60) for launchers that
+do not forward signals.
+"""
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+from types import TracebackType
+from typing import Any, TextIO
+
+from hpcdl.debug.log import LOGGER_NAME, current_log_file, rank_prefix
+
+ABORT_EXIT_CODE = 1
+_dump_file: TextIO | None = None
+
+
+def format_rank_traceback(
+    rank: int, size: int, exc_type: type[BaseException], exc: BaseException | None,
+    tb: TracebackType | None, thread_name: str = "MainThread", prefix_lines: bool = True,
+) -> str:
+    """The traceback with a rank prefix on every line, so interleaved stderr stays readable."""
+    prefix = rank_prefix(rank, size, socket.gethostname()) + " " if prefix_lines else ""
+    lines = [f"uncaught {exc_type.__name__} in thread {thread_name}; aborting the job\n"]
+    lines += traceback.format_exception(exc_type, exc, tb)
+    return "".join(f"{prefix}{line}" for chunk in lines for line in chunk.splitlines(True))
+
+
+def _log_to_files(text: str) -> None:
+    """Put the traceback in this rank's log file (the terminal gets it from stderr below)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    record = logger.makeRecord(LOGGER_NAME, logging.CRITICAL, __file__, 0, "%s",
+                               (text.rstrip("\n"),), None)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def _report_and_abort(mpi_comm: Any, text: str, plain: str) -> None:
+    try:
+        _log_to_files(plain)
+    except Exception:  # noqa: BLE001 - logging must not stop the abort
+        pass
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    mpi_comm.Abort(ABORT_EXIT_CODE)
+
+
+def install_fail_fast(mpi_comm: Any) -> None:
+    """Abort the whole MPI job when any thread of this rank dies of an uncaught exception."""
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+
+    def on_main_exception(exc_type: type[BaseException], exc: BaseException,
+                          tb: TracebackType | None) -> None:
+        _report_and_abort(mpi_comm, format_rank_traceback(rank, size, exc_type, exc, tb),
+                          format_rank_traceback(rank, size, exc_type, exc, tb, prefix_lines=False))
+
+    def on_thread_exception(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        exc_info = (args.exc_type, args.exc_value, args.exc_traceback)
+        _report_and_abort(mpi_comm, format_rank_traceback(rank, size, *exc_info, name),
+                          format_rank_traceback(rank, size, *exc_info, name, prefix_lines=False))
+
+    sys.excepthook = on_main_exception
+    threading.excepthook = on_thread_exception
+
+
+def install_stack_dump(path: str | None = None) -> str:
+    """Register ``SIGUSR2`` to dump all threads' Python stacks to this rank's log.
+
+    ``path`` defaults to the log file ``setup_rank_logging`` opened, else stderr. Returns where
+    dumps go. ``py-spy dump --pid PID`` gives the same view plus native frames (docs/debugging.md).
+    """
+    global _dump_file
+    path = path or current_log_file()
+    if _dump_file is not None and _dump_file is not sys.stderr:
+        _dump_file.close()
+    # faulthandler writes to the file descriptor from a signal handler, so it needs a file it
+    # keeps open for the life of the process, separate from logging's handler.
+    _dump_file = open(path, "a", encoding="utf-8") if path else sys.stderr  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR2, file=_dump_file, all_threads=True, chain=False)
+    if os.environ.get("HPCDL_DUMP", "").strip() not in ("", "0"):
+        every_s = float(os.environ.get("HPCDL_DUMP_EVERY_S", "60"))
+        faulthandler.dump_traceback_later(every_s, repeat=True, file=_dump_file)
+    return path or "<stderr>"
+
+
+def dump_stacks_now() -> None:
+    """Write every thread's stack where ``install_stack_dump`` sends them (or stderr)."""
+    target = _dump_file or sys.stderr
+    target.flush()
+    faulthandler.dump_traceback(file=target, all_threads=True)
+    target.flush()

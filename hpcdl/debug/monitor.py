@@ -1,0 +1,216 @@
+"""What ``Communicator._collective`` calls around every collective (hpcdl/comm/base.py).
+
+``NULL_MONITOR`` is the default: ``watch`` returns one shared object whose enter/exit do
+nothing. ``watch_collectives(comm, run_dir)`` installs a live ``CollectiveMonitor``, whose fast
+path is a counter and one tuple store per collective (the stall watchdog reads that tuple from its
+own thread); in debug mode (``HPCDL_DEBUG=1``) it also keeps a record of every collective --
+name, bucket id, shapes, dtype, bytes, seconds -- logs it, and writes the last ones to the log
+when a collective fails (the communicator's signature check names the first call on which the
+ranks disagree, with each rank's shapes). With a ``Timeline`` every collective is a span on the
+thread that issued it, so the communication thread's bucket reductions get their own row.
+
+``HPCDL_INJECT=RANK:SEQ:raise`` or ``RANK:SEQ:sleep=SECONDS`` makes rank RANK raise (or sleep)
+just before its SEQ-th collective: how the tests (and a curious user) rehearse a dead or stuck
+rank without editing the trainer.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from hpcdl.debug.log import COLLECTIVES_LOGGER, debug_enabled
+from hpcdl.debug.stall import StallWatchdog, thresholds_from_env
+
+RECORDS_KEPT = 10_000
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``HPCDL_INJECT=RANK:SEQ:raise`` (a rehearsal of a rank that dies)."""
+
+
+class _NullWatch:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+class NullMonitor:
+    """No debugging: every method is a no-op (the communicator's default)."""
+
+    active = False
+    _watch = _NullWatch()
+
+    def watch(self, name: str, meta: dict[str, Any]) -> _NullWatch:
+        return self._watch
+
+    def note(self, activity: str) -> None:
+        pass
+
+
+NULL_MONITOR = NullMonitor()
+
+
+def parse_injection(text: str) -> tuple[int, int, str, float] | None:
+    """``"1:5:raise"`` -> (1, 5, "raise", 0.0); ``"1:3:sleep=30"`` -> (1, 3, "sleep", 30.0)."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        rank, seq, action = text.split(":", 2)
+        kind, _, seconds = action.partition("=")
+        if kind not in ("raise", "sleep"):
+            raise ValueError(kind)
+        return int(rank), int(seq), kind, float(seconds or 0)
+    except ValueError:
+        raise ValueError(f"HPCDL_INJECT={text!r}: expected RANK:SEQ:raise or "
+                         f"RANK:SEQ:sleep=SECONDS") from None
+
+
+class _Watch:
+    __slots__ = ("monitor", "name", "meta", "seq", "t0")
+
+    def __init__(self, monitor: CollectiveMonitor, name: str, meta: dict[str, Any]) -> None:
+        self.monitor, self.name, self.meta = monitor, name, meta
+
+    def __enter__(self) -> None:
+        m = self.monitor
+        seq = m.seq + 1
+        if m.injection is not None and m.injection[1] == seq:
+            m.inject(seq, self.name)
+        m.seq = self.seq = seq
+        # The one store the watchdog reads: (seq, name, meta, since, in_collective).
+        m.state = (seq, self.name, self.meta, time.time(), True)
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> bool:
+        m = self.monitor
+        dt = time.perf_counter() - self.t0
+        m.state = (self.seq, self.name, self.meta, time.time(), False)
+        if m.timeline is not None:
+            bucket = self.meta.get("bucket")
+            label = self.name if bucket is None else f"{self.name} bucket {bucket}"
+            m.timeline.complete(label, "comm", self.t0, dt, {"bytes": self.meta.get("bytes")})
+        if m.records is not None:
+            m.record(self.seq, self.name, self.meta, dt)
+        if exc_type is not None:
+            m.log_recent(f"collective #{self.seq} {self.name} failed with {exc_type.__name__}")
+        return False
+
+
+class CollectiveMonitor:
+    """Live monitor of one rank's collectives; see the module docstring."""
+
+    active = True
+
+    def __init__(self, rank: int, size: int, record: bool = False, timeline: Any = None,
+                 injection: str = "") -> None:
+        self.rank, self.size = rank, size
+        self.seq = 0
+        now = time.time()
+        self.state: tuple[int, str, dict, float, bool] = (0, "", {}, now, False)
+        self.activity: tuple[str, float] = ("", now)
+        self.records: deque[dict[str, Any]] | None = deque(maxlen=RECORDS_KEPT) if record \
+            else None
+        self.timeline = timeline
+        parsed = parse_injection(injection)
+        self.injection = parsed if parsed is not None and parsed[0] == rank else None
+        self.watchdog: StallWatchdog | None = None
+        self._log = logging.getLogger(COLLECTIVES_LOGGER)
+
+    def watch(self, name: str, meta: dict[str, Any]) -> _Watch:
+        return _Watch(self, name, meta)
+
+    def note(self, activity: str) -> None:
+        """What this rank is doing between collectives ("data wait", "checkpoint step 400"):
+        the stall report shows it for ranks that have not arrived."""
+        self.activity = (activity, time.time())
+
+    def record(self, seq: int, name: str, meta: dict[str, Any], seconds: float) -> None:
+        entry = {"seq": seq, "name": name, "bucket": meta.get("bucket"),
+                 "shapes": meta.get("shapes"), "dtype": meta.get("dtype", meta.get("dtypes")),
+                 "bytes": meta.get("bytes"), "seconds": round(seconds, 6)}
+        self.records.append(entry)
+        self._log.debug("collective %s", entry)
+
+    def log_recent(self, why: str, count: int = 10) -> None:
+        if not self.records:
+            return
+        recent = list(self.records)[-count:]
+        self._log.error("%s; this rank's last %d collectives:\n%s", why, len(recent),
+                        "\n".join(f"  {r}" for r in recent))
+
+    def inject(self, seq: int, name: str) -> None:
+        _, _, kind, seconds = self.injection
+        if kind == "sleep":
+            self.note(f"sleeping {seconds:g} s (HPCDL_INJECT) before #{seq} {name}")
+            time.sleep(seconds)
+            self.note("")
+            return
+        raise InjectedFault(f"HPCDL_INJECT: rank {self.rank} raises before collective #{seq} "
+                            f"{name}")
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog.join()
+            self.watchdog = None
+
+
+def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | None = None,
+                      warn_s: float | None = None, abort_s: float | None = None,
+                      timeline: Any = None, abort: Any = None) -> CollectiveMonitor:
+    """Install a live monitor on ``comm`` (collective: call on every rank) and return it.
+
+    ``record`` defaults to debug mode (``HPCDL_DEBUG=1``); stall thresholds default to
+    ``HPCDL_STALL_WARN_S`` / ``HPCDL_STALL_ABORT_S`` or 60 s / 600 s (0 = off). Heartbeats go to
+    ``RUN_DIR/logs/heartbeat/``. ``abort(code)`` defaults to MPI_Abort on COMM_WORLD.
+    """
+    mpi_comm = comm.mpi_comm
+    job = mpi_comm.bcast(uuid.uuid4().hex if mpi_comm.Get_rank() == 0 else None, root=0)
+    monitor = CollectiveMonitor(comm.rank, comm.size,
+                                record=debug_enabled() if record is None else record,
+                                timeline=timeline, injection=os.environ.get("HPCDL_INJECT", ""))
+    thresholds = thresholds_from_env(warn_s, abort_s)
+    if thresholds.enabled:
+        if abort is None:
+            from mpi4py import MPI
+
+            abort = MPI.COMM_WORLD.Abort
+        heartbeat_dir = os.path.join(run_dir, "logs", "heartbeat") if run_dir else None
+        monitor.watchdog = StallWatchdog(monitor, thresholds, heartbeat_dir, job, abort)
+        monitor.watchdog.start()
+    comm._monitor = monitor
+    return monitor
+
+
+def unwatch_collectives(comm: Any) -> None:
+    """Stop the watchdog and put the no-op monitor back."""
+    monitor = comm._monitor
+    if isinstance(monitor, CollectiveMonitor):
+        monitor.close()
+    comm._monitor = NULL_MONITOR
+
+
+def watch_region(comm: Any, name: str, meta: dict[str, Any] | None = None) -> Any:
+    """Count a collective made directly on ``comm.mpi_comm`` (a control Allreduce, a gather of
+    RNG states) as one, so the stall report covers it too::
+
+        with watch_region(comm, "agree on stop/loss"):
+            comm.mpi_comm.Allreduce(flags, total, op=MPI.SUM)
+
+    Every rank must enter the same regions in the same order (like any collective)."""
+    return comm._monitor.watch(name, meta or {})
+
+
+def note_activity(comm: Any, activity: str) -> None:
+    """Tell the stall report what this rank does between collectives (cheap; no-op when off)."""
+    comm._monitor.note(activity)
