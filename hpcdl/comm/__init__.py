@@ -1,0 +1,78 @@
+"""Gradient communication: one communicator, passed explicitly (docs/comm.md).
+
+    comm = hpcdl.comm.init("auto")          # or "mpi", "ring", "shm", "gloo", "ccl"
+    comm.allreduce_(grads)                  # averaged in place, fused into flat buckets
+
+Backends (one algorithm each): ``mpi`` (MPI_Allreduce), ``ring`` (bandwidth-optimal ring,
+Patarasuk & Yuan 2009), ``shm`` (hierarchical: node-shared-memory reduce-scatter, then
+across nodes), ``gloo`` and ``ccl`` (torch.distributed process groups).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+from mpi4py import MPI
+
+from hpcdl.comm.base import (
+    DEFAULT_BUCKET_BYTES,
+    CollectiveMismatchError,
+    Communicator,
+)
+
+__all__ = ["BACKENDS", "CollectiveMismatchError", "Communicator", "auto_backend", "init"]
+
+#: name -> "module:class"; imported on demand so e.g. gloo costs nothing unless asked for.
+BACKENDS = {
+    "mpi": "hpcdl.comm.mpi:MPICommunicator",
+    "ring": "hpcdl.comm.ring:RingCommunicator",
+    "shm": "hpcdl.comm.shm:SharedMemoryCommunicator",
+    "gloo": "hpcdl.comm.gloo:GlooCommunicator",
+    "ccl": "hpcdl.comm.ccl:CCLCommunicator",
+}
+
+
+def auto_backend(world: MPI.Intracomm) -> str:
+    """The rule behind ``backend="auto"`` (measured, docs/performance.md ## Allreduce).
+
+    ``shm`` whenever some node holds more than one rank of ``world``: reducing through the
+    node's shared memory reads each byte once instead of copying it through MPI's eager
+    buffers, and keeps only one rank per node slice on the network. With one rank per node
+    (or one rank) ``mpi``: the vendor's allreduce is tuned for the interconnect.
+    Collective over ``world``.
+    """
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    try:
+        most = world.allreduce(node.size, op=MPI.MAX)
+    finally:
+        node.Free()
+    return "shm" if most > 1 else "mpi"
+
+
+def init(backend: str = "auto", world: MPI.Intracomm | None = None,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+         wire_dtype: torch.dtype | str | None = None,
+         ranks_per_node: int | None = None) -> Communicator:
+    """Build the communicator for ``world`` (default COMM_WORLD). Collective over ``world``.
+
+    ``bucket_bytes`` is the fusion bucket size of :meth:`Communicator.allreduce_`;
+    ``wire_dtype=torch.bfloat16`` sends bf16 and sums in fp32 (``ring``, ``shm``).
+    ``ranks_per_node=k`` treats groups of k consecutive ranks as nodes (to exercise the
+    multi-node paths on one machine); None (the default) asks MPI which ranks share memory.
+    """
+    world = world if world is not None else MPI.COMM_WORLD
+    name = backend.lower()
+    if name == "auto":
+        name = auto_backend(world)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown comm backend {backend!r}; choose auto or one of "
+                         f"{', '.join(BACKENDS)}")
+    if isinstance(wire_dtype, str):
+        names = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+        if wire_dtype.lower() not in names:
+            raise ValueError(f"wire_dtype {wire_dtype!r}: use float32 or bfloat16")
+        wire_dtype = names[wire_dtype.lower()]
+    module_name, class_name = BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(world=world, bucket_bytes=bucket_bytes, wire_dtype=wire_dtype,
+               ranks_per_node=ranks_per_node)

@@ -1,0 +1,423 @@
+"""The communicator every backend shares: topology, fusion, the mismatch check, one seam.
+
+A backend (``mpi``, ``ring``, ``shm``, ``gloo``, ``ccl``) implements two methods on one flat,
+contiguous, 1-D CPU tensor of a dtype MPI can sum (float32, float64, int32, int64):
+``_allreduce(buffer, average)`` and ``_broadcast(buffer, root)``. Everything above that --
+fusing many tensors into buckets, reducing bf16/fp16 in fp32, checking that every rank passes
+the same shapes -- lives here, so a new algorithm is one file (docs/architecture.md).
+
+Every collective passes through :meth:`Communicator._collective`; that is the one place where
+the mismatch check runs and where hpcdl/debug attaches recording and the stall watchdog.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpcdl.debug.monitor import NULL_MONITOR
+
+#: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
+NATIVE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+#: Default fusion bucket: Horovod's and the recipes' 25 MB (docs/comm.md).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks called the same collective with different shapes, dtypes or arguments."""
+
+
+def debug_enabled() -> bool:
+    """HPCDL_DEBUG=1: check every collective's signature, not only a layout's first call."""
+    return os.environ.get("HPCDL_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def require_thread_multiple() -> None:
+    """The reducer issues collectives from a communication thread while the main thread runs
+    autograd (and may touch MPI for metrics), so MPI must grant MPI_THREAD_MULTIPLE."""
+    if not MPI.Is_initialized():
+        raise RuntimeError("hpcdl.comm: MPI is not initialised (import mpi4py.MPI first)")
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+                 MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        raise RuntimeError(
+            f"hpcdl.comm needs MPI_THREAD_MULTIPLE (gradients are reduced on a communication "
+            f"thread) but the MPI library provided MPI_THREAD_{names.get(provided, provided)}. "
+            f"Do not set mpi4py.rc.thread_level below 'multiple', and use an MPI built with "
+            f"thread support ({MPI.Get_library_version().splitlines()[0].strip()})."
+        )
+
+
+def oversubscribed(local_size: int) -> bool:
+    """More ranks on this node than cores: a rank that busy-polls steals its peer's core.
+    HPCDL_COMM_YIELD=1/0 forces yielding waits on/off."""
+    forced = os.environ.get("HPCDL_COMM_YIELD", "")
+    if forced:
+        return forced not in ("0", "false", "False")
+    return local_size > (os.cpu_count() or 1)
+
+
+def wait_yielding(request: MPI.Request) -> None:
+    """Wait for ``request`` without holding the core: ``Test`` (which drives MPI progress)
+    for 50 us, then sleep between tests, backing off from ~50 us to 200 us. MPICH's own
+    ``Wait`` busy-polls, which with 4 ranks on 2 cores spends half the machine spinning while
+    the peer it waits for is descheduled (measured, shm at p=4 on 2 cores, 16 MB: 0.45/0.68
+    GB/s busbw yielding vs 0.38/0.52 spinning, two alternating pairs; docs/performance.md)."""
+    spin_until = time.perf_counter() + 5e-5  # a peer that is running answers within ~50 us
+    while not request.Test():
+        if time.perf_counter() > spin_until:
+            break
+    else:
+        return
+    delay = 2e-5
+    while not request.Test():
+        time.sleep(delay)
+        delay = min(2 * delay, 2e-4)
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as a numpy array (zero-copy), what mpi4py's buffer methods take."""
+    return tensor.detach().numpy()
+
+
+def signature_hash(text: str) -> int:
+    """A hash that is the same in every process (Python's ``hash`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+def describe_meta(name: str, meta: dict[str, Any]) -> str:
+    """What must agree across ranks for ``name`` to be well formed (not the bucket id)."""
+    keys = ("shapes", "dtype", "dtypes", "numel", "average", "root", "window")
+    parts = [f"{k}={meta[k]}" for k in keys if k in meta]
+    return f"{name}(" + ", ".join(parts) + ")"
+
+
+def mismatch_message(name: str, descriptions: Sequence[str]) -> str:
+    """Group ranks by what they passed, naming each group's ranks and arguments."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in enumerate(descriptions):
+        groups.setdefault(text, []).append(rank)
+    lines = [f"  rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {text}"
+             for text, r in groups.items()]
+    return (f"{name}: ranks passed different tensors to the same collective (it would hang or "
+            f"return garbage). Every rank must pass the same shapes and dtypes in the same "
+            f"order:\n" + "\n".join(lines))
+
+
+class Communicator:
+    """One process's view of a data-parallel world: ranks, nodes, and collectives on tensors.
+
+    Build with :func:`hpcdl.comm.init`. ``world`` is any mpi4py Intracomm (COMM_WORLD, or an
+    LTFB trainer's sub-communicator); this object duplicates it, so its traffic never matches
+    a user's messages on ``mpi_comm``.
+    """
+
+    backend = "base"
+    #: hpcdl.debug.watch_collectives(comm, run_dir) installs a live monitor; default no-op.
+    _monitor = NULL_MONITOR
+
+    def __init__(self, world: MPI.Intracomm | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 wire_dtype: torch.dtype | None = None,
+                 ranks_per_node: int | None = None) -> None:
+        require_thread_multiple()
+        self.ranks_per_node = ranks_per_node
+        self.mpi_comm: MPI.Intracomm = world if world is not None else MPI.COMM_WORLD
+        self.rank = self.mpi_comm.rank
+        self.size = self.mpi_comm.size
+        self.bucket_bytes = int(bucket_bytes)
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.wire_dtype = self._check_wire_dtype(wire_dtype)
+        self._comm = self.mpi_comm.Dup()          # our collectives and point-to-point
+        self._check_comm = self.mpi_comm.Dup()    # signature checks only
+        self._init_topology()
+        #: wait with Test+sleep instead of MPI's busy-polling Wait (ring, shm)
+        self.yield_while_waiting = oversubscribed(self.local_size)
+        self._checked: set[int] = set()
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._closed = False
+
+    # -- topology ------------------------------------------------------------------------
+    def _init_topology(self) -> None:
+        """Nodes are the groups of ranks that can share memory (MPI_COMM_TYPE_SHARED).
+
+        ``ranks_per_node=k`` pretends consecutive groups of k ranks are nodes: it exercises
+        the multi-node paths on one machine (tests, benchmarks); leave it None in training."""
+        if self.ranks_per_node:
+            self.node_comm = self._comm.Split(self.rank // self.ranks_per_node, self.rank)
+        else:
+            self.node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = self.node_comm.rank
+        self.local_size = self.node_comm.size
+        is_leader = self.local_rank == 0
+        self.leader_comm = self._comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
+        ids = (self.leader_comm.rank, self.leader_comm.size) if is_leader else None
+        self.node_index, self.num_nodes = self.node_comm.bcast(ids, root=0)
+        local_sizes = self._comm.allgather(self.local_size)
+        self.uniform_nodes = len(set(local_sizes)) == 1
+
+    # -- the seam ------------------------------------------------------------------------
+    def _collective(self, name: str, meta: dict[str, Any], fn: Callable[[], Any]) -> Any:
+        """Run one collective: ``fn()`` does the communication; ``meta`` describes it.
+
+        ``meta`` keys: ``shapes`` (list of shapes), ``dtype``, ``bytes``, ``numel``,
+        ``bucket`` (an id, or None), plus arguments that must agree (``average``, ``root``).
+        Every collective of every backend passes here exactly once, on the thread that
+        issues it, in the same order on all ranks -- hpcdl/debug wraps this method to record
+        and to watch for stalls. The signature check runs first for a layout's first call
+        (and on every call with HPCDL_DEBUG=1), so a mismatch raises instead of hanging.
+        """
+        self._check_open()
+        self._check_signature(name, meta)
+        with self._monitor.watch(name, meta):  # hpcdl.debug: records, stall watchdog
+            return fn()
+
+    def _check_signature(self, name: str, meta: dict[str, Any], force: bool = False) -> None:
+        """Allgather an 8-byte hash of what this rank passed; on disagreement, gather the
+        descriptions and raise on every rank. Costs one tiny Allgather per new layout."""
+        text = describe_meta(name, meta)
+        digest = signature_hash(text)
+        if digest in self._checked and not (force or debug_enabled()):
+            return
+        mine = np.array([digest], dtype=np.int64)
+        everyone = np.empty(self.size, dtype=np.int64)
+        with self._monitor.watch(f"signature check of {name}", meta):
+            self._check_comm.Allgather(mine, everyone)
+        if np.all(everyone == everyone[0]):
+            self._checked.add(digest)
+            return
+        raise CollectiveMismatchError(mismatch_message(name, self._check_comm.allgather(text)))
+
+    # -- public collectives --------------------------------------------------------------
+    def allreduce_(self, tensors: torch.Tensor | Sequence[torch.Tensor],
+                   average: bool = True) -> None:
+        """Sum (or average) each tensor over all ranks, in place, fused into flat buckets.
+
+        bf16/fp16 tensors are reduced in float32 and rounded back once (You et al. keep the
+        reduction in fp32). Integers are summed exactly; averaging them is an error.
+        """
+        tensors = self._as_list(tensors, "allreduce_")
+        meta = {"shapes": [tuple(t.shape) for t in tensors],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "average": bool(average)}
+        self._check_open()
+        self._check_signature("allreduce_", meta)
+        for dtype, bucket in self._buckets(tensors):
+            self._allreduce_bucket(bucket, dtype, average)
+
+    def allreduce_flat_(self, buffer: torch.Tensor, average: bool = True,
+                        bucket: int | None = None) -> None:
+        """Reduce one contiguous 1-D buffer in place: what the gradient reducer calls.
+
+        A buffer from :meth:`empty` is reduced without copying in (``shm``). Safe to call
+        from a communication thread (one thread at a time issues collectives)."""
+        self._check_flat(buffer)
+        if average and not buffer.is_floating_point():
+            raise ValueError(f"allreduce_flat_: cannot average an integer buffer "
+                             f"({buffer.dtype}); pass average=False")
+        if buffer.dtype in NATIVE_DTYPES:
+            meta = self._flat_meta(buffer, bucket, average=bool(average))
+            self._collective("allreduce", meta, lambda: self._reduce_native(buffer, average))
+            return
+        wide = buffer.to(torch.float32)  # bf16/fp16: reduce in fp32, round once
+        self.allreduce_flat_(wide, average, bucket)
+        buffer.copy_(wide)
+
+    def broadcast_(self, tensors: torch.Tensor | Sequence[torch.Tensor], root: int = 0) -> None:
+        """Copy ``root``'s tensors to every rank, in place (bit-exact: sent as bytes)."""
+        tensors = self._as_list(tensors, "broadcast_")
+        if not 0 <= root < self.size:
+            raise ValueError(f"broadcast_: root {root} is not a rank of a world of {self.size}")
+        meta = {"shapes": [tuple(t.shape) for t in tensors],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors], "root": root}
+        self._check_open()
+        self._check_signature("broadcast_", meta)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        packed = torch.empty(nbytes, dtype=torch.uint8)
+        offset = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            if self.rank == root:
+                packed[offset:offset + n].copy_(_bytes_of(t))
+            offset += n
+        flat_meta = self._flat_meta(packed, None, root=root)
+        if nbytes:
+            self._collective("broadcast", flat_meta, lambda: self._broadcast(packed, root))
+        offset = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            if self.rank != root:
+                _bytes_of(t).copy_(packed[offset:offset + n])
+            offset += n
+
+    def barrier(self) -> None:
+        self._collective("barrier", {}, self._comm.Barrier)
+
+    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A flat buffer this backend reduces without copying in; default ``torch.empty``."""
+        return torch.empty(int(numel), dtype=dtype)
+
+    def close(self) -> None:
+        """Free the duplicated communicators (idempotent). Collective over the world."""
+        if self._closed:
+            return
+        self._closed = True
+        self._staging.clear()
+        self._close_backend()
+        for comm in (self.leader_comm, self.node_comm, self._check_comm, self._comm):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} backend={self.backend} rank={self.rank}/{self.size} "
+                f"local={self.local_rank}/{self.local_size} node={self.node_index}/"
+                f"{self.num_nodes}>")
+
+    # -- what a backend implements ---------------------------------------------------------
+    def _allreduce(self, buffer: torch.Tensor, average: bool) -> None:
+        raise NotImplementedError
+
+    def _broadcast(self, buffer: torch.Tensor, root: int) -> None:
+        self._comm.Bcast(numpy_view(buffer), root=root)
+
+    def _close_backend(self) -> None:
+        pass
+
+    def _staging_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Where fusion packs a bucket; ``shm`` returns window memory (the copy-in is then
+        the packing itself)."""
+        cached = self._staging.get(dtype)
+        if cached is None or cached.numel() < numel:
+            cached = torch.empty(max(numel, 1), dtype=dtype)
+            self._staging[dtype] = cached
+        return cached[:numel]
+
+    def _check_wire_dtype(self, wire_dtype: torch.dtype | None) -> torch.dtype | None:
+        if wire_dtype in (None, torch.float32):
+            return None
+        raise ValueError(f"backend {self.backend!r} does not support wire_dtype={wire_dtype}; "
+                         f"bf16 on the wire is implemented by backends 'ring' and 'shm'")
+
+    # -- helpers -------------------------------------------------------------------------
+    def _reduce_native(self, buffer: torch.Tensor, average: bool) -> None:
+        if buffer.numel() == 0:
+            return
+        if self.size == 1:
+            return  # the sum and the average of one rank are the buffer itself
+        self._allreduce(buffer, average)
+
+    def _allreduce_bucket(self, bucket: list[torch.Tensor], dtype: torch.dtype,
+                          average: bool) -> None:
+        if len(bucket) == 1 and bucket[0].dtype == dtype and bucket[0].is_contiguous() \
+                and not self._prefers_staging:
+            self.allreduce_flat_(bucket[0].view(-1), average)  # nothing to fuse: no copy
+            return
+        numel = sum(t.numel() for t in bucket)
+        flat = self._staging_buffer(numel, dtype)
+        offset = 0
+        for t in bucket:
+            flat[offset:offset + t.numel()].view(t.shape).copy_(t)
+            offset += t.numel()
+        self.allreduce_flat_(flat, average)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
+
+    _prefers_staging = False
+
+    def _buckets(self, tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, list]]:
+        """Group tensors by reduction dtype, then cut into buckets of <= bucket_bytes in call
+        order (one tensor larger than a bucket gets a bucket of its own)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(reduction_dtype(t.dtype), []).append(t)
+        buckets: list[tuple[torch.dtype, list]] = []
+        for dtype, group in by_dtype.items():
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            current: list[torch.Tensor] = []
+            filled = 0
+            for t in group:
+                nbytes = t.numel() * itemsize
+                if current and filled + nbytes > self.bucket_bytes:
+                    buckets.append((dtype, current))
+                    current, filled = [], 0
+                current.append(t)
+                filled += nbytes
+            if current:
+                buckets.append((dtype, current))
+        return buckets
+
+    def _flat_meta(self, buffer: torch.Tensor, bucket: int | None, **extra: Any) -> dict:
+        return {"shapes": [tuple(buffer.shape)], "dtype": str(buffer.dtype).removeprefix(
+            "torch."), "numel": buffer.numel(), "bytes": buffer.numel() * buffer.element_size(),
+            "bucket": bucket, **extra}
+
+    def _as_list(self, tensors: torch.Tensor | Sequence[torch.Tensor],
+                 what: str) -> list[torch.Tensor]:
+        out = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for i, t in enumerate(out):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what}: item {i} is {type(t).__name__}, not a torch.Tensor")
+            if t.device.type != "cpu":
+                raise ValueError(f"{what}: tensor {i} is on {t.device}; hpcdl.comm reduces CPU "
+                                 f"tensors")
+        return out
+
+    def _check_flat(self, buffer: torch.Tensor) -> None:
+        if buffer.device.type != "cpu" or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError(f"allreduce_flat_: rank {self.rank} got a tensor of shape "
+                             f"{tuple(buffer.shape)} on {buffer.device} (contiguous="
+                             f"{buffer.is_contiguous()}); it needs one contiguous 1-D CPU "
+                             f"buffer")
+
+    def _wait(self, request: MPI.Request) -> None:
+        if self.yield_while_waiting:
+            wait_yielding(request)
+        else:
+            request.Wait()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+
+
+def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half precisions are summed in float32 (MPI has no bf16 sum; fp32 keeps the bits)."""
+    if dtype in NATIVE_DTYPES:
+        return dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    raise TypeError(f"hpcdl.comm reduces float32/float64/bfloat16/float16/int32/int64 "
+                    f"tensors, not {dtype}")
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 view (bf16 included). Conv weights in
+    channels_last (train.channels_last) are dense too: viewed in their NHWC storage order."""
+    if (tensor.dim() == 4 and not tensor.is_contiguous()
+            and tensor.is_contiguous(memory_format=torch.channels_last)):
+        tensor = tensor.permute(0, 2, 3, 1)
+    if not tensor.is_contiguous():
+        raise ValueError(f"broadcast_: tensor of shape {tuple(tensor.shape)} is not contiguous")
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def scale_(array: np.ndarray, size: int) -> None:
+    """Turn a sum over ``size`` ranks into the average, in place (floating buffers only)."""
+    np.multiply(array, array.dtype.type(1.0 / size), out=array)

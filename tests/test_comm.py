@@ -1,0 +1,78 @@
+"""hpcdl.comm pieces that need no peers: segmenting, signatures, the bench's arithmetic, and a
+one-rank communicator (MPI singleton)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcdl.bench.allreduce import bandwidth_ratios, bandwidth_record, parse_size
+from hpcdl.comm.base import describe_meta, mismatch_message, reduction_dtype, signature_hash
+from hpcdl.comm.ring import segment_bounds
+
+
+@pytest.mark.parametrize("numel,parts", [(0, 4), (3, 4), (10, 3), (12, 4), (1, 1)])
+def test_segments_cover_the_buffer_with_near_equal_parts(numel, parts):
+    bounds = segment_bounds(numel, parts)
+    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert bounds[0] == 0 and bounds[-1] == numel and len(lengths) == parts
+    assert max(lengths) - min(lengths) <= 1
+
+
+def test_signature_hash_is_stable_across_processes():
+    # Python's hash() is salted per process; the check must compare equal text equally
+    assert signature_hash("allreduce(shapes=[(2, 3)])") == signature_hash(
+        "allreduce(shapes=[(2, 3)])")
+    assert signature_hash("a") != signature_hash("b")
+
+
+def test_mismatch_message_groups_ranks_by_what_they_passed():
+    texts = [describe_meta("allreduce_", {"shapes": [(2, 3)], "bucket": 0}),
+             describe_meta("allreduce_", {"shapes": [(4,)], "bucket": 7}),
+             describe_meta("allreduce_", {"shapes": [(2, 3)], "bucket": 3})]
+    message = mismatch_message("allreduce_", texts)
+    assert "ranks 0,2: allreduce_(shapes=[(2, 3)])" in message
+    assert "rank 1: allreduce_(shapes=[(4,)])" in message
+
+
+def test_half_precisions_reduce_in_float32_and_odd_dtypes_are_refused():
+    assert reduction_dtype(torch.bfloat16) == torch.float32
+    assert reduction_dtype(torch.int64) == torch.int64
+    with pytest.raises(TypeError, match="bool"):
+        reduction_dtype(torch.bool)
+
+
+def test_sizes_are_decimal_bytes():
+    assert parse_size("1M") == 10**6 and parse_size("16MB") == 16 * 10**6
+    assert parse_size("512") == 512 and parse_size("1.5K") == 1500
+    with pytest.raises(Exception, match="bad size"):
+        parse_size("lots")
+
+
+def test_busbw_follows_nccl_tests():
+    record = bandwidth_record("ring", "ring", 10**8, 4, 0.1)
+    assert record["algbw_GBps"] == pytest.approx(1.0)
+    assert record["busbw_GBps"] == pytest.approx(1.5)  # 2(p-1)/p at p=4
+
+
+def test_ratios_name_the_sizes_they_compare():
+    sizes = [16 * 10**6, 10**8]
+    records = [bandwidth_record(b, a, s, 2, t) for b, a, s, t in [
+        ("mpi", "mpi", 10**8, 0.3), ("default", "shm", 10**8, 0.1), ("gloo", "gloo", 10**8, 0.6),
+        ("ring", "ring", 16 * 10**6, 0.02), ("mpi", "mpi", 16 * 10**6, 0.04)]]
+    ratios = bandwidth_ratios(records, sizes)
+    assert ratios["default_vs_mpi_busbw_100MB"] == pytest.approx(3.0)
+    assert ratios["default_vs_gloo_busbw_100MB"] == pytest.approx(6.0)
+    assert ratios["ring_vs_mpi_busbw_16MB"] == pytest.approx(2.0)
+    assert ratios["default_backend"] == "shm"
+
+
+def test_one_rank_communicator_leaves_tensors_and_rejects_unknown_backends():
+    import hpcdl.comm
+
+    with pytest.raises(ValueError, match="unknown comm backend 'nccl'"):
+        hpcdl.comm.init("nccl")
+    with hpcdl.comm.init("mpi") as comm:
+        tensor = torch.arange(5, dtype=torch.float32)
+        comm.allreduce_(tensor, average=True)
+        assert torch.equal(tensor, torch.arange(5, dtype=torch.float32))
+        assert (comm.size, comm.num_nodes, comm.local_size) == (1, 1, 1)
