@@ -48,14 +48,6 @@ class InjectedFailure(RuntimeError):
     """Raised by ``fail_after`` to simulate a job killed mid-run (tests)."""
 
 
-def publish(path: str) -> None:
-    """Give a finished file the umask's permissions: atomic writes start from mkstemp's 0600,
-    but a shard directory is usually read by a whole project group."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -226,7 +218,6 @@ def write_shard(src: str, out: str, job: ShardJob, keys: Sequence[str], labels: 
              "resize": options["resize"], "classes": classes}
     image = build_shard(images, shapes, kept_labels, kept_keys, attrs)
     atomic_write_bytes(os.path.join(out, job.name), image)
-    publish(os.path.join(out, job.name))
     class_counts = np.bincount(np.asarray(kept_labels, dtype=np.int64),
                                minlength=len(classes)).tolist()
     record = {"name": job.name, "split": job.split, "index": job.index,
@@ -352,7 +343,6 @@ def shard_tree(src: str, out: str, shards: int, val_shards: int | None = None,
     manifest = build_manifest(classes, listings, records, options)
     if rank == 0:
         atomic_write_text(os.path.join(out, MANIFEST), json.dumps(manifest, indent=1) + "\n")
-        publish(os.path.join(out, MANIFEST))
     if comm is not None:
         comm.Barrier()
     return manifest

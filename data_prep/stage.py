@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 
-from data_prep.shard import MANIFEST, publish, sha256_file
+from data_prep.shard import MANIFEST, sha256_file
 from data_prep.verify import read_manifest
 from hpcdl.io import atomic_write, atomic_write_text
 
@@ -40,7 +40,6 @@ def copy_verified(src: str, dst: str, sha256: str, chunk: int = 1 << 22) -> None
             raise ValueError(f"{src}: sha256 {digest.hexdigest()[:12]}... does not match the "
                              f"manifest ({sha256[:12]}...); run `hpcdl prep verify`")
     atomic_write(dst, write)
-    publish(dst)
 
 
 def stage_node(shard_dir: str, local_dir: str, node_index: int, num_nodes: int,

@@ -19,12 +19,21 @@ def fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str, write: Callable[[BinaryIO], None]) -> None:
     """Call ``write(f)`` on a temporary file beside ``path``, then rename it into place."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
+        # mkstemp creates 0600; shards, checkpoints and summaries are read by a project
+        # group, so give the file the permissions an ordinary open() would.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -25,3 +25,12 @@ def test_failed_write_keeps_previous_file_and_leaves_no_temporary(tmp_path):
         atomic_write(str(path), explode)
     assert path.read_text() == "old"
     assert os.listdir(tmp_path) == ["a.txt"]
+
+
+def test_written_file_gets_umask_permissions_not_mkstemp_0600(tmp_path):
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(str(tmp_path / "summary.json"), "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o644

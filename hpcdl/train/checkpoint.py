@@ -1,0 +1,132 @@
+"""Checkpoints: what an exact resume needs, written atomically, read with weights_only.
+
+A checkpoint (``RUN_DIR/checkpoints/ckpt-STEP.pt``) holds the model and optimizer state, the
+global step (the schedule is a pure function of it), the loader position (epoch and batch
+offset; the loader's order is a function of (seed, epoch)) and every rank's RNG states, so a
+resumed ``--deterministic`` run ends with the same parameters as an uninterrupted one.
+
+Only tensors and primitive containers are stored, so ``torch.load(weights_only=True)`` reads
+it: a checkpoint cannot run code when loaded. Rank 0 writes: temporary file, fsync, rename
+(hpcdl.io.atomic_write), then deletes all but the newest ``keep``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcdl.io import atomic_write
+
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "checkpoint_path", "list_checkpoints",
+           "save_checkpoint", "load_checkpoint", "latest_valid_checkpoint", "prune_checkpoints",
+           "rng_state", "set_rng_state"]
+
+log = logging.getLogger("hpcdl.train")
+
+CHECKPOINT_FORMAT = "hpcdl-checkpoint-1"
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_REQUIRED = ("format", "step", "epoch", "batch_in_epoch", "model", "optimizer", "rng",
+             "world_size")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is unreadable, corrupt, or not an hpcdl checkpoint."""
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def checkpoint_path(run_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_dir(run_dir), f"ckpt-{step:09d}.pt")
+
+
+def list_checkpoints(run_dir: str) -> list[str]:
+    """Checkpoint files of a run, oldest step first."""
+    directory = checkpoint_dir(run_dir)
+    if not os.path.isdir(directory):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(directory)
+             if (m := _NAME.match(name))]
+    return [os.path.join(directory, name) for _, name in sorted(found)]
+
+
+# -- RNG states as tensors and primitives (weights_only-safe) ---------------------------------
+def rng_state() -> dict[str, Any]:
+    """This process's torch, numpy and Python RNG states, as tensors and primitives."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)),
+                  "pos": int(np_pos), "has_gauss": int(np_has_gauss),
+                  "cached_gaussian": float(np_gauss)},
+        "python": {"version": py_version, "state": list(py_state), "gauss": py_gauss},
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached_gaussian"]))
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+
+
+# -- write, read, choose ------------------------------------------------------------------------
+def save_checkpoint(path: str, state: Mapping[str, Any]) -> None:
+    """Write ``state`` atomically (rank 0 only; the caller gathers the RNG states first)."""
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise ValueError(f"save_checkpoint {path}: state lacks {missing}")
+    atomic_write(path, lambda f: torch.save(dict(state), f))
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Read a checkpoint with ``weights_only=True``; a clear error when it is not one."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no such file") from None
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint written by "
+                              f"hpcdl ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+                              ) from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"checkpoint {path} is not an hpcdl checkpoint (format {found!r}, "
+                              f"expected {CHECKPOINT_FORMAT!r})")
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: missing {missing}")
+    return state
+
+
+def latest_valid_checkpoint(run_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint of ``run_dir`` that loads; a bad one is logged (with its name)
+    and the previous one is tried. None when there is none."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path)
+        except CheckpointError as exc:
+            log.error("%s; trying the previous checkpoint", exc)
+    return None
+
+
+def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` checkpoints; returns the deleted paths."""
+    paths = list_checkpoints(run_dir)
+    doomed = paths[:-keep] if keep > 0 else []
+    for path in doomed:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return doomed

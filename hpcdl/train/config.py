@@ -1,0 +1,331 @@
+"""Recipes: YAML files validated into dataclasses, with ``key=value`` overrides.
+
+A recipe names the model, optimizer, schedule, batch, epochs and data options (DESIGN.md:
+recipes are data); the trainer never branches on a recipe's name. The schema is the one in
+docs/architecture.md. Unknown and missing keys are reported by their dotted name with the
+file, so a typo such as ``batch.per_rnak`` fails before any rank touches data.
+
+The ``model``, ``optimizer`` and ``schedule`` sections carry keys specific to the named
+model/optimizer/schedule; they are kept as dicts and validated by the factory that consumes
+them (hpcdl.models.create_model, hpcdl.optim.create_optimizer / create_schedule).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from hpcdl.io import atomic_write_text
+
+__all__ = ["Config", "RecipeError", "load_recipe", "parse_overrides", "resolve_batch",
+           "write_resolved_config", "config_from_dict"]
+
+
+class RecipeError(ValueError):
+    """A recipe (or an override of it) does not match the schema."""
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; recipes and overrides mean a number."""
+
+
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _yaml_load(text_or_file: Any) -> Any:
+    return yaml.load(text_or_file, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+@dataclass
+class DataConfig:
+    image_size: int = 224
+    val_resize: int = 256
+    min_scale: float = 0.08
+    workers: int = 4
+    rotate_shards: bool = False
+
+
+@dataclass
+class BatchConfig:
+    # Required: the published global batch is what a recipe reproduces.
+    global_: int = dataclasses.field(default=0, metadata={"key": "global", "required": True})
+    per_rank: int | None = None   # None: derived as global / (ranks * accumulation)
+    accumulation: int = 1
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    label_smoothing: float = 0.0
+    eval_every_epochs: int = 1
+    checkpoint_every_steps: int = 0
+    keep_checkpoints: int = 3
+    log_every_steps: int = 10
+    channels_last: bool = False
+    bf16: bool = False
+    # Goyal et al. (arXiv:1706.02677 §2.2): rescale the momentum buffer by lr(t)/lr(t-1)
+    # for optimizers whose buffer holds lr·g (LARS); a no-op for torch's SGD.
+    momentum_correction: bool = False
+
+
+@dataclass
+class CommConfig:
+    backend: str = "auto"
+    bucket_mb: float = 25.0
+    wire_dtype: str = "float32"
+
+
+@dataclass
+class Config:
+    """A validated recipe. ``model``/``optimizer``/``schedule`` are dicts with a ``name``."""
+
+    name: str
+    model: dict[str, Any]
+    epochs: float
+    optimizer: dict[str, Any]
+    schedule: dict[str, Any]
+    batch: BatchConfig
+    source: str = ""
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    path: str = ""  # the file it came from (not part of the schema; for messages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe in the schema's order (what RUN_DIR/config.yaml holds)."""
+        return {
+            "name": self.name,
+            "source": self.source,
+            "model": dict(self.model),
+            "data": _section_to_dict(self.data),
+            "batch": _section_to_dict(self.batch),
+            "epochs": int(self.epochs) if float(self.epochs).is_integer() else self.epochs,
+            "optimizer": dict(self.optimizer),
+            "schedule": dict(self.schedule),
+            "train": _section_to_dict(self.train),
+            "comm": _section_to_dict(self.comm),
+        }
+
+
+# Sections that are dataclasses, and the free-form sections (a dict that must name something).
+_SECTIONS = {"data": DataConfig, "batch": BatchConfig, "train": TrainConfig, "comm": CommConfig}
+_NAMED_SECTIONS = ("model", "optimizer", "schedule")
+_TOP_LEVEL = ("name", "source", "model", "data", "batch", "epochs", "optimizer", "schedule",
+              "train", "comm")
+_REQUIRED_TOP = ("name", "model", "batch", "epochs", "optimizer", "schedule")
+
+
+def _key_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _section_to_dict(section: Any) -> dict[str, Any]:
+    return {_key_of(f): getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
+def _coerce(value: Any, annotation: str, where: str) -> Any:
+    """Check a scalar against the field's annotation; ints are accepted where floats are."""
+    optional = "None" in annotation
+    if value is None:
+        if optional:
+            return None
+        raise RecipeError(f"{where}: null is not allowed (expected {annotation})")
+    base = annotation.replace("| None", "").strip()
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+    elif base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif base == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif base == "str":
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - every schema field has one of the types above
+        return value
+    raise RecipeError(f"{where}: expected {base}, got {value!r} ({type(value).__name__})")
+
+
+def _build_section(cls: type, raw: Any, section: str, origin: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{origin}: '{section}' must be a mapping, got {raw!r}")
+    fields = {_key_of(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        names = ", ".join(f"{section}.{k}" for k in unknown)
+        raise RecipeError(f"{origin}: unknown key(s) {names}; known: "
+                          f"{', '.join(f'{section}.{k}' for k in fields)}")
+    kwargs = {}
+    for key, f in fields.items():
+        if key in raw:
+            kwargs[f.name] = _coerce(raw[key], str(f.type), f"{origin}: {section}.{key}")
+        elif f.metadata.get("required"):
+            raise RecipeError(f"{origin}: missing required key {section}.{key}")
+    return cls(**kwargs)
+
+
+def _named_section(raw: Any, section: str, origin: str) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{origin}: '{section}' must be a mapping with a 'name', got {raw!r}")
+    if "name" not in raw or not isinstance(raw["name"], str):
+        raise RecipeError(f"{origin}: missing required key {section}.name")
+    return dict(raw)
+
+
+def config_from_dict(raw: Mapping[str, Any], origin: str = "<recipe>") -> Config:
+    """Validate a recipe dict (as read from YAML) into a :class:`Config`."""
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{origin}: a recipe is a mapping of sections, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_TOP_LEVEL))
+    if unknown:
+        raise RecipeError(f"{origin}: unknown key(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(_TOP_LEVEL)}")
+    for key in _REQUIRED_TOP:
+        if key not in raw:
+            raise RecipeError(f"{origin}: missing required key {key}")
+    name = _coerce(raw["name"], "str", f"{origin}: name")
+    epochs = _coerce(raw["epochs"], "float", f"{origin}: epochs")
+    if epochs <= 0:
+        raise RecipeError(f"{origin}: epochs must be > 0, got {epochs}")
+    named = {s: _named_section(raw[s], s, origin) for s in _NAMED_SECTIONS}
+    sections = {s: _build_section(cls, raw.get(s), s, origin) for s, cls in _SECTIONS.items()}
+    config = Config(name=name, source=_coerce(raw.get("source") or "", "str", f"{origin}: source"),
+                    epochs=epochs, path=origin, **named, **sections)
+    _check_values(config, origin)
+    return config
+
+
+def _check_values(config: Config, origin: str) -> None:
+    """Ranges a type check cannot catch."""
+    b = config.batch
+    if b.global_ <= 0:
+        raise RecipeError(f"{origin}: batch.global must be > 0, got {b.global_}")
+    if b.per_rank is not None and b.per_rank <= 0:
+        raise RecipeError(f"{origin}: batch.per_rank must be > 0 or null, got {b.per_rank}")
+    if b.accumulation < 1:
+        raise RecipeError(f"{origin}: batch.accumulation must be >= 1, got {b.accumulation}")
+    t = config.train
+    for key in ("checkpoint_every_steps", "eval_every_epochs"):
+        if getattr(t, key) < 0:
+            raise RecipeError(f"{origin}: train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.keep_checkpoints < 1:
+        raise RecipeError(f"{origin}: train.keep_checkpoints must be >= 1, got "
+                          f"{t.keep_checkpoints}")
+    if t.log_every_steps < 1:
+        raise RecipeError(f"{origin}: train.log_every_steps must be >= 1, got {t.log_every_steps}")
+    if config.comm.bucket_mb <= 0:
+        raise RecipeError(f"{origin}: comm.bucket_mb must be > 0, got {config.comm.bucket_mb}")
+    if config.comm.wire_dtype not in ("float32", "bfloat16"):
+        raise RecipeError(f"{origin}: comm.wire_dtype must be float32 or bfloat16, got "
+                          f"{config.comm.wire_dtype!r}")
+
+
+def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:
+    """``a.b=value`` -> (["a", "b"], value parsed as a YAML scalar: 32, 1e-3, true, null)."""
+    parsed = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise RecipeError(f"override {item!r}: expected KEY=VALUE, e.g. batch.per_rank=32")
+        try:
+            value = _yaml_load(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"override {item!r}: value is not valid YAML ({exc})") from None
+        parsed.append((key.strip().split("."), value))
+    return parsed
+
+
+def _apply_override(raw: dict[str, Any], keys: list[str], value: Any, item: str) -> None:
+    node = raw
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"override {item}: {'.'.join(keys[:depth + 1])} is a value, "
+                              f"not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_recipe(path: str, overrides: Iterable[str] = ()) -> Config:
+    """Read ``path``, apply ``key=value`` overrides (dotted keys), validate.
+
+    Errors name the file and the dotted key: ``recipes/x.yaml: unknown key(s) batch.per_rnak``.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = _yaml_load(f)
+    except FileNotFoundError:
+        raise RecipeError(f"recipe {path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {path}: not valid YAML ({exc})") from None
+    if raw is None:
+        raise RecipeError(f"recipe {path}: the file is empty")
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {path}: a recipe is a mapping of sections, got "
+                          f"{type(raw).__name__}")
+    items = list(overrides)
+    for (keys, value), item in zip(parse_overrides(items), items, strict=True):
+        _apply_override(raw, keys, value, item)
+    origin = path if not items else f"{path} (with overrides {' '.join(items)})"
+    return config_from_dict(raw, origin)
+
+
+def resolve_batch(batch: BatchConfig, ranks: int) -> tuple[int, int]:
+    """(per_rank, accumulation) such that per_rank × ranks × accumulation == batch.global.
+
+    The recipe's global batch is what the published hyperparameters (lr, warm-up) were tuned
+    for (Goyal et al.'s linear scaling rule ties lr to it), so it is honoured exactly; a
+    mismatch is an error saying which override fixes it.
+    """
+    accumulation = batch.accumulation
+    if batch.per_rank is None:
+        per_rank, rest = divmod(batch.global_, ranks * accumulation)
+        if rest or per_rank == 0:
+            raise RecipeError(
+                f"batch.global={batch.global_} is not divisible by {ranks} ranks × accumulation "
+                f"{accumulation}; run on a rank count that divides it, or set batch.per_rank "
+                f"and batch.accumulation so that per_rank × ranks × accumulation = "
+                f"{batch.global_}")
+        return per_rank, accumulation
+    actual = batch.per_rank * ranks * accumulation
+    if actual != batch.global_:
+        hint = ""
+        if batch.global_ % (ranks * accumulation) == 0:
+            hint = f"; set batch.per_rank={batch.global_ // (ranks * accumulation)}"
+        elif batch.global_ % (ranks * batch.per_rank) == 0:
+            hint = f"; set batch.accumulation={batch.global_ // (ranks * batch.per_rank)}"
+        raise RecipeError(
+            f"batch.global={batch.global_} but batch.per_rank={batch.per_rank} × {ranks} ranks × "
+            f"accumulation {accumulation} = {actual}{hint} (or batch.per_rank=null to derive it)")
+    return batch.per_rank, accumulation
+
+
+def write_resolved_config(config: Config, run_dir: str) -> str:
+    """Write RUN_DIR/config.yaml atomically: the recipe as it ran (overrides applied); it
+    loads again with :func:`load_recipe`, so ``hpcdl train --recipe RUN_DIR/config.yaml``
+    repeats the run."""
+    data = config.to_dict()
+    path = os.path.join(run_dir, "config.yaml")
+    atomic_write_text(path, f"# resolved from {config.path}\n"
+                      + yaml.safe_dump(data, sort_keys=False))
+    return path

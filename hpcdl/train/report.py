@@ -1,0 +1,129 @@
+"""Plots of a run from its directory (``hpcdl report RUN_DIR``): loss, accuracy, learning
+rate and the throughput breakdown (compute vs data wait vs communication wait), the figures
+a reader of You et al. (ICPP'18) looks at to judge a large-batch run.
+
+Reads only ``metrics.jsonl`` and ``summary.json`` (DESIGN.md: the run directory is the record),
+so it runs on a login node after the job, without MPI.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hpcdl.train.metrics import read_metrics, read_summary
+
+__all__ = ["plot_run", "summarize_run"]
+
+
+def _latest_per_step(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """One record per step (a resumed run may have redone steps: the last wins)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r.get("kind") == kind:
+            by_step[int(r["step"])] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _figure(title: str, xlabel: str, ylabel: str):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
+    """Write ``loss.png``, ``accuracy.png``, ``lr.png`` and ``throughput.png`` to
+    RUN_DIR/plots (or ``out_dir``); returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # batch nodes and login nodes have no display
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no metrics (is {run_dir} an hpcdl run directory?)")
+    records = read_metrics(path)
+    train = _latest_per_step(records, "train")
+    evals = _latest_per_step(records, "eval")
+    if not train:
+        raise ValueError(f"{path}: no training records yet")
+    out_dir = out_dir or os.path.join(run_dir, "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    steps = [r["step"] for r in train]
+    written = []
+
+    fig, ax = _figure("Training loss", "step", "loss (mean over ranks)")
+    ax.plot(steps, [r["loss"] for r in train], label="train")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="validation")
+    ax.legend()
+    written.append(_save(fig, os.path.join(out_dir, "loss.png")))
+
+    fig, ax = _figure("Validation accuracy", "step", "accuracy")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["top1"] for r in evals], "o-", label="top-1")
+        ax.plot([r["step"] for r in evals], [r["top5"] for r in evals], "s--", label="top-5")
+        ax.set_ylim(0, 1)
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no evaluation yet", ha="center", transform=ax.transAxes)
+    written.append(_save(fig, os.path.join(out_dir, "accuracy.png")))
+
+    fig, ax = _figure("Learning rate (schedule)", "step", "lr")
+    ax.plot(steps, [r["lr"] for r in train])
+    written.append(_save(fig, os.path.join(out_dir, "lr.png")))
+
+    written.append(_plot_throughput(train, os.path.join(out_dir, "throughput.png")))
+    return written
+
+
+def _plot_throughput(train: list[dict[str, Any]], path: str) -> str:
+    """Per-step time split into data wait, communication wait and the rest (compute), with
+    images/s on a second axis: where a slow run spends its time."""
+    steps = [r["step"] for r in train]
+    data = [r.get("data_wait_s", 0.0) for r in train]
+    comm = [r.get("comm_wait_s", 0.0) for r in train]
+    compute = [max(r.get("step_s", 0.0) - d - c, 0.0) for r, d, c in zip(train, data, comm,
+                                                                      strict=True)]
+    fig, ax = _figure("Throughput breakdown (rank 0)", "step", "seconds per step")
+    ax.stackplot(steps, compute, comm, data, labels=["compute", "comm wait", "data wait"],
+                 alpha=0.8)
+    ax.legend(loc="upper left")
+    right = ax.twinx()
+    right.plot(steps, [r["images_per_s"] for r in train], "k-", lw=1, label="images/s")
+    right.set_ylabel("images/s (global)")
+    return _save(fig, path)
+
+
+def summarize_run(run_dir: str) -> str:
+    """A few lines a person reads first: what ran, how far, how well, how fast."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        return f"{run_dir}: no summary.json (the run has not finished a stage yet)"
+    s = read_summary(path)
+
+    def fmt(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    return "\n".join([
+        f"run       {run_dir}: {s.get('name')} ({s.get('stopped')})",
+        f"progress  step {s.get('steps')}/{s.get('total_steps')}, epochs {s.get('epochs')}",
+        f"accuracy  top-1 {fmt(s.get('top1'), '.4f')}, top-5 {fmt(s.get('top5'), '.4f')}",
+        f"batch     global {s.get('global_batch')} = {s.get('per_rank_batch')} per rank x "
+        f"{s.get('ranks')} ranks x {s.get('accumulation')} accumulation",
+        f"speed     {fmt(s.get('images_per_s'), '.1f')} images/s, "
+        f"wall {fmt(s.get('wall_s'), '.1f')} s, "
+        f"comm wait {fmt(s.get('comm_wait_s'), '.1f')} s",
+        f"params    sha256 {s.get('params_sha256')}",
+    ])

@@ -1,0 +1,92 @@
+"""How many compute threads a rank uses: its share of the cores it is bound to.
+
+You et al. (ICPP'18) run one MPI rank per Xeon socket, each using that socket's cores. With
+``mpiexec --bind-to socket`` each rank's affinity mask is its socket, shared by the ranks of
+the node bound to the same socket; without binding every rank sees every core of the node.
+Either way a rank takes ``cores in its mask / ranks of the node with the same mask`` threads,
+never more than the cores it owns, so intra-op threads do not oversubscribe the node.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+__all__ = ["affinity_cores", "threads_per_rank", "configure_threads"]
+
+log = logging.getLogger("hpcdl.train")
+
+
+def affinity_cores() -> frozenset[int]:
+    """The cores this process may run on (its MPI binding), or all when unknown."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def threads_per_rank(mine: frozenset[int], node_masks: Sequence[frozenset[int]],
+                     env_limit: int | None = None) -> tuple[int, bool]:
+    """(threads for this rank, whether the node is oversubscribed).
+
+    ``node_masks`` are the affinity masks of every rank on this node (this rank's included).
+    ``env_limit`` (OMP_NUM_THREADS when the user set it) can only lower the count.
+    """
+    sharing = sum(1 for mask in node_masks if mask == mine) or 1
+    threads = max(1, len(mine) // sharing)
+    if env_limit is not None and env_limit >= 1:
+        threads = min(threads, env_limit)
+    node_cores = frozenset().union(*node_masks) if node_masks else mine
+    # Every rank takes the same rule, so the node's total is len(node_masks) * threads at most.
+    oversubscribed = len(node_masks) * threads > len(node_cores) or len(mine) < sharing
+    return threads, oversubscribed
+
+
+def _env_threads() -> int | None:
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    try:
+        return int(value) if value else None
+    except ValueError:
+        log.warning("OMP_NUM_THREADS=%r is not an integer; ignoring it", value)
+        return None
+
+
+def configure_threads(comm) -> int:
+    """Set ``torch.set_num_threads`` for this rank from the node's affinity masks.
+
+    ``comm`` is an hpcdl communicator (its ``mpi_comm`` gives the node via
+    MPI_COMM_TYPE_SHARED). Logs a warning when ranks × threads exceed the node's cores.
+    """
+    import torch
+    from mpi4py import MPI
+
+    node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.mpi_comm.rank)
+    try:
+        mine = affinity_cores()
+        masks = [frozenset(m) for m in node.allgather(sorted(mine))]
+    finally:
+        node.Free()
+    threads, oversubscribed = threads_per_rank(mine, masks, _env_threads())
+    torch.set_num_threads(threads)
+    if oversubscribed:
+        log.warning("node oversubscribed: %d ranks share %d cores (this rank may use cores %s, "
+                    "%d threads); bind one rank per socket (mpiexec --bind-to socket, "
+                    "srun --cpu-bind=sockets) or run fewer ranks per node",
+                    len(masks), len(frozenset().union(*masks)), _ranges(mine), threads)
+    else:
+        log.info("compute threads: %d (cores %s, %d rank(s) on this node)", threads,
+                 _ranges(mine), len(masks))
+    return threads
+
+
+def _ranges(cores: frozenset[int]) -> str:
+    """{0,1,2,5} -> '0-2,5' (how taskset and Slurm print masks)."""
+    out, items = [], sorted(cores)
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(out)

@@ -1,0 +1,699 @@
+"""The distributed data-parallel training loop (You et al., "ImageNet Training in Minutes",
+ICPP'18): one rank per socket, gradients averaged by the overlapped reducer, LARS after the
+allreduce, a schedule that is a pure function of the step.
+
+Read top to bottom like torchvision's reference: build (model, data, optimizer, schedule,
+reducer), ``train()`` = ``train_one_epoch()`` per epoch + ``evaluate()``, checkpoints at step
+boundaries. Other commands build on the pieces: ``hpcdl bench train`` (``no_comm=True`` for the
+compute-only ceiling, ``max_steps``), LTFB (``state_dict``/``load_state_dict``, ``evaluate``).
+
+Every decision that ends or changes the run (signal received, non-finite loss) is agreed by
+all ranks with one small allreduce per step, so ranks never disagree about the step they stop at.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcdl.comm.reducer import GradientReducer
+from hpcdl.train import checkpoint as ckpt
+from hpcdl.train.config import Config, resolve_batch, write_resolved_config
+from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
+
+__all__ = ["Trainer", "TrainOptions", "NonFiniteLossError", "IpexUnavailableError",
+           "EXIT_OK", "EXIT_NONFINITE_LOSS", "EXIT_STOPPED_BY_SIGNAL", "derive_seed",
+           "require_ipex"]
+
+log = logging.getLogger("hpcdl.train")
+
+#: Exit codes of ``hpcdl train`` (docs/training.md). 75 is sysexits' EX_TEMPFAIL: "try again";
+#: the Slurm templates requeue a job that exits with it.
+EXIT_OK = 0
+EXIT_NONFINITE_LOSS = 3
+EXIT_STOPPED_BY_SIGNAL = 75
+
+#: Signals Slurm sends before the time limit (``--signal=USR1@120``; SIGTERM at the limit).
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or Inf on some rank; the run stops without stepping."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"non-finite loss ({loss}) at step {step}: stopping before the optimizer "
+                         f"step; the last good checkpoint is kept (lower the learning rate or "
+                         f"lengthen warm-up, then resume with --resume auto)")
+        self.step, self.loss = step, loss
+
+
+class IpexUnavailableError(RuntimeError):
+    """--ipex was asked for but intel_extension_for_pytorch is not importable."""
+
+
+@dataclass
+class TrainOptions:
+    """Switches of one invocation (the CLI flags), as opposed to the recipe's hyperparameters."""
+
+    deterministic: bool = False
+    no_comm: bool = False                # reducer disabled: the compute-only ceiling
+    max_steps: int | None = None         # stop after this global step (tests, benches)
+    checkpoint_every: int | None = None  # overrides train.checkpoint_every_steps
+    ipex: bool = False
+    progress: bool | None = None         # tqdm bar on rank 0; None: when stderr is a terminal
+    handle_signals: bool = True          # SIGUSR1/SIGTERM -> checkpoint and stop
+    write_files: bool = True             # metrics.jsonl, summary.json, config.yaml, checkpoints
+    evaluate: bool = True                # eval at epoch ends and at the end
+
+
+def derive_seed(seed: int, epoch: int, rank: int) -> int:
+    """A seed from (seed, epoch, rank) (DESIGN.md: determinism is a mode): distinct streams
+    per rank and epoch, reproducible from the recipe alone."""
+    mixed = np.random.SeedSequence([seed, epoch, rank]).generate_state(1, dtype=np.uint64)[0]
+    return int(mixed & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def require_ipex() -> Any:
+    """Import IPEX or say exactly what is missing (DESIGN.md: detected, never faked)."""
+    try:
+        import intel_extension_for_pytorch as ipex  # noqa: PLC0415
+    except ImportError as exc:
+        raise IpexUnavailableError(
+            f"--ipex: intel_extension_for_pytorch is not importable ({exc}). Install the IPEX "
+            f"build matching torch {torch.__version__} on the cluster (pip install "
+            f"intel-extension-for-pytorch==<matching version>, see pip install 'hpcdl[intel]'), "
+            f"or run without --ipex") from None
+    return ipex
+
+
+def bf16_supported() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (AVX512-BF16/AMX; emulated otherwise)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Trainer:
+    """Data-parallel training of one recipe on one communicator.
+
+    ``Trainer(config, data_dir, run_dir, comm)`` builds everything from the recipe; tests and
+    other commands may pass ``model``, ``optimizer``, ``schedule``, ``train_loader`` and
+    ``val_loader`` built elsewhere (loaders follow hpcdl.data's contract: ``set_epoch``,
+    ``len``, iteration over (uint8 or float NCHW images, int64 labels)).
+    """
+
+    def __init__(self, config: Config, data_dir: str | None, run_dir: str, comm, *,
+                 options: TrainOptions | None = None, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, schedule=None,
+                 train_loader=None, val_loader=None, timeline=None) -> None:
+        self.config, self.data_dir, self.run_dir, self.comm = config, data_dir, run_dir, comm
+        self.options = options or TrainOptions()
+        self.rank, self.size = comm.rank, comm.size
+        self.timeline = timeline
+        self.per_rank, self.accumulation = resolve_batch(config.batch, self.size)
+        self.global_batch = self.per_rank * self.size * self.accumulation
+        if self.options.deterministic:
+            # Bit-for-bit repeatable on the same rank count: deterministic kernels, seeds from
+            # (seed, epoch, rank), the loader's order from (seed, epoch), fixed bucket order.
+            torch.use_deterministic_algorithms(True)
+        seed_everything(derive_seed(config.train.seed, 0, self.rank))
+
+        self.model = model if model is not None else self._build_model()
+        self.memory_format = self._memory_format()
+        self.model = self.model.to(memory_format=self.memory_format)
+        self.train_loader = train_loader if train_loader is not None else \
+            self._build_loader("train", self.per_rank)
+        self.val_loader = val_loader if val_loader is not None or not self.options.evaluate \
+            else self._build_loader("val", self.per_rank)
+        self.steps_per_epoch = len(self.train_loader) // self.accumulation
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{data_dir}: the training split gives {len(self.train_loader)} "
+                             f"batches of {self.per_rank} per rank, fewer than accumulation="
+                             f"{self.accumulation}: use more data or a smaller batch")
+        self.total_steps = max(1, math.ceil(config.epochs * self.steps_per_epoch))
+        self.schedule = schedule if schedule is not None else self._build_schedule()
+        self.optimizer = optimizer if optimizer is not None else self._build_optimizer()
+        self.autocast_dtype = self._autocast_dtype()
+        if self.options.ipex:
+            self._apply_ipex()
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
+        self.broadcast_model()
+        self.reducer = GradientReducer(comm, list(self.model.named_parameters()),
+                                       bucket_bytes=int(config.comm.bucket_mb * 2**20),
+                                       enabled=not self.options.no_comm)
+        self.step = 0                 # optimizer steps completed (the schedule's argument)
+        self.resumed_from: str | None = None
+        self.last_eval: dict[str, Any] | None = None
+        self._last_eval_step = -1
+        self._last_checkpoint_step = -1
+        self._stop_signal: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._metrics: MetricsWriter | None = None
+        self._images_this_run = 0
+        self._train_time_s = 0.0
+        self._window = _Window()
+        self._progress = None
+        #: callables ``hook(trainer)`` run after every optimizer step, before the checkpoint
+        #: and stop decisions of that step (LTFB's tournaments, hpcdl/train/ltfb.py)
+        self.after_step_hooks: list = []
+
+    # -- building from the recipe ------------------------------------------------------------
+    def _build_model(self) -> torch.nn.Module:
+        from hpcdl.models import create_model
+
+        kw = {k: v for k, v in self.config.model.items() if k != "name"}
+        return create_model(self.config.model["name"], **kw)
+
+    def _build_loader(self, split: str, batch_size: int):
+        from hpcdl.data import ShardedImageNet
+
+        if self.data_dir is None:
+            raise ValueError("Trainer: data_dir is needed to build the loaders (--data SHARDS)")
+        data = self.config.data
+        return ShardedImageNet(self.data_dir, split=split, node_index=self.comm.node_index,
+                               num_nodes=self.comm.num_nodes, local_rank=self.comm.local_rank,
+                               local_size=self.comm.local_size, batch_size=batch_size,
+                               image_size=data.image_size, seed=self.config.train.seed,
+                               workers=data.workers, rotate_shards=data.rotate_shards,
+                               min_scale=data.min_scale)
+
+    def _build_schedule(self):
+        from hpcdl.optim import create_schedule
+
+        return create_schedule(self.config.schedule, self.steps_per_epoch, self.total_steps)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        from hpcdl.optim import create_optimizer
+
+        return create_optimizer(self.config.optimizer, self.model, lr=self.schedule(0))
+
+    def _memory_format(self) -> torch.memory_format:
+        if not self.config.train.channels_last:
+            return torch.contiguous_format
+        if torch.get_num_threads() == 1:
+            # Measured with torch 2.13 CPU: the input-gradient of a strided 1x1 convolution
+            # (ResNet's downsample) in channels_last on one thread corrupts the heap ("double
+            # free or corruption"); with two or more threads it is correct.
+            log.warning("train.channels_last: torch %s crashes in channels_last convolution "
+                        "backward with one thread per rank; training in contiguous format "
+                        "(give each rank >= 2 cores to use channels_last)", torch.__version__)
+            return torch.contiguous_format
+        return torch.channels_last
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        if not self.config.train.bf16:
+            return None
+        if not bf16_supported():
+            log.warning("train.bf16: this CPU has no native bf16 (AVX512-BF16/AMX); training "
+                        "in float32 instead")
+            return None
+        return torch.bfloat16
+
+    def _apply_ipex(self) -> None:
+        ipex = require_ipex()
+        self.model, self.optimizer = ipex.optimize(
+            self.model, optimizer=self.optimizer,
+            dtype=self.autocast_dtype or torch.float32)
+        log.info("IPEX %s applied to model and optimizer", getattr(ipex, "__version__", "?"))
+
+    # -- replicas ----------------------------------------------------------------------------
+    def _model_tensors(self) -> list[torch.Tensor]:
+        return [t for t in self.model.state_dict().values() if t.numel() > 0]
+
+    def broadcast_model(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers."""
+        self.comm.broadcast_(self._model_tensors(), root=0)
+
+    def params_sha256(self) -> str:
+        """sha256 of the parameters (summary.json): equal across runs iff bit-identical."""
+        return params_sha256(self.model.named_parameters())
+
+    def check_replicas(self) -> str:
+        """Allgather a sha256 of the parameters; raise naming the ranks that differ. (BN
+        running statistics are per rank by design: each rank's own batches update them.)"""
+        mine = self.params_sha256()
+        hashes = self.comm.mpi_comm.allgather(mine)
+        if len(set(hashes)) > 1:
+            odd = [r for r, h in enumerate(hashes) if h != hashes[0]]
+            raise RuntimeError(f"model replicas differ after the broadcast: ranks {odd} hold "
+                               f"other parameters than rank 0 (sha256 {hashes[0][:12]})")
+        return mine
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Train to ``epochs`` (or ``max_steps``), evaluating and checkpointing on the way.
+
+        Returns the summary; ``summary["stopped"]`` is ``"completed"``, ``"max_steps"`` or
+        ``"signal"`` (checkpointed, exit code :data:`EXIT_STOPPED_BY_SIGNAL`).
+        Raises :class:`NonFiniteLossError` on every rank at the same step.
+        """
+        start = time.perf_counter()
+        self.check_replicas()
+        self._open_outputs()
+        self._install_signal_handlers()
+        stopped = "completed"
+        try:
+            while self.step < self._last_step():
+                epoch = self.step // self.steps_per_epoch
+                start_batch = (self.step % self.steps_per_epoch) * self.accumulation
+                stopped = self.train_one_epoch(epoch, start_batch)
+                if stopped != "completed":
+                    break
+                self._end_of_epoch(epoch)
+            if stopped == "completed" and self.step >= self._last_step() \
+                    and self.step < self.total_steps:
+                stopped = "max_steps"
+            if stopped != "signal" and self.options.evaluate and self.val_loader is not None \
+                    and self._last_eval_step != self.step:
+                self.evaluate()
+            if stopped != "signal" and self._last_checkpoint_step != self.step:
+                self.save_checkpoint()
+        finally:
+            self._restore_signal_handlers()
+            self._close_progress()
+        summary = self.summary(stopped, time.perf_counter() - start)
+        if self.rank == 0 and self.options.write_files:
+            write_summary(os.path.join(self.run_dir, "summary.json"), summary)
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        return summary
+
+    def _last_step(self) -> int:
+        if self.options.max_steps is not None:
+            return min(self.total_steps, self.options.max_steps)
+        return self.total_steps
+
+    def train_one_epoch(self, epoch: int, start_batch: int = 0) -> str:
+        """Steps of ``epoch`` from batch ``start_batch``; returns why it ended: ``"completed"``,
+        ``"max_steps"`` or ``"signal"``."""
+        self.model.train()
+        if start_batch == 0 and self.options.deterministic:
+            seed_everything(derive_seed(self.config.train.seed, epoch, self.rank))
+        self.train_loader.set_epoch(epoch, start_batch=start_batch)
+        batches = iter(self.train_loader)
+        end_of_epoch = (epoch + 1) * self.steps_per_epoch
+        while self.step < min(end_of_epoch, self._last_step()):
+            t0 = time.perf_counter()
+            with self._span("data wait", "data"):
+                micro_batches = [next(batches) for _ in range(self.accumulation)]
+            data_wait = time.perf_counter() - t0
+            loss = self.train_step(micro_batches)
+            self._record_step(epoch, loss, data_wait, time.perf_counter() - t0)
+            for hook in self.after_step_hooks:
+                hook(self)
+            if self._should_checkpoint():
+                self.save_checkpoint()
+            if self._stop_signal is not None:
+                log.warning("signal %s: checkpointed at step %d, stopping (exit %d)",
+                            signal.Signals(self._stop_signal).name, self.step,
+                            EXIT_STOPPED_BY_SIGNAL)
+                if self._last_checkpoint_step != self.step:
+                    self.save_checkpoint()
+                return "signal"
+            self._test_hook_signal()
+        if self.step >= end_of_epoch or self.step >= self.total_steps:
+            return "completed"  # (a fractional last epoch ends at total_steps)
+        return "max_steps"
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step over ``accumulation`` micro-batches; returns the world's mean
+        loss. Sets lr from the schedule first (a pure function of the step)."""
+        lr = self.schedule(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        local_loss = 0.0
+        n = len(micro_batches)
+        for i, (images, labels) in enumerate(micro_batches):
+            self.reducer.arm(last=(i == n - 1))
+            with self._span("forward", "compute"), self._autocast():
+                loss = self.criterion(self.model(self._prepare(images)), labels) / n
+            with self._span("backward", "compute"):
+                loss.backward()
+            local_loss += float(loss.detach())
+        with self._span("allreduce wait", "comm"):
+            self.reducer.synchronize()
+        stop, nonfinite, loss_sum = self._agree(local_loss)
+        if nonfinite:  # every rank raises here, at the same step
+            raise NonFiniteLossError(self.step + 1, local_loss if not math.isfinite(local_loss)
+                                     else math.nan)
+        if stop and self._stop_signal is None:
+            self._stop_signal = signal.SIGUSR1  # another rank got it: stop here too
+        if self.config.train.momentum_correction:
+            from hpcdl.optim import apply_momentum_correction
+
+            apply_momentum_correction(self.optimizer, self.schedule.momentum_correction(self.step))
+        with self._span("optimizer", "compute"):
+            self.optimizer.step()
+        self.step += 1
+        self._images_this_run += self.global_batch
+        return loss_sum / self.size
+
+    def _agree(self, local_loss: float) -> tuple[bool, bool, float]:
+        """One tiny allreduce per step: any rank signalled, any rank's loss non-finite, and
+        the sum of losses. A signal reaching one rank only, or ranks at different steps,
+        is acted on at the same step everywhere."""
+        from mpi4py import MPI
+
+        nonfinite = not math.isfinite(local_loss)
+        flags = np.array([1.0 if self._stop_signal is not None else 0.0,
+                          1.0 if nonfinite else 0.0,
+                          0.0 if nonfinite else local_loss], dtype=np.float64)
+        total = np.empty_like(flags)
+        self.comm.mpi_comm.Allreduce(flags, total, op=MPI.SUM)
+        return bool(total[0] > 0), bool(total[1] > 0), float(total[2])
+
+    def _prepare(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype == torch.uint8:
+            from hpcdl.data import normalize
+
+            images = normalize(images)
+        return images.contiguous(memory_format=self.memory_format)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.autocast_dtype)
+
+    def _span(self, name: str, cat: str) -> contextlib.AbstractContextManager:
+        return self.timeline.span(name, cat) if self.timeline is not None \
+            else contextlib.nullcontext()
+
+    def _end_of_epoch(self, epoch: int) -> None:
+        every = self.config.train.eval_every_epochs
+        if self.options.evaluate and self.val_loader is not None and every \
+                and (epoch + 1) % every == 0:
+            self.evaluate()
+        if self._last_checkpoint_step != self.step:
+            self.save_checkpoint()
+
+    def _should_checkpoint(self) -> bool:
+        every = self.options.checkpoint_every
+        if every is None:
+            every = self.config.train.checkpoint_every_steps
+        return bool(every) and self.step % every == 0
+
+    # -- evaluation --------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, Any]:
+        """Top-1/top-5 and loss on the validation split, each rank its part, summed over all
+        ranks. BN running statistics are averaged first, so every rank evaluates one model."""
+        from mpi4py import MPI
+
+        if not self.options.no_comm:
+            stats = [b for n, b in self.model.named_buffers()
+                     if b.is_floating_point() and b.numel() > 0]
+            if stats:
+                self.comm.allreduce_(stats, average=True)
+        self.model.eval()
+        sums = np.zeros(4, dtype=np.float64)  # loss·n, top-1 correct, top-5 correct, n
+        with torch.no_grad(), self._span("evaluate", "eval"):
+            if hasattr(self.val_loader, "set_epoch"):
+                self.val_loader.set_epoch(0)
+            for images, labels in self.val_loader:
+                with self._autocast():
+                    logits = self.model(self._prepare(images))
+                logits = logits.float()
+                k = min(5, logits.shape[1])
+                top = logits.topk(k, dim=1).indices
+                hits = top.eq(labels.view(-1, 1))
+                sums += [float(torch.nn.functional.cross_entropy(logits, labels,
+                                                                 reduction="sum")),
+                         float(hits[:, :1].sum()), float(hits.sum()), labels.numel()]
+        total = np.empty_like(sums)
+        self.comm.mpi_comm.Allreduce(sums, total, op=MPI.SUM)
+        self.model.train()
+        count = max(total[3], 1.0)
+        result = {"kind": "eval", "step": self.step,
+                  "epoch": round(self.step / self.steps_per_epoch, 4),
+                  "loss": total[0] / count, "top1": total[1] / count, "top5": total[2] / count,
+                  "samples": int(total[3]), "time": time.time()}
+        self.last_eval, self._last_eval_step = result, self.step
+        self._write_metrics(result)
+        log.info("eval step %d: top-1 %.4f top-5 %.4f loss %.4f (%d images)", self.step,
+                 result["top1"], result["top5"], result["loss"], result["samples"])
+        return result
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the RNG states (gathered from all ranks by save_checkpoint)."""
+        return {
+            "format": ckpt.CHECKPOINT_FORMAT,
+            "step": self.step,
+            "epoch": self.step // self.steps_per_epoch,
+            "batch_in_epoch": (self.step % self.steps_per_epoch) * self.accumulation,
+            "steps_per_epoch": self.steps_per_epoch,
+            "global_batch": self.global_batch,
+            "world_size": self.size,
+            "recipe": self.config.name,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "<state>") -> None:
+        """Restore model, optimizer, step and (same world size) this rank's RNG states."""
+        if state.get("global_batch", self.global_batch) != self.global_batch:
+            raise ValueError(f"{source}: saved with global batch {state['global_batch']}, this "
+                             f"run has {self.global_batch}; resume with the same batch.global")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        rngs = state.get("rng")
+        if state.get("world_size") == self.size and rngs:
+            self._load_rank_state(rngs[self.rank])
+        elif rngs:
+            log.warning("%s was written by %s ranks, this run has %d: RNG states are reseeded, so "
+                        "the run continues but is not bit-identical to an uninterrupted one",
+                        source, state.get("world_size"), self.size)
+        self._last_checkpoint_step = self.step
+
+    def _rank_state(self) -> dict[str, Any]:
+        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()
+                   if b.is_floating_point()}
+        return {**ckpt.rng_state(), "buffers": buffers}
+
+    def _load_rank_state(self, state: dict[str, Any]) -> None:
+        ckpt.set_rng_state(state)
+        own = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, value in state.get("buffers", {}).items():
+                if name in own:
+                    own[name].copy_(value)
+
+    def save_checkpoint(self) -> str | None:
+        """Collective: gather every rank's RNG state; rank 0 writes atomically and keeps the
+        newest ``train.keep_checkpoints``. Returns the path (every rank)."""
+        # Per rank: RNG states and BN running statistics (each rank's own; they are not
+        # reduced during training), so a resumed run continues every rank exactly.
+        rngs = self.comm.mpi_comm.gather(self._rank_state(), root=0)
+        path = ckpt.checkpoint_path(self.run_dir, self.step)
+        error = None
+        if self.rank == 0 and self.options.write_files:
+            try:
+                with self._span("checkpoint", "io"):
+                    state = self.state_dict()
+                    state["rng"] = rngs
+                    ckpt.save_checkpoint(path, state)
+                    ckpt.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints)
+                log.info("checkpoint %s", path)
+            except OSError as exc:
+                error = f"rank 0 could not write checkpoint {path}: {exc}"
+        error = self.comm.mpi_comm.bcast(error, root=0)
+        if error:
+            raise RuntimeError(error)
+        self._last_checkpoint_step = self.step
+        return path if self.options.write_files else None
+
+    def resume(self, spec: str = "auto") -> str | None:
+        """``auto``: the newest valid checkpoint in RUN_DIR/checkpoints (none: start fresh);
+        ``none``: start fresh; a path: that checkpoint. Collective. Returns the path used."""
+        if spec in (None, "", "none"):
+            return None
+        state, path, error = None, None, None
+        if self.rank == 0:
+            if spec == "auto":
+                found = ckpt.latest_valid_checkpoint(self.run_dir)
+                if found is not None:
+                    path, state = found
+            else:
+                try:
+                    path, state = spec, ckpt.load_checkpoint(spec)
+                except ckpt.CheckpointError as exc:
+                    error = str(exc)
+        path, error = self.comm.mpi_comm.bcast((path, error), root=0)
+        if error:
+            raise ckpt.CheckpointError(error)
+        if path is None:
+            log.info("--resume %s: no checkpoint in %s; starting from step 0", spec,
+                     ckpt.checkpoint_dir(self.run_dir))
+            return None
+        if state is None:
+            state = ckpt.load_checkpoint(path)  # every rank reads it (RUN_DIR is shared)
+        self.load_state_dict(state, path)
+        self.resumed_from = path
+        if self.rank == 0 and self.options.write_files:
+            truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
+        log.info("resumed from %s at step %d (epoch %d)", path, self.step,
+                 self.step // self.steps_per_epoch)
+        return path
+
+    # -- signals -----------------------------------------------------------------------------
+    def _install_signal_handlers(self) -> None:
+        if not self.options.handle_signals:
+            return
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def request_stop(signum: int, frame: Any) -> None:
+            # Only a flag: the loop acts at the next step boundary, agreed by all ranks.
+            self._stop_signal = signum
+
+        for sig in STOP_SIGNALS:
+            self._previous_handlers[sig] = signal.signal(sig, request_stop)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+
+    def _test_hook_signal(self) -> None:
+        """HPCDL_TEST_SIGNAL_AT_STEP=k: raise SIGUSR1 in rank HPCDL_TEST_SIGNAL_RANK (default
+        0) after step k -- how the tests stop a run mid-epoch without racing a real kill."""
+        at = os.environ.get("HPCDL_TEST_SIGNAL_AT_STEP")
+        if at and self.step == int(at) and \
+                self.rank == int(os.environ.get("HPCDL_TEST_SIGNAL_RANK", "0")):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    # -- metrics and output ------------------------------------------------------------------
+    def _open_outputs(self) -> None:
+        if self.rank != 0 or not self.options.write_files:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        config = self.config
+        if config.batch.per_rank is None:
+            import copy
+
+            config = copy.deepcopy(config)
+            config.batch.per_rank = self.per_rank
+        write_resolved_config(config, self.run_dir)
+        self._metrics = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
+        show = self.options.progress
+        if show is None:
+            show = sys.stderr.isatty()
+        if show:
+            from tqdm import tqdm
+
+            self._progress = tqdm(total=self._last_step(), initial=self.step, unit="step",
+                                  dynamic_ncols=True)
+
+    def _close_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+
+    def request_stop(self, signum: int = signal.SIGUSR1) -> None:
+        """Checkpoint and stop at the end of the current step, as on a signal. Call it on
+        every rank at the same step (LTFB agrees on it across trainers)."""
+        self._stop_signal = signum
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        """Append a record to metrics.jsonl (rank 0; a no-op on the others)."""
+        self._write_metrics(record)
+
+    def _write_metrics(self, record: dict[str, Any]) -> None:
+        if self._metrics is not None:
+            self._metrics.write(record)
+
+    def _record_step(self, epoch: int, loss: float, data_wait: float, step_s: float) -> None:
+        self._train_time_s += step_s
+        w = self._window
+        w.add(loss, data_wait, self.reducer.comm_wait_s, step_s)
+        if self._progress is not None:
+            self._progress.update(1)
+        if self.step % self.config.train.log_every_steps and self.step != self._last_step():
+            return
+        record = {"kind": "train", "step": self.step, "epoch": epoch,
+                  "loss": w.loss / w.steps, "lr": self.schedule(self.step - 1),
+                  "images_per_s": self.global_batch * w.steps / max(w.step_s, 1e-9),
+                  "step_s": w.step_s / w.steps, "data_wait_s": w.data_wait_s / w.steps,
+                  "comm_wait_s": w.comm_wait_s / w.steps, "time": time.time()}
+        self._write_metrics(record)
+        if self._progress is not None:
+            self._progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}",
+                                       img_s=f"{record['images_per_s']:.0f}")
+        else:
+            log.info("step %d/%d epoch %d loss %.4f lr %.4g %.1f img/s data-wait %.3fs "
+                     "comm-wait %.3fs", self.step, self._last_step(), epoch, record["loss"],
+                     record["lr"], record["images_per_s"], record["data_wait_s"],
+                     record["comm_wait_s"])
+        self._window = _Window()
+
+    def summary(self, stopped: str, wall_s: float) -> dict[str, Any]:
+        ev = self.last_eval or {}
+        return {
+            "name": self.config.name,
+            "stopped": stopped,
+            "top1": ev.get("top1"),
+            "top5": ev.get("top5"),
+            "eval_loss": ev.get("loss"),
+            "epochs": round(self.step / self.steps_per_epoch, 4),
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "global_batch": self.global_batch,
+            "per_rank_batch": self.per_rank,
+            "accumulation": self.accumulation,
+            "ranks": self.size,
+            "backend": getattr(self.comm, "backend", "?"),
+            "reducer": "enabled" if self.reducer.enabled else "disabled (no_comm)",
+            "threads": torch.get_num_threads(),
+            "wall_s": wall_s,
+            "train_s": self._train_time_s,
+            "images_per_s": self._images_this_run / self._train_time_s
+            if self._train_time_s > 0 else None,
+            "comm_wait_s": self.reducer.total_comm_wait_s,
+            "resumed_from": self.resumed_from,
+            "params_sha256": self.params_sha256(),
+        }
+
+    def close(self) -> None:
+        """Stop the reducer's thread and remove its hooks."""
+        self.reducer.close()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+
+class _Window:
+    """Sums over the steps since the last metrics record."""
+
+    def __init__(self) -> None:
+        self.steps, self.loss, self.data_wait_s, self.comm_wait_s, self.step_s = 0, 0.0, 0.0, \
+            0.0, 0.0
+
+    def add(self, loss: float, data_wait: float, comm_wait: float, step_s: float) -> None:
+        self.steps += 1
+        self.loss += loss
+        self.data_wait_s += data_wait
+        self.comm_wait_s += comm_wait
+        self.step_s += step_s

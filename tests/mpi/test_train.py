@@ -1,0 +1,198 @@
+"""The trainer under real MPI: exact resume after a signal, agreement on stopping, evaluation,
+the run directory. Tiny model (resnet_small, width 4) on tiny synthetic shards."""
+import json
+import os
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import hpcdl.comm
+from hpcdl.train import checkpoint as ckpt
+from hpcdl.train.config import RecipeError, config_from_dict
+from hpcdl.train.trainer import NonFiniteLossError, Trainer, TrainOptions
+
+PER_RANK = 2
+
+
+def recipe(size, **train):
+    return config_from_dict({
+        "name": "tiny",
+        "model": {"name": "resnet_small", "num_classes": 3, "width": 4, "layers": [1, 1, 1]},
+        "data": {"image_size": 16, "workers": 1},
+        "batch": {"global": PER_RANK * size, "per_rank": PER_RANK},
+        "epochs": 2,
+        "optimizer": {"name": "lars", "momentum": 0.9, "weight_decay": 5.0e-5},
+        "schedule": {"name": "poly", "base_lr": 1.0, "warmup_epochs": 0.5},
+        "train": {"seed": 3, "log_every_steps": 2, **train},
+        "comm": {"backend": "mpi", "bucket_mb": 0.004},  # several buckets per step
+    })
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    world = MPI.COMM_WORLD
+    path = None
+    if world.rank == 0:
+        from data_prep.shard import shard_tree
+        from data_prep.synthetic import make_imagenet_tree
+
+        root = tmp_path_factory.mktemp("data")
+        make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=16,
+                           val_per_class=4, size=(24, 20))
+        shard_tree(str(root / "tree"), str(root / "shards"), shards=4, resize=20)
+        path = str(root / "shards")
+    return world.bcast(path, root=0)
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = hpcdl.comm.init("mpi", MPI.COMM_WORLD)
+    yield c
+    c.close()
+
+
+def run_trainer(config, shards, run_dir, comm, resume="none", **options):
+    trainer = Trainer(config, shards, run_dir, comm,
+                      options=TrainOptions(deterministic=True, progress=False, **options))
+    try:
+        trainer.resume(resume)
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    return trainer, summary
+
+
+def test_resume_after_signal_ends_with_the_uninterrupted_parameters(
+        shards, comm, world, shared_tmp, monkeypatch):
+    config = recipe(world.size)
+    _, reference = run_trainer(config, shards, os.path.join(shared_tmp, "a"), comm, max_steps=7)
+    assert reference["steps"] == 7
+
+    # SIGUSR1 reaches the last rank only: every rank must stop at the same step.
+    monkeypatch.setenv("HPCDL_TEST_SIGNAL_AT_STEP", "3")
+    monkeypatch.setenv("HPCDL_TEST_SIGNAL_RANK", str(world.size - 1))
+    run_b = os.path.join(shared_tmp, "b")
+    _, stopped = run_trainer(config, shards, run_b, comm, max_steps=7)
+    assert stopped["stopped"] == "signal"
+    assert world.allgather(stopped["steps"]) == [4] * world.size
+    assert os.path.basename(ckpt.list_checkpoints(run_b)[-1]) == "ckpt-000000004.pt"
+
+    monkeypatch.delenv("HPCDL_TEST_SIGNAL_AT_STEP")
+    resumed_trainer, resumed = run_trainer(config, shards, run_b, comm, resume="auto",
+                                           max_steps=7)
+    assert resumed["resumed_from"].endswith("ckpt-000000004.pt")
+    assert resumed["params_sha256"] == reference["params_sha256"]
+    assert resumed_trainer.check_replicas()  # every rank holds the same model
+    if world.rank == 0:
+        steps = [r["step"] for r in map(json.loads, open(os.path.join(run_b, "metrics.jsonl")))
+                 if r["kind"] == "train"]
+        assert steps == sorted(set(steps))  # no step recorded twice across the resume
+
+
+def test_run_directory_holds_config_metrics_summary(shards, comm, world, shared_tmp):
+    run = os.path.join(shared_tmp, "run")
+    trainer, summary = run_trainer(recipe(world.size, keep_checkpoints=1), shards, run, comm,
+                                   max_steps=3, checkpoint_every=1)
+    assert summary["global_batch"] == PER_RANK * world.size and summary["ranks"] == world.size
+    assert summary["stopped"] == "max_steps" and 0.0 <= summary["top1"] <= 1.0
+    if world.rank == 0:
+        assert sorted(os.listdir(run)) == ["checkpoints", "config.yaml", "metrics.jsonl",
+                                           "summary.json"]
+        assert len(ckpt.list_checkpoints(run)) == 1  # keep_checkpoints=1
+        records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+        train = [r for r in records if r["kind"] == "train"]
+        assert {"step", "epoch", "loss", "lr", "images_per_s", "data_wait_s",
+                "comm_wait_s"} <= set(train[0])
+        (evaluation,) = [r for r in records if r["kind"] == "eval"]
+        assert evaluation["samples"] == 12  # every validation image once, across all ranks
+        on_disk = json.load(open(os.path.join(run, "summary.json")))
+        assert on_disk["params_sha256"] == summary["params_sha256"]
+
+
+class NaNAt(torch.nn.Module):
+    """Wraps a model; from forward call ``at`` on, rank ``rank`` returns NaN logits."""
+
+    def __init__(self, model, rank, at):
+        super().__init__()
+        self.model, self.rank, self.at, self.calls = model, rank, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.model(x)
+        if self.calls >= self.at and MPI.COMM_WORLD.rank == self.rank:
+            out = out * float("nan")
+        return out
+
+
+def test_non_finite_loss_on_one_rank_stops_every_rank_at_that_step(
+        shards, comm, world, shared_tmp):
+    from hpcdl.models import create_model
+
+    config = recipe(world.size)
+    model = NaNAt(create_model("resnet_small", num_classes=3, width=4, layers=[1, 1, 1]),
+                  rank=world.size - 1, at=4)
+    run = os.path.join(shared_tmp, "nan")
+    trainer = Trainer(config, shards, run, comm, model=model,
+                      options=TrainOptions(progress=False, checkpoint_every=2))
+    try:
+        with pytest.raises(NonFiniteLossError, match="at step 4") as info:
+            trainer.train()
+        before = trainer.params_sha256()
+    finally:
+        trainer.close()
+    assert world.allgather(info.value.step) == [4] * world.size
+    assert world.allgather(before) == [before] * world.size  # no rank stepped on the NaN
+    assert os.path.basename(ckpt.list_checkpoints(run)[-1]) == "ckpt-000000002.pt"
+
+
+def test_recipe_global_batch_mismatch_names_the_fix(shards, comm, world, shared_tmp):
+    config = recipe(world.size)
+    config.batch.global_ = PER_RANK * world.size * 2
+    with pytest.raises(RecipeError, match=f"batch.per_rank={PER_RANK * 2}"):
+        Trainer(config, shards, os.path.join(shared_tmp, "x"), comm)
+
+
+def test_no_comm_leaves_each_rank_its_own_gradients(shards, comm, world, shared_tmp):
+    trainer, summary = run_trainer(recipe(world.size), shards, os.path.join(shared_tmp, "nc"),
+                                   comm, max_steps=2, no_comm=True, evaluate=False)
+    assert summary["reducer"].startswith("disabled") and summary["comm_wait_s"] == 0.0
+    hashes = world.allgather(summary["params_sha256"])
+    if world.size > 1:
+        assert len(set(hashes)) == world.size  # different data, no averaging: replicas differ
+
+
+@pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.max_ranks(2))])
+def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, caplog,
+                                              threads):
+    from hpcdl.train.trainer import bf16_supported
+
+    config = recipe(world.size, channels_last=True, bf16=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        trainer, summary = run_trainer(config, shards, os.path.join(shared_tmp, "cl"), comm,
+                                       max_steps=2, evaluate=False)
+    finally:
+        torch.set_num_threads(before)
+    assert summary["steps"] == 2
+    conv = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d))
+    if threads > 1:
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    else:  # torch's one-thread channels_last backward crashes: refused with a warning
+        assert trainer.memory_format == torch.contiguous_format
+        assert "channels_last" in caplog.text
+    if bf16_supported():
+        assert trainer.autocast_dtype == torch.bfloat16
+    else:  # said so, and trained in float32
+        assert trainer.autocast_dtype is None
+        assert "no native bf16" in caplog.text
+
+
+def test_fractional_epochs_complete_at_total_steps(shards, comm, world, shared_tmp):
+    config = recipe(world.size)
+    config.epochs = 0.5
+    trainer, summary = run_trainer(config, shards, os.path.join(shared_tmp, "half"), comm,
+                                   evaluate=False)
+    assert summary["stopped"] == "completed"
+    assert summary["steps"] == summary["total_steps"] == -(-trainer.steps_per_epoch // 2)

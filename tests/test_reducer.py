@@ -1,0 +1,133 @@
+"""GradientReducer on one rank: bucket layout, hooks, unused parameters, accumulation, off."""
+import pytest
+import torch
+from mpi4py import MPI
+
+import hpcdl.comm
+from hpcdl.comm.reducer import GradientReducer, layout_buckets
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = hpcdl.comm.init("mpi", MPI.COMM_WORLD)
+    yield c
+    c.close()
+
+
+class TwoHeads(torch.nn.Module):
+    """A trunk and two heads; ``forward(x, use_b=False)`` leaves head b without a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(4, 8)
+        self.a = torch.nn.Linear(8, 3)
+        self.b = torch.nn.Linear(8, 3)
+
+    def forward(self, x, use_b=True):
+        h = torch.relu(self.trunk(x))
+        return self.a(h) + (self.b(h) if use_b else 0)
+
+
+def test_buckets_follow_reverse_registration_order_and_size():
+    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5])]
+    buckets = layout_buckets(params[::-1], bucket_bytes=4 * 20)
+    assert [b.names for b in buckets] == [["p3"], ["p2"], ["p1", "p0"]]
+    assert [b.offsets for b in buckets] == [[0], [0], [0, 10]]
+
+
+def test_parameter_larger_than_a_bucket_gets_its_own():
+    buckets = layout_buckets([("big", torch.zeros(100)), ("small", torch.zeros(1))], 16)
+    assert [b.names for b in buckets] == [["big"], ["small"]]
+
+
+def test_wire_dtype_sets_the_bucket_dtype():
+    buckets = layout_buckets([("w", torch.zeros(4))], 64, wire_dtype=torch.bfloat16)
+    assert buckets[0].dtype == torch.bfloat16
+
+
+def test_synchronize_leaves_the_gradients_of_one_rank_unchanged(comm):
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with GradientReducer(comm, model.named_parameters(), bucket_bytes=64) as reducer:
+        assert len(reducer.buckets) > 1
+        reducer.arm(last=True)
+        model(x).sum().backward()
+        reducer.synchronize()
+        assert reducer.comm_wait_s >= 0.0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[n]), n
+
+
+def test_unused_parameters_do_not_hang_and_get_zero_gradients(comm):
+    model = TwoHeads()
+    with GradientReducer(comm, model.named_parameters(), bucket_bytes=1 << 20) as reducer:
+        reducer.arm(last=True)
+        model(torch.randn(2, 4), use_b=False).sum().backward()
+        reducer.synchronize()
+    assert torch.count_nonzero(model.b.weight.grad) == 0
+    assert torch.count_nonzero(model.a.weight.grad) > 0
+
+
+def test_accumulation_reduces_the_sum_of_micro_batches_once(comm):
+    torch.manual_seed(1)
+    model = TwoHeads()
+    xs = [torch.randn(3, 4), torch.randn(3, 4)]
+    sum(model(x).sum() for x in xs).backward()
+    expected = model.trunk.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    calls = []
+    original = comm.allreduce_flat_
+    comm.allreduce_flat_ = lambda buf, average=True: (calls.append(buf.numel()),
+                                                       original(buf, average))
+    try:
+        with GradientReducer(comm, model.named_parameters(), bucket_bytes=1 << 20) as reducer:
+            for i, x in enumerate(xs):
+                reducer.arm(last=(i == len(xs) - 1))
+                model(x).sum().backward()
+            reducer.synchronize()
+    finally:
+        del comm.allreduce_flat_
+    assert len(calls) == 1  # one bucket, reduced once: after the last micro-batch
+    assert torch.allclose(model.trunk.weight.grad, expected)
+
+
+def test_disabled_reducer_never_communicates(comm):
+    model = TwoHeads()
+    calls = []
+    comm.allreduce_flat_ = lambda buf, average=True: calls.append(buf)
+    try:
+        with GradientReducer(comm, model.named_parameters(), 64, enabled=False) as reducer:
+            reducer.arm(last=True)
+            model(torch.randn(2, 4)).sum().backward()
+            reducer.synchronize()
+    finally:
+        del comm.allreduce_flat_
+    assert calls == [] and reducer.comm_wait_s == 0.0
+    assert model.a.weight.grad is not None
+
+
+def test_communication_error_is_raised_in_synchronize(comm):
+    model = TwoHeads()
+
+    def broken(buf, average=True):
+        raise RuntimeError("link down")
+
+    comm.allreduce_flat_ = broken
+    try:
+        with GradientReducer(comm, model.named_parameters(), 1 << 20) as reducer:
+            reducer.arm(last=True)
+            model(torch.randn(2, 4)).sum().backward()
+            with pytest.raises(RuntimeError, match="link down"):
+                reducer.synchronize()
+    finally:
+        del comm.allreduce_flat_
+
+
+def test_model_without_trainable_parameters_is_an_error(comm):
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter"):
+        GradientReducer(comm, frozen.named_parameters(), 64)

@@ -1,0 +1,107 @@
+"""`mpiexec -n 2 hpcdl train` end to end: a run stopped by SIGUSR1 exits 75 after a checkpoint,
+and `--resume auto` ends with exactly the parameters of an uninterrupted run (--deterministic).
+
+Serial test that launches its own mpiexec (never nested inside an MPI-launched rank)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
+
+RECIPE = """
+name: tiny_cli
+model: {name: resnet_small, num_classes: 3, width: 4, layers: [1, 1, 1]}
+data: {image_size: 16, workers: 1}
+batch: {global: 4, per_rank: 2}
+epochs: 2
+optimizer: {name: lars, momentum: 0.9, weight_decay: 5.0e-5}
+schedule: {name: poly, base_lr: 1.0, warmup_epochs: 0.5}
+train: {seed: 1, log_every_steps: 2}
+comm: {backend: mpi, bucket_mb: 0.004}
+"""
+
+pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from data_prep.shard import shard_tree
+    from data_prep.synthetic import make_imagenet_tree
+
+    root = tmp_path_factory.mktemp("cli")
+    make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=8, val_per_class=2,
+                       size=(24, 20))
+    shard_tree(str(root / "tree"), str(root / "shards"), shards=2, resize=20)
+    (root / "tiny.yaml").write_text(RECIPE)
+    return root
+
+
+def hpcdl_train(root, run, *extra, env=None):
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "train",
+           "--recipe", str(root / "tiny.yaml"), "--data", str(root / "shards"),
+           "--out", str(root / run), "--deterministic", "--max-steps", "9", *extra]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "300", **(env or {})}
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    return proc
+
+
+def finish(proc):
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out
+
+
+def summary(root, run):
+    return json.load(open(root / run / "summary.json"))
+
+
+def test_signal_stop_then_resume_matches_uninterrupted_run(setup):
+    root = setup
+    # The reference and the interrupted run are independent: launch them together.
+    reference = hpcdl_train(root, "ref", "--resume", "none")
+    stopped = hpcdl_train(root, "run", env={"HPCDL_TEST_SIGNAL_AT_STEP": "4",
+                                            "HPCDL_TEST_SIGNAL_RANK": "1"})
+    code, out = finish(stopped)
+    assert code == EXIT_STOPPED_BY_SIGNAL, out
+    assert summary(root, "run")["stopped"] == "signal" and summary(root, "run")["steps"] == 5
+    assert os.listdir(root / "run" / "checkpoints") == ["ckpt-000000005.pt"]
+
+    code, out = finish(hpcdl_train(root, "run"))  # --resume auto is the default
+    assert code == 0, out
+    resumed = summary(root, "run")
+    code, out = finish(reference)
+    assert code == 0, out
+    assert resumed["resumed_from"].endswith("ckpt-000000005.pt")
+    assert resumed["steps"] == 9
+    assert resumed["params_sha256"] == summary(root, "ref")["params_sha256"]
+    assert os.path.exists(root / "run" / "config.yaml")
+    assert os.path.exists(root / "run" / "logs" / "rank-0001.log")
+
+
+def test_ipex_asked_for_but_missing_says_how_to_get_it(setup):
+    pytest.importorskip("mpi4py")
+    try:
+        import intel_extension_for_pytorch  # noqa: F401
+        pytest.skip("IPEX is installed here")
+    except ImportError:
+        pass
+    proc = subprocess.run([sys.executable, "-m", "hpcdl.cli.main", "train", "--recipe",
+                           str(setup / "tiny.yaml"), "--data", str(setup / "shards"),
+                           "--out", str(setup / "ipex"), "--ipex"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "intel_extension_for_pytorch is not importable" in proc.stderr
+    assert "without --ipex" in proc.stderr
+
+
+def test_recipe_error_exits_2_naming_the_key(setup):
+    proc = subprocess.run([sys.executable, "-m", "hpcdl.cli.main", "train", "--recipe",
+                           str(setup / "tiny.yaml"), "--data", str(setup / "shards"),
+                           "--out", str(setup / "bad"), "batch.per_rnak=3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "batch.per_rnak" in proc.stderr and "tiny.yaml" in proc.stderr
