@@ -12,8 +12,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["hpcdl", "hpcdl.*", "data_prep"]),
-    package_data={"hpcdl": ["plan/machines/*.yaml", "demo_data/*", "recipes/*.yaml"]},
+    packages=find_packages(include=["hpcdl", "hpcdl.*", "data_prep", "slurm"]),
+    package_data={"hpcdl": ["plan/machines/*.yaml", "demo_data/*", "recipes/*.yaml"],
+                  "slurm": ["*.sbatch", "job_body.sh"]},
     include_package_data=True,
     install_requires=[
         "torch==2.13.0",

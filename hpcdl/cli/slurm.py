@@ -1,0 +1,95 @@
+"""Write an sbatch script for a training run, checked before it reaches the queue.
+
+  hpcdl slurm render --arch skx --nodes 64 --recipe recipes/resnet50_lars_32k.yaml \\
+      --data /scratch/imagenet-shards --time 12:00:00 --partition skx-normal \\
+      --out $SCRATCH/runs/r50-32k batch.per_rank=256 > job.sbatch
+  sbatch job.sbatch
+
+The script goes to stdout (or --output), warnings and errors to stderr; a job that would fail
+(batch not divisible over the ranks, too few shards for the nodes, no time for a checkpoint,
+missing recipe) exits non-zero with a message naming the value. docs/slurm.md describes the
+templates and how to adapt them to a site.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+COMMAND = "slurm"
+HELP = "render an sbatch script (skx, knl, generic) after checking the job"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="slurm", metavar="ACTION", required=True)
+    render = sub.add_parser("render", help="fill a template and validate the job")
+    render.add_argument("--arch", required=True, choices=("skx", "knl", "generic"),
+                        help="skx: 2 ranks/node, one per socket; knl: 1 rank/node; generic: "
+                        "one rank per socket discovered on the node")
+    render.add_argument("--nodes", type=int, required=True)
+    render.add_argument("--recipe", required=True, help="recipes/NAME.yaml")
+    render.add_argument("--data", required=True, help="shard directory (with manifest.json)")
+    render.add_argument("--time", default="02:00:00", help="Slurm time limit (default 02:00:00)")
+    render.add_argument("--partition", default=None)
+    render.add_argument("--account", default=None)
+    render.add_argument("--job-name", default="hpcdl")
+    render.add_argument("--out", default=None,
+                        help="run directory (default runs/JOB_NAME); its logs/ holds the job log")
+    render.add_argument("--launcher", default="srun-pmi2",
+                        choices=("srun-pmi2", "srun-pmix", "mpirun", "ibrun"),
+                        help="default srun-pmi2; HPCDL_LAUNCHER overrides it at submit time")
+    render.add_argument("--ranks-per-node", type=int, default=None,
+                        help="generic only: fixed ranks per node instead of one per socket")
+    render.add_argument("--signal-seconds", type=int, default=300,
+                        help="send the checkpoint signal this long before the limit (300)")
+    render.add_argument("--setup", default="",
+                        help="file the job sources first (module loads, venv activation)")
+    render.add_argument("--local-dir", default="/tmp",
+                        help="node-local directory for staged shards (default /tmp)")
+    render.add_argument("--node-memory-gb", type=float, default=None,
+                        help="memory per node for the batch check (skx 192, knl 96 assumed)")
+    render.add_argument("--cores-per-socket", type=int, default=24, help="skx: cores per socket")
+    render.add_argument("--knl-cores", type=int, default=68, help="knl: cores per node")
+    render.add_argument("--knl-os-cores", type=int, default=4,
+                        help="knl: cores left to the OS and MPI progress")
+    render.add_argument("--knl-memory-mode", default="auto", choices=("auto", "cache", "flat"))
+    render.add_argument("--train-arg", action="append", default=[], metavar="ARG",
+                        help="an extra `hpcdl train` option, repeatable: "
+                        "--train-arg=--deterministic --train-arg=--max-steps=100")
+    render.add_argument("--output", "-o", default=None, help="write the script here, not stdout")
+    render.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="recipe overrides, passed on to hpcdl train")
+
+
+def run(args: argparse.Namespace) -> int:
+    from slurm.render import JobSpec, RenderError, render_job
+
+    spec = JobSpec(
+        arch=args.arch, nodes=args.nodes, recipe=args.recipe, data=args.data, time=args.time,
+        partition=args.partition, account=args.account, job_name=args.job_name, out=args.out,
+        launcher=args.launcher, overrides=list(args.overrides), train_args=args.train_arg,
+        ranks_per_node=args.ranks_per_node, signal_seconds=args.signal_seconds,
+        setup=args.setup, local_dir=args.local_dir, node_memory_gb=args.node_memory_gb,
+        cores_per_socket=args.cores_per_socket, knl_cores=args.knl_cores,
+        knl_os_cores=args.knl_os_cores, knl_memory_mode=args.knl_memory_mode)
+    try:
+        rendered = render_job(spec)
+    except RenderError as exc:
+        print(f"hpcdl slurm render: error: {exc}", file=sys.stderr)
+        return 1
+    for warning in rendered.warnings:
+        print(f"hpcdl slurm render: warning: {warning}", file=sys.stderr)
+    # sbatch does not create the directory of --output; a job whose log cannot be opened
+    # fails without a word, so make it now.
+    os.makedirs(os.path.join(rendered.run_dir, "logs"), exist_ok=True)
+    if args.output:
+        from hpcdl.io import atomic_write_text
+
+        atomic_write_text(args.output, rendered.script)
+    else:
+        sys.stdout.write(rendered.script)
+    layout = f"{rendered.ranks} ranks" if rendered.ranks else "ranks discovered at run time"
+    batch = f", per-rank batch {rendered.per_rank_batch}" if rendered.per_rank_batch else ""
+    print(f"hpcdl slurm render: {args.arch}, {args.nodes} node(s), {layout}{batch}; "
+          f"log: {rendered.run_dir}/logs/slurm-JOBID.out", file=sys.stderr)
+    return 0

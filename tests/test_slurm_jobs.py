@@ -1,0 +1,244 @@
+"""Real Slurm jobs on a single-node cluster started for this module (tests/slurm/cluster.sh).
+
+The cluster runs as root with every file in a private temporary directory; tests skip, with the
+reason, only where it cannot exist at all (Slurm or munge not installed, not root). On CI both
+hold (.ci/run installs the packages), so these tests run there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm.render import JobSpec, render_job
+
+HERE = Path(__file__).resolve().parent
+CLUSTER = HERE / "slurm" / "cluster.sh"
+DEMO_RECIPE = HERE.parent / "recipes" / "demo_fmnist.yaml"
+
+pytestmark = pytest.mark.slurm
+
+HELLO = """\
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+print(f"hello rank {comm.rank} of {comm.size}", flush=True)
+"""
+
+
+def _why_no_slurm() -> str | None:
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
+               if shutil.which(b) is None]
+    if missing:
+        return f"Slurm/munge not installed ({', '.join(missing)} missing; apt-get install " \
+               f"munge slurmctld slurmd slurm-client)"
+    if os.geteuid() != 0:
+        return "the test cluster's slurmd must run as root"
+    return None
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    """Our own temporary directory: pytest's numbered ones are pruned by any other pytest
+    session of the same user, which would delete the cluster's state under a running job."""
+    directory = Path(tempfile.mkdtemp(prefix="hpcdl-slurm-test-"))
+    yield directory
+    if os.environ.get("HPCDL_SLURM_TEST_KEEP"):  # to read the job logs after a failure
+        print(f"kept {directory}")
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir):
+    reason = _why_no_slurm()
+    if reason:
+        pytest.skip(reason)
+    directory = workdir / "cluster"
+    started = subprocess.run([str(CLUSTER), "start", str(directory)], capture_output=True,
+                             text=True, timeout=120)
+    try:
+        assert started.returncode == 0, f"cluster.sh start failed:\n{started.stderr}"
+        previous = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = str(directory / "slurm.conf")
+        yield directory
+    finally:
+        subprocess.run([str(CLUSTER), "stop", str(directory)], timeout=120)
+        if started.returncode == 0:
+            if previous is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = previous
+
+
+def sbatch(script: Path, *options: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+def job_field(job: str, name: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True,
+                         text=True, check=True).stdout
+    match = re.search(rf"\b{name}=(\S*)", out)
+    return match.group(1) if match else ""
+
+
+def wait_until(predicate, what: str, limit: float = 120.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {limit:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def shards(workdir):
+    """Tiny real Fashion-MNIST shards (160 train images in 2 shards, 20 val in 1)."""
+    from data_prep.fashion_mnist import write_tree
+    from data_prep.shard import shard_tree
+
+    root = workdir / "fmnist"
+    write_tree(str(root / "tree"), source="demo", train_per_class=16, val_per_class=2)
+    shard_tree(str(root / "tree"), str(root / "shards"), shards=2, val_shards=1, resize=0)
+    return root / "shards"
+
+
+@pytest.fixture(scope="module")
+def recipe(workdir):
+    """The demo recipe as it is now: every job of the module reads the same copy."""
+    copy = workdir / DEMO_RECIPE.name
+    shutil.copyfile(DEMO_RECIPE, copy)
+    return copy
+
+
+# The demo recipe scaled to the tiny data: 160 images / 32 = 5 steps an epoch, 5 epochs, no
+# evaluation, bit-for-bit repeatable so that a resumed run can be compared with an
+# uninterrupted one.
+STEPS = 25
+OVERRIDES = ("epochs=5", "batch.global=32", "batch.per_rank=16", "train.log_every_steps=1")
+TRAIN_ARGS = ("--deterministic", "--no-eval", "--no-progress")
+
+
+def render_demo(recipe: Path, shards: Path, run_dir: Path) -> Path:
+    """`hpcdl slurm render` of the generic template: one node, 2 ranks (this VM has 1 socket)."""
+    script = run_dir.parent / f"{run_dir.name}.sbatch"
+    subprocess.run([sys.executable, "-m", "hpcdl.cli.main", "slurm", "render", "--arch",
+                    "generic", "--nodes", "1", "--ranks-per-node", "2", "--recipe",
+                    str(recipe), "--data", str(shards), "--out", str(run_dir), "--time",
+                    "01:00:00", "--signal-seconds", "120", "--job-name", run_dir.name,
+                    "--output", str(script), *(f"--train-arg={a}" for a in TRAIN_ARGS),
+                    *OVERRIDES], check=True, timeout=300)
+    return script
+
+
+def job_env(workdir: Path, **extra: str) -> dict[str, str]:
+    """Node-local staging inside the test's directory (job ids restart with each cluster)."""
+    return {"HPCDL_LOCAL_DIR": str(workdir / "local"), **extra}
+
+
+def read_log(run_dir: Path) -> str:
+    return next((run_dir / "logs").glob("slurm-*.out")).read_text()
+
+
+def test_mpi_hello_sees_two_ranks_under_srun_pmi2_and_mpiexec(cluster, workdir):
+    (workdir / "hello.py").write_text(HELLO)
+    script = workdir / "hello.sbatch"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --nodes=1 --ntasks=2 --output={workdir}/hello-%j.out
+cd {workdir}
+echo "== srun"; srun --mpi=pmi2 {sys.executable} hello.py
+echo "== mpiexec"; mpiexec -n 2 {sys.executable} hello.py
+""")
+    result = sbatch(script, "--wait")
+    assert result.returncode == 0, result.stderr
+    log = next(workdir.glob("hello-*.out")).read_text()
+    srun_part, mpiexec_part = log.split("== mpiexec")
+    for part in (srun_part, mpiexec_part):
+        # srun --mpi=none would print "rank 0 of 1" twice and still exit 0.
+        assert sorted(re.findall(r"hello rank (\d) of (\d)", part)) == [("0", "2"), ("1", "2")]
+
+
+def test_sbatch_reads_hostile_names_and_paths_as_plain_strings(cluster, recipe, shards,
+                                                               workdir):
+    evil = "x $(touch PWNED1) `touch PWNED2`; touch PWNED3 'q' \"d\" %j"
+    run_dir = workdir / evil.replace("%", "")  # % is refused in a run directory
+    script = workdir / "evil.sbatch"
+    rendered = render_job(JobSpec(arch="generic", nodes=1, ranks_per_node=2, recipe=str(recipe),
+                                  data=str(shards), out=str(run_dir), job_name=evil,
+                                  partition="debug", overrides=list(OVERRIDES)))
+    script.write_text(rendered.script)
+    (run_dir / "logs").mkdir(parents=True)
+    submitted = sbatch(script, "--hold")  # parsed and queued, never started
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+                               check=True).stdout
+    finally:
+        subprocess.run(["scancel", job], check=True)
+    assert f"JobName={evil}\n" in shown
+    assert f"StdOut={run_dir}/logs/slurm-{job}.out\n" in shown
+    assert not list(workdir.rglob("PWNED*"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(cluster, recipe, shards, workdir):
+    """The demo trained to the end in one job (doctor, staging, 2 ranks): the reference."""
+    run_dir = workdir / "run-once"
+    result = sbatch(render_demo(recipe, shards, run_dir), "--wait", env=job_env(workdir))
+    return run_dir, result
+
+
+def test_generic_template_trains_two_ranks_to_the_end(uninterrupted_run, workdir):
+    run_dir, result = uninterrupted_run
+    log = read_log(run_dir)
+    assert result.returncode == 0, log
+    assert "doctor: srun --mpi=pmi2" in log
+    assert re.search(r"^0/2 .*\n1/2 ", log, re.M)  # doctor's table: one row per rank
+    assert "node 0/1: copied 3" in log  # 2 train + 1 val shard staged to node-local disk
+    assert "--data " + str(workdir / "local" / "hpcdl-shards-") in log
+    assert "training finished with exit code 0" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["ranks"], summary["steps"], summary["stopped"]) == (2, STEPS, "completed")
+    assert not list((workdir / "local").iterdir())  # local shards removed after the run
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, uninterrupted_run, recipe,
+                                                           shards, workdir):
+    run_dir = workdir / "run-requeue"
+    submitted = sbatch(render_demo(recipe, shards, run_dir),
+                       env=job_env(workdir, HPCDL_DOCTOR="0"))
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    metrics = run_dir / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and '"step": 2,' in metrics.read_text(),
+               "the first training steps", limit=300)
+    # --signal=B:USR1@T can come much earlier than T on short jobs; deliver it ourselves.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    wait_until(lambda: job_field(job, "Restarts") == "1" and
+               job_field(job, "JobState") == "PENDING", "the job to requeue itself")
+    # A requeued job waits ~120 s (BeginTime) before it may start again. Start it now, but
+    # only once the first run's step daemons are gone: a new step 1 whose socket the old
+    # step 1 still cleans up fails its PMI-2 exchange ("failed to send temp kvs").
+    wait_until(lambda: not list(cluster.glob(f"spool/*/*_{job}.*")), "the old steps to end")
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True)
+    wait_until(lambda: job_field(job, "JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
+               "the resumed job to finish", limit=300)
+    log = read_log(run_dir)
+    assert job_field(job, "JobState") == "COMPLETED", log
+    assert "restart 0 " in log and "restart 1 " in log  # one log holds both runs (append)
+    assert "checkpoint written; requeueing job" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"], log
+    reference = json.loads((uninterrupted_run[0] / "summary.json").read_text())
+    assert summary["steps"] == reference["steps"] == STEPS
+    assert summary["params_sha256"] == reference["params_sha256"]
