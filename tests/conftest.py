@@ -1,9 +1,25 @@
-"""Fixtures shared by the serial and MPI tests: ImageNet-shaped trees (data_prep.synthetic)."""
+"""Fixtures shared by the serial and MPI tests: ImageNet-shaped trees (data_prep.synthetic),
+and a clean ``hpcdl`` logger for every test."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 
 from data_prep.synthetic import TreeInfo, make_imagenet_tree
+
+
+@pytest.fixture(autouse=True)
+def _fresh_hpcdl_logger():
+    """setup_rank_logging gives the ``hpcdl`` logger its own handlers and stops propagation
+    (as a run wants); undo that after each test so caplog sees the next test's messages."""
+    yield
+    logger = logging.getLogger("hpcdl")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)
 
 
 @pytest.fixture(scope="session")

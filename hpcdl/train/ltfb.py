@@ -50,7 +50,7 @@ from hpcdl.train.tournament import (
     state_tensors,
     tournament_partners,
 )
-from hpcdl.train.trainer import STOP_SIGNALS, Trainer, TrainOptions
+from hpcdl.train.trainer import Trainer, TrainOptions, stop_signals_as_flag
 
 __all__ = ["LTFB", "LTFBOptions", "METRICS", "EXCHANGES", "trainer_run_dir"]
 
@@ -112,7 +112,6 @@ class LTFB:
         self.rounds: list[dict[str, Any]] = []
         self._scratch: torch.nn.Module | None = None
         self._signal: int | None = None
-        self._previous_handlers: dict[int, Any] = {}
         self.tournament_loader = None
         try:
             self.trainer = self._build_trainer(config, data_dir, timeline)
@@ -208,11 +207,9 @@ class LTFB:
         """Train every trainer to the end (or ``max_steps``) with a tournament every
         ``interval`` steps. Returns the run summary (every rank)."""
         start = time.perf_counter()
-        self._install_signal_handlers()
-        try:
+        with stop_signals_as_flag(self._note_signal,
+                                  self.trainers > 1 and self.options.handle_signals):
             summary = self.trainer.train()
-        finally:
-            self._restore_signal_handlers()
         return self._run_summary(summary, time.perf_counter() - start)
 
     def close(self) -> None:
@@ -295,23 +292,8 @@ class LTFB:
         return self._scratch
 
     # -- signals -----------------------------------------------------------------------------
-    def _install_signal_handlers(self) -> None:
-        import threading
-
-        if self.trainers == 1 or not self.options.handle_signals or \
-                threading.current_thread() is not threading.main_thread():
-            return
-
-        def request_stop(signum: int, frame: Any) -> None:
-            self._signal = signum  # acted on at the next world-wide stop check
-
-        for sig in STOP_SIGNALS:
-            self._previous_handlers[sig] = signal.signal(sig, request_stop)
-
-    def _restore_signal_handlers(self) -> None:
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        self._previous_handlers.clear()
+    def _note_signal(self, signum: int) -> None:
+        self._signal = signum  # acted on at the next world-wide stop check
 
     # -- the record --------------------------------------------------------------------------
     def _all_rounds(self) -> list[dict[str, Any]]:

@@ -12,6 +12,8 @@ import logging
 import os
 from collections.abc import Sequence
 
+from hpcdl.debug.doctor import format_cpu_list
+
 __all__ = ["affinity_cores", "threads_per_rank", "configure_threads"]
 
 log = logging.getLogger("hpcdl.train")
@@ -72,21 +74,9 @@ def configure_threads(comm) -> int:
         log.warning("node oversubscribed: %d ranks share %d cores (this rank may use cores %s, "
                     "%d threads); bind one rank per socket (mpiexec --bind-to socket, "
                     "srun --cpu-bind=sockets) or run fewer ranks per node",
-                    len(masks), len(frozenset().union(*masks)), _ranges(mine), threads)
+                    len(masks), len(frozenset().union(*masks)), format_cpu_list(mine), threads)
     else:
         log.info("compute threads: %d (cores %s, %d rank(s) on this node)", threads,
-                 _ranges(mine), len(masks))
+                 format_cpu_list(mine), len(masks))
     return threads
 
-
-def _ranges(cores: frozenset[int]) -> str:
-    """{0,1,2,5} -> '0-2,5' (how taskset and Slurm print masks)."""
-    out, items = [], sorted(cores)
-    i = 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(out)

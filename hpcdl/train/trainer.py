@@ -18,8 +18,9 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,24 @@ EXIT_STOPPED_BY_SIGNAL = 75
 
 #: Signals Slurm sends before the time limit (``--signal=USR1@120``; SIGTERM at the limit).
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_signals_as_flag(on_signal: Callable[[int], None], enabled: bool = True) -> Iterator[None]:
+    """While active, SIGUSR1/SIGTERM only call ``on_signal(signum)``, which sets a flag: the
+    loop acts on it at the next step boundary, agreed by all ranks, so a checkpoint is never
+    written from inside a signal handler. Python runs handlers on the main thread only, so
+    elsewhere (and with ``enabled=False``) this does nothing."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: on_signal(signum))
+                for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -166,7 +185,6 @@ class Trainer:
         self._last_eval_step = -1
         self._last_checkpoint_step = -1
         self._stop_signal: int | None = None
-        self._previous_handlers: dict[int, Any] = {}
         self._metrics: MetricsWriter | None = None
         self._images_this_run = 0
         self._train_time_s = 0.0
@@ -269,27 +287,26 @@ class Trainer:
         start = time.perf_counter()
         self.check_replicas()
         self._open_outputs()
-        self._install_signal_handlers()
         stopped = "completed"
-        try:
-            while self.step < self._last_step():
-                epoch = self.step // self.steps_per_epoch
-                start_batch = (self.step % self.steps_per_epoch) * self.accumulation
-                stopped = self.train_one_epoch(epoch, start_batch)
-                if stopped != "completed":
-                    break
-                self._end_of_epoch(epoch)
-            if stopped == "completed" and self.step >= self._last_step() \
-                    and self.step < self.total_steps:
-                stopped = "max_steps"
-            if stopped != "signal" and self.options.evaluate and self.val_loader is not None \
-                    and self._last_eval_step != self.step:
-                self.evaluate()
-            if stopped != "signal" and self._last_checkpoint_step != self.step:
-                self.save_checkpoint()
-        finally:
-            self._restore_signal_handlers()
-            self._close_progress()
+        with stop_signals_as_flag(self.request_stop, self.options.handle_signals):
+            try:
+                while self.step < self._last_step():
+                    epoch = self.step // self.steps_per_epoch
+                    start_batch = (self.step % self.steps_per_epoch) * self.accumulation
+                    stopped = self.train_one_epoch(epoch, start_batch)
+                    if stopped != "completed":
+                        break
+                    self._end_of_epoch(epoch)
+                if stopped == "completed" and self.step >= self._last_step() \
+                        and self.step < self.total_steps:
+                    stopped = "max_steps"
+                if stopped != "signal" and self.options.evaluate and self.val_loader is not None \
+                        and self._last_eval_step != self.step:
+                    self.evaluate()
+                if stopped != "signal" and self._last_checkpoint_step != self.step:
+                    self.save_checkpoint()
+            finally:
+                self._close_progress()
         summary = self.summary(stopped, time.perf_counter() - start)
         if self.rank == 0 and self.options.write_files:
             write_summary(os.path.join(self.run_dir, "summary.json"), summary)
@@ -557,26 +574,6 @@ class Trainer:
         return path
 
     # -- signals -----------------------------------------------------------------------------
-    def _install_signal_handlers(self) -> None:
-        if not self.options.handle_signals:
-            return
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def request_stop(signum: int, frame: Any) -> None:
-            # Only a flag: the loop acts at the next step boundary, agreed by all ranks.
-            self._stop_signal = signum
-
-        for sig in STOP_SIGNALS:
-            self._previous_handlers[sig] = signal.signal(sig, request_stop)
-
-    def _restore_signal_handlers(self) -> None:
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        self._previous_handlers.clear()
-
     def _test_hook_signal(self) -> None:
         """HPCDL_TEST_SIGNAL_AT_STEP=k: raise SIGUSR1 in rank HPCDL_TEST_SIGNAL_RANK (default
         0) after step k -- how the tests stop a run mid-epoch without racing a real kill."""
