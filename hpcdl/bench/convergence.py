@@ -1,0 +1,266 @@
+"""The paper's claim at small scale: LARS trains at a large batch to the small-batch accuracy.
+
+You et al. (ICPP'18) train ResNet-50 at a 32K batch, 1/40 of ImageNet's 1.28 M images, to the
+accuracy of the 256 baseline with LARS (You, Gitman & Ginsburg, arXiv:1708.03888), where plain
+SGD with the linear scaling rule and warm-up (Goyal et al., arXiv:1706.02677) falls short. Here
+the same ratio on all of Fashion-MNIST (60,000 train / 10,000 test, Debian's
+``dataset-fashion-mnist``), with the real pipeline (JPEG tree -> data_prep shards ->
+ShardedImageNet -> Trainer) and the zoo's ``resnet_small``, the same epochs for every run:
+
+==============  ============  =====================================================
+run             global batch  optimizer and schedule
+==============  ============  =====================================================
+``baseline``    128           momentum SGD, lr 0.1, poly(2) decay, no warm-up
+``sgd_scaled``  1,536         momentum SGD, lr 0.1·1536/128 (linear scaling), warm-up
+``lars``        1,536         LARS (η = 0.004, lr 2: the demo recipe's), warm-up, poly(2)
+==============  ============  =====================================================
+
+1,536 ≈ 60,000 / 40. Goal: ``lars_minus_baseline_top1`` ≥ −1 point.
+``--holdout`` trains on the first 50,000 training images and evaluates on the last 10,000
+(never the test set): the split the LARS and warm-up settings were chosen on.
+
+    mpiexec -n 2 hpcdl bench convergence --epochs 4 --json convergence.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+COMMAND = "convergence"
+HELP = "Fashion-MNIST top-1: batch 128 SGD vs batch 1536 SGD+scaling+warm-up vs LARS"
+
+RUNS = ("baseline", "sgd_scaled", "lars")
+COLUMNS = ["run", "optimizer", "global_batch", "base_lr", "warmup_epochs", "epochs", "steps",
+           "top1", "top5", "eval_loss", "train_s", "images_per_s"]
+HOLDOUT = 10_000  # training images held out by --holdout (as many as the test set)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=float, default=4,
+                        help="epochs of every run (default 4: ~12 min for the three runs on 2 "
+                             "quiet cores, estimated)")
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help=f"comma-separated subset of {','.join(RUNS)}")
+    parser.add_argument("--small-batch", type=int, default=128, help="baseline global batch")
+    parser.add_argument("--large-batch", type=int, default=1536,
+                        help="large global batch (default 1536 ≈ 60,000/40, as 32K ≈ 1.28M/40)")
+    parser.add_argument("--sgd-lr", type=float, default=0.1,
+                        help="baseline SGD lr at --small-batch; sgd_scaled uses it × "
+                             "large/small (linear scaling rule)")
+    parser.add_argument("--lars-lr", type=float, default=2.0,
+                        help="LARS base lr (large batch); also the plain-momentum lr of BN "
+                             "and biases (MLPerf skip list)")
+    parser.add_argument("--trust-coefficient", type=float, default=0.004,
+                        help="LARS η (weights move lr·η of their norm per step)")
+    parser.add_argument("--warmup-epochs", type=float, default=1.0,
+                        help="linear warm-up of the two large-batch runs")
+    parser.add_argument("--weight-decay", type=float, default=5e-4,
+                        help="every run (LARS and SGD alike; BN and biases excluded for LARS)")
+    parser.add_argument("--model", default="resnet_small", help="a model of hpcdl.models")
+    parser.add_argument("--width", type=int, default=16, help="resnet_small width")
+    parser.add_argument("--source", default="debian",
+                        help="Fashion-MNIST idx files: debian (default), demo, or a folder")
+    parser.add_argument("--holdout", action="store_true",
+                        help=f"tune: train on all but the last {HOLDOUT} training images and "
+                             f"evaluate on those (not on the test set)")
+    parser.add_argument("--data", metavar="DIR", default=None,
+                        help="keep/reuse the JPEG tree and shards here (default: under --out)")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="keep the run directories here (default: a temporary directory, "
+                             "removed); rerunning with the same DIR resumes each run")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop every run after this global step (quick checks)")
+    parser.add_argument("--backend", default="auto", help="comm backend")
+    parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+
+
+# -- the experiment's recipes -----------------------------------------------------------------
+def run_recipes(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The three recipes as dicts (hpcdl.train.config schema), same model, data and epochs."""
+    model = {"name": args.model, "num_classes": 10}
+    if args.model == "resnet_small":
+        model["width"] = args.width
+    common = {
+        "source": "hpcdl bench convergence (You et al. ICPP'18 at batch/dataset = 1/40)",
+        "model": model,
+        "data": {"image_size": 28, "val_resize": 28, "min_scale": 0.35, "workers": 2},
+        "epochs": args.epochs,
+        # Evaluate once at the end (the table's number); checkpoints at epoch ends let an
+        # interrupted bench resume with the same --out.
+        "train": {"seed": 0, "eval_every_epochs": 0, "keep_checkpoints": 1,
+                  "log_every_steps": 20, "channels_last": True},
+        "comm": {"backend": args.backend, "bucket_mb": 1},
+    }
+    sgd = {"name": "sgd", "momentum": 0.9, "weight_decay": args.weight_decay}
+    scaled = args.sgd_lr * args.large_batch / args.small_batch
+    return {
+        "baseline": {**common, "name": f"fmnist_sgd_b{args.small_batch}",
+                     "batch": {"global": args.small_batch}, "optimizer": sgd,
+                     "schedule": {"name": "poly", "base_lr": args.sgd_lr, "warmup_epochs": 0,
+                                  "power": 2.0}},
+        "sgd_scaled": {**common, "name": f"fmnist_sgd_scaled_b{args.large_batch}",
+                       "batch": {"global": args.large_batch}, "optimizer": sgd,
+                       "schedule": {"name": "poly", "base_lr": scaled,
+                                    "warmup_epochs": args.warmup_epochs, "power": 2.0}},
+        "lars": {**common, "name": f"fmnist_lars_b{args.large_batch}",
+                 "batch": {"global": args.large_batch},
+                 "optimizer": {"name": "lars", "momentum": 0.9,
+                               "weight_decay": args.weight_decay,
+                               "trust_coefficient": args.trust_coefficient},
+                 "schedule": {"name": "poly", "base_lr": args.lars_lr,
+                              "warmup_epochs": args.warmup_epochs, "power": 2.0}},
+    }
+
+
+# -- data -------------------------------------------------------------------------------------
+def write_holdout_source(folder: str, source: str, holdout: int = HOLDOUT) -> str:
+    """idx files whose 'test' split is the last ``holdout`` training images (tuning split)."""
+    from data_prep.fashion_mnist import FILES, load_split, write_idx
+
+    images, labels = load_split(source, "train")
+    if len(labels) <= holdout:
+        raise ValueError(f"--holdout: {source} has {len(labels)} training images, need more "
+                         f"than {holdout}")
+    os.makedirs(folder, exist_ok=True)
+    parts = {"train": slice(0, len(labels) - holdout), "val": slice(len(labels) - holdout, None)}
+    for split, part in parts.items():
+        write_idx(os.path.join(folder, FILES[split][0]), images[part])
+        write_idx(os.path.join(folder, FILES[split][1]), labels[part])
+    return folder
+
+
+def prepare_shards(world, data_dir: str, source: str, holdout: bool) -> str:
+    """Rank 0 writes the JPEG tree; all ranks shard it (data_prep, MPI-parallel). Reuses
+    ``data_dir/shards`` (``shards-holdout``) when its manifest is already there."""
+    from data_prep.fashion_mnist import write_tree
+    from data_prep.shard import shard_tree
+    from hpcdl.data.format import MANIFEST
+
+    suffix = "-holdout" if holdout else ""  # the two splits never share a folder
+    shard_dir = os.path.join(data_dir, f"shards{suffix}")
+    if os.path.exists(os.path.join(shard_dir, MANIFEST)):
+        return shard_dir
+    tree = os.path.join(data_dir, f"tree{suffix}")
+    error = None
+    if world.rank == 0:
+        try:
+            if holdout:
+                source = write_holdout_source(os.path.join(data_dir, "idx"), source)
+            write_tree(tree, source=source)
+        except (OSError, ValueError) as exc:
+            error = f"writing Fashion-MNIST ({source}) to {tree}: {exc}"
+    error = world.bcast(error, root=0)
+    if error:
+        raise RuntimeError(error)
+    shard_tree(tree, shard_dir, shards=16, resize=0, comm=world)
+    return shard_dir
+
+
+# -- one run ----------------------------------------------------------------------------------
+def train_run(comm, recipe: dict[str, Any], shard_dir: str, run_dir: str,
+              max_steps: int | None) -> dict[str, Any]:
+    """Train one recipe with the real Trainer; resumes from ``run_dir`` when it has a
+    checkpoint. Returns the trainer's summary."""
+    from hpcdl.train.config import config_from_dict
+    from hpcdl.train.trainer import Trainer, TrainOptions
+
+    config = config_from_dict(recipe, origin=f"hpcdl bench convergence: {recipe['name']}")
+    options = TrainOptions(max_steps=max_steps, progress=False)
+    trainer = Trainer(config, shard_dir, run_dir, comm, options=options)
+    try:
+        trainer.resume("auto")
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def run_record(name: str, recipe: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    return {"run": name, "optimizer": recipe["optimizer"]["name"],
+            "global_batch": summary["global_batch"], "base_lr": recipe["schedule"]["base_lr"],
+            "warmup_epochs": recipe["schedule"]["warmup_epochs"],
+            "trust_coefficient": recipe["optimizer"].get("trust_coefficient"),
+            "weight_decay": recipe["optimizer"]["weight_decay"],
+            "epochs": summary["epochs"], "steps": summary["steps"], "top1": summary["top1"],
+            "top5": summary["top5"], "eval_loss": summary["eval_loss"],
+            "train_s": summary["train_s"], "images_per_s": summary["images_per_s"],
+            "ranks": summary["ranks"], "stopped": summary["stopped"]}
+
+
+def convergence_ratios(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Differences in top-1 percentage points (goal: LARS ≥ baseline − 1)."""
+    ratios: dict[str, Any] = {f"{name}_top1": r["top1"] for name, r in records.items()}
+    base = records.get("baseline")
+    if base is not None and base["top1"] is not None:
+        for name in ("lars", "sgd_scaled"):
+            r = records.get(name)
+            if r is not None and r["top1"] is not None:
+                ratios[f"{name}_minus_baseline_top1"] = 100.0 * (r["top1"] - base["top1"])
+    return ratios
+
+
+def parse_runs(text: str) -> list[str]:
+    runs = [r.strip() for r in text.split(",") if r.strip()]
+    if not runs or any(r not in RUNS for r in runs):
+        raise SystemExit(f"hpcdl bench convergence: --runs {text!r}: choose from {','.join(RUNS)}")
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = parse_runs(args.runs)
+    if args.epochs <= 0 or args.small_batch < 1 or args.large_batch < 1:
+        raise SystemExit("hpcdl bench convergence: --epochs, --small-batch and --large-batch "
+                         "must be positive")
+    import logging
+
+    from mpi4py import MPI
+
+    import hpcdl.comm
+    from hpcdl.bench.report import bench_report, emit
+    from hpcdl.debug import install_fail_fast, setup_rank_logging
+    from hpcdl.train.threads import configure_threads
+
+    world = MPI.COMM_WORLD
+    if world.size > 1:
+        install_fail_fast(world)
+    out = os.path.abspath(args.out) if args.out else \
+        world.bcast(tempfile.mkdtemp(prefix="hpcdl-convergence-") if world.rank == 0 else None)
+    setup_rank_logging(out, world.rank, world.size, "info")
+    log = logging.getLogger("hpcdl.bench")
+    try:
+        start = time.perf_counter()
+        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
+        shard_dir = prepare_shards(world, data_dir, args.source, args.holdout)
+        log.info("Fashion-MNIST shards ready in %s (%.0f s)", shard_dir,
+                 time.perf_counter() - start)
+        recipes = run_recipes(args)
+        records = {}
+        comm = hpcdl.comm.init(args.backend, world)
+        try:
+            configure_threads(comm)
+            for name in runs:
+                run_dir = os.path.join(out, f"{name}-e{args.epochs:g}")
+                log.info("run %s: %s", name, recipes[name]["name"])
+                summary = train_run(comm, recipes[name], shard_dir, run_dir, args.max_steps)
+                records[name] = run_record(name, recipes[name], summary)
+                log.info("run %s: top-1 %.4f after %s epochs (%.0f s)", name,
+                         summary["top1"] or float("nan"), summary["epochs"], summary["train_s"])
+        finally:
+            comm.close()
+        if world.rank == 0:
+            report = bench_report("convergence", list(records.values()),
+                                  convergence_ratios(records), ranks=world.size)
+            report["split"] = ("holdout: last 10,000 training images" if args.holdout
+                               else "test: the 10,000 test images")
+            report["total_s"] = time.perf_counter() - start
+            emit(report, COLUMNS, args.json)
+            sys.stdout.flush()
+    finally:
+        world.Barrier()
+        if not args.out and world.rank == 0:
+            shutil.rmtree(out, ignore_errors=True)
+    return 0

@@ -1,0 +1,417 @@
+"""Training-step throughput: hpcdl's step against the ceiling and the baseline, in one run.
+
+Three modes on the same ranks, model, batch and threads, one after another:
+
+- ``ours``: the trainer's own step (:meth:`hpcdl.train.trainer.Trainer.train_step`): forward,
+  backward with gradients averaged by the overlapped :class:`~hpcdl.comm.reducer.
+  GradientReducer` on the default comm backend, then LARS (You et al., ICPP'18);
+- ``no_comm``: the same step with the reducer switched off, so each rank only computes: the
+  ceiling communication can approach (``vs_no_comm``, goal ≥ 0.97);
+- ``ddp_gloo``: what a PyTorch user would pick, ``DistributedDataParallel`` on a gloo process
+  group (rendezvous over MPI) with the same model and LARS (``vs_ddp_gloo``, goal ≥ 1.05).
+
+Compute efficiency is the training FLOP rate (forward multiply-adds from
+:func:`hpcdl.models.flops` × 2 FLOPs × 3 for forward and backward) over the FLOP rate of a large
+fp32 matmul measured by every rank at the same time (``flops_fraction_of_matmul``, goal ≥ 0.8).
+
+    mpiexec -n 2 hpcdl bench train --model resnet50 --image-size 112 --synthetic --json F.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+COMMAND = "train"
+HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
+
+MODES = ("ours", "no_comm", "ddp_gloo")
+COLUMNS = ["mode", "ranks", "batch_per_rank", "step_time_s", "images_per_s_per_rank",
+           "compute_s", "comm_wait_s", "data_wait_s", "train_gflops_per_s"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="resnet50", help="a model of hpcdl.models")
+    parser.add_argument("--image-size", type=int, default=112, help="input height = width")
+    parser.add_argument("--num-classes", type=int, default=1000)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--synthetic", action="store_true",
+                        help="random uint8 images made once in memory (no data wait)")
+    source.add_argument("--data", metavar="SHARDS", help="real shards (data_prep output)")
+    parser.add_argument("--batch", type=int, default=16, help="images per rank per step")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, per mode")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--no-comm", action="store_true",
+                        help="only the compute ceiling (same as --modes no_comm)")
+    parser.add_argument("--backend", default="auto", help="comm backend of 'ours'")
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="fusion bucket size, ours and DDP alike")
+    parser.add_argument("--memory-format", choices=("channels_last", "contiguous"),
+                        default="contiguous",
+                        help="activation layout of every mode; channels_last needs >= 2 "
+                             "threads per rank (the trainer's rule: torch 2.13 CPU corrupts "
+                             "the heap in channels_last conv backward on one thread)")
+    parser.add_argument("--malloc", choices=("retain", "default"), default="retain",
+                        help="retain: glibc keeps freed activation memory instead of returning "
+                             "it to the OS (no page faults per step; measured ~7%% of a "
+                             "ResNet-50 step here); default: glibc's own thresholds")
+    parser.add_argument("--workers", type=int, default=2, help="decode threads with --data")
+    parser.add_argument("--matmul-size", type=int, default=2048,
+                        help="n of the n×n fp32 matmul that sets the FLOP/s reference")
+    parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+
+
+# -- inputs -----------------------------------------------------------------------------------
+class SyntheticImages:
+    """The loader contract of hpcdl.data (``set_epoch``, ``len``, iteration, ``data_wait_s``)
+    over a few random uint8 batches made once: the step's cost without any input pipeline."""
+
+    def __init__(self, batch_size: int, image_size: int, num_classes: int, length: int,
+                 seed: int = 0, distinct: int = 4) -> None:
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        self.batches = [
+            (torch.randint(0, 256, (batch_size, 3, image_size, image_size), dtype=torch.uint8,
+                           generator=generator),
+             torch.randint(0, num_classes, (batch_size,), generator=generator))
+            for _ in range(distinct)]
+        self.length = length
+        self.data_wait_s = 0.0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.data_wait_s = 0.0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator:
+        for i in range(self.length):
+            yield self.batches[i % len(self.batches)]
+
+
+def make_loader(args: argparse.Namespace, comm, length: int):
+    if args.synthetic:
+        return SyntheticImages(args.batch, args.image_size, args.num_classes, length,
+                               seed=comm.rank)
+    from hpcdl.data import ShardedImageNet
+
+    return ShardedImageNet(args.data, split="train", node_index=comm.node_index,
+                           num_nodes=comm.num_nodes, local_rank=comm.local_rank,
+                           local_size=comm.local_size, batch_size=args.batch,
+                           image_size=args.image_size, workers=args.workers)
+
+
+def endless(loader) -> Iterator:
+    """Batches across epoch ends, so a short real split still feeds every timed step."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+# -- the recipe every mode shares ----------------------------------------------------------
+def bench_config(args: argparse.Namespace, ranks: int):
+    """A recipe for timing: the ImageNet LARS recipe's optimizer, a small lr (random labels
+    must not diverge during the timed steps), the bench's batch and bucket size."""
+    from hpcdl.train.config import config_from_dict
+
+    return config_from_dict({
+        "name": f"bench_train_{args.model}",
+        "source": "hpcdl bench train",
+        "model": {"name": args.model, "num_classes": args.num_classes},
+        "data": {"image_size": args.image_size, "workers": args.workers},
+        "batch": {"global": args.batch * ranks, "per_rank": args.batch},
+        "epochs": 1,
+        "optimizer": {"name": "lars", "momentum": 0.9, "weight_decay": 5.0e-5,
+                      "trust_coefficient": 0.001},
+        "schedule": {"name": "poly", "base_lr": 0.1, "warmup_epochs": 0, "power": 2.0},
+        "train": {"channels_last": args.memory_format == "channels_last",
+                  "log_every_steps": 10 ** 9},
+        "comm": {"backend": args.backend, "bucket_mb": args.bucket_mb},
+    }, origin="hpcdl bench train")
+
+
+# -- timing -------------------------------------------------------------------------------------
+def time_trainer_steps(comm, config, loader, no_comm: bool, steps: int,
+                       warmup: int) -> list[dict[str, float]]:
+    """Per-step (step, comm wait, data wait) seconds of Trainer.train_step, after warm-up."""
+    from hpcdl.train.trainer import Trainer, TrainOptions
+
+    options = TrainOptions(no_comm=no_comm, progress=False, handle_signals=False,
+                           write_files=False, evaluate=False)
+    with tempfile.TemporaryDirectory(prefix="hpcdl-bench-train-") as run_dir:
+        trainer = Trainer(config, None, run_dir, comm, options=options, train_loader=loader)
+        try:
+            batches = endless(loader)
+            samples = []
+            for i in range(warmup + steps):
+                start = time.perf_counter()
+                batch = next(batches)
+                data_wait = time.perf_counter() - start
+                trainer.train_step([batch])
+                step = time.perf_counter() - start
+                if i >= warmup:
+                    samples.append({"step": step, "comm_wait": trainer.reducer.comm_wait_s,
+                                    "data_wait": data_wait})
+        finally:
+            trainer.close()
+    return samples
+
+
+def ddp_process_group(mpi_comm):
+    """``init_process_group("gloo")`` with its rendezvous carried over MPI: rank 0 opens a
+    TCPStore on a free port and broadcasts the address (no MASTER_ADDR/PORT by hand)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hpcdl.comm.gloo import rendezvous_host
+
+    timeout = datetime.timedelta(minutes=10)
+    if mpi_comm.rank == 0:
+        host = rendezvous_host()
+        # wait_for_workers=False: the workers learn the port only from the broadcast below.
+        store = dist.TCPStore(host, 0, mpi_comm.size, True, timeout=timeout,
+                              wait_for_workers=False)
+        address = (host, store.port)
+    else:
+        address = None
+    host, port = mpi_comm.bcast(address, root=0)
+    if mpi_comm.rank != 0:
+        store = dist.TCPStore(host, port, mpi_comm.size, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=mpi_comm.rank,
+                            world_size=mpi_comm.size, timeout=timeout)
+    return store
+
+
+def effective_memory_format(requested: str, threads: int) -> str:
+    """The layout every mode really uses: the Trainer's rule (hpcdl/train/trainer.py,
+    ``_memory_format``) falls back to contiguous on one thread, and DDP must match it."""
+    return "channels_last" if requested == "channels_last" and threads > 1 else "contiguous"
+
+
+def time_ddp_steps(mpi_comm, config, loader, steps: int, warmup: int) -> list[dict[str, float]]:
+    """The same step written the way a PyTorch user would: DDP(model) on gloo, LARS."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hpcdl.data import normalize
+    from hpcdl.models import create_model
+    from hpcdl.optim import create_optimizer, create_schedule
+
+    store = ddp_process_group(mpi_comm)
+    try:
+        layout = effective_memory_format(
+            "channels_last" if config.train.channels_last else "contiguous",
+            torch.get_num_threads())
+        memory_format = (torch.channels_last if layout == "channels_last"
+                         else torch.contiguous_format)
+        kw = {k: v for k, v in config.model.items() if k != "name"}
+        model = create_model(config.model["name"], **kw).to(memory_format=memory_format)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)
+        total = warmup + steps
+        schedule = create_schedule(config.schedule, total, total)
+        optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
+        criterion = torch.nn.CrossEntropyLoss()
+        batches = endless(loader)
+        samples = []
+        for i in range(total):
+            start = time.perf_counter()
+            images, labels = next(batches)
+            data_wait = time.perf_counter() - start
+            for group in optimizer.param_groups:
+                group["lr"] = schedule(i)
+            optimizer.zero_grad(set_to_none=True)
+            inputs = normalize(images).contiguous(memory_format=memory_format)
+            criterion(ddp(inputs), labels).backward()
+            optimizer.step()
+            step = time.perf_counter() - start
+            if i >= warmup:
+                # DDP waits for its allreduces inside backward(): not separable from compute.
+                samples.append({"step": step, "comm_wait": None, "data_wait": data_wait})
+        del ddp
+    finally:
+        dist.destroy_process_group()
+        mpi_comm.Barrier()  # rank 0's store outlives every peer's last use of it
+        del store
+    return samples
+
+
+def retain_freed_memory() -> bool:
+    """Ask glibc to keep freed blocks up to 32 MiB (its maximum mmap threshold on 64-bit) in the
+    heap and never trim it, so each step's activations reuse memory instead of mmap/munmap and
+    first-touch page faults (≈64k minor faults and ~10% extra system time per ResNet-50 step at
+    batch 16, 112 px, measured). Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_
+    in the environment. Returns False where glibc's mallopt is unavailable."""
+    import ctypes
+    import ctypes.util
+
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)
+                    and libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
+def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3) -> float:
+    """FLOP/s of an n×n fp32 matmul on this rank's threads: the reference peak a dense
+    kernel reaches here (2n³ FLOPs per product)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=generator)
+    b = torch.randn(n, n, generator=generator)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    repeats, start = 0, time.perf_counter()
+    while repeats < min_repeats or time.perf_counter() - start < seconds:
+        torch.mm(a, b, out=out)
+        repeats += 1
+    return 2.0 * n ** 3 * repeats / (time.perf_counter() - start)
+
+
+# -- summarising over ranks -----------------------------------------------------------------------
+def rank_means(samples: list[dict[str, float]]) -> dict[str, float | None]:
+    def mean(key: str) -> float | None:
+        values = [s[key] for s in samples if s[key] is not None]
+        return statistics.fmean(values) if values else None
+
+    return {"step": mean("step"), "comm_wait": mean("comm_wait"),
+            "data_wait": mean("data_wait"),
+            "step_median": statistics.median(s["step"] for s in samples)}
+
+
+def mode_record(mode: str, per_rank: list[dict[str, float | None]], batch: int,
+                train_flops_per_image: float) -> dict[str, Any]:
+    """One record per mode: each quantity the mean over ranks of the per-rank mean."""
+    def across(key: str) -> float | None:
+        values = [r[key] for r in per_rank if r[key] is not None]
+        return statistics.fmean(values) if values else None
+
+    step = across("step")
+    comm_wait = across("comm_wait")
+    data_wait = across("data_wait")
+    compute = step - (comm_wait or 0.0) - (data_wait or 0.0)
+    return {
+        "mode": mode, "ranks": len(per_rank), "batch_per_rank": batch,
+        "step_time_s": step,
+        "step_time_median_s": across("step_median"),
+        "step_time_max_rank_s": max(r["step"] for r in per_rank),
+        "images_per_s_per_rank": batch / step,
+        "compute_s": compute, "comm_wait_s": comm_wait, "data_wait_s": data_wait,
+        "train_gflops_per_s": train_flops_per_image * batch / compute / 1e9,
+    }
+
+
+def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
+              train_flops_per_image: float) -> dict[str, Any]:
+    ratios: dict[str, Any] = {}
+    ours = records.get("ours")
+    if ours is not None:
+        ratios["images_per_s_per_rank"] = ours["images_per_s_per_rank"]
+        if "no_comm" in records:
+            ratios["vs_no_comm"] = (ours["images_per_s_per_rank"]
+                                    / records["no_comm"]["images_per_s_per_rank"])
+        if "ddp_gloo" in records:
+            ratios["vs_ddp_gloo"] = (ours["images_per_s_per_rank"]
+                                     / records["ddp_gloo"]["images_per_s_per_rank"])
+    # Compute efficiency of the step's compute part (comm and data waits excluded), taken from
+    # ours, or from the ceiling when ours was not run.
+    base = ours or records.get("no_comm") or records.get("ddp_gloo")
+    if base is not None:
+        ratios["flops_fraction_of_matmul"] = base["train_gflops_per_s"] * 1e9 / matmul
+        ratios["comm_wait"] = (base["comm_wait_s"] or 0.0) / base["step_time_s"]
+        ratios["data_wait"] = (base["data_wait_s"] or 0.0) / base["step_time_s"]
+    ratios["matmul_gflops_per_s_per_rank"] = matmul / 1e9
+    ratios["train_gflop_per_image"] = train_flops_per_image / 1e9
+    return ratios
+
+
+def parse_modes(args: argparse.Namespace) -> list[str]:
+    if args.no_comm:
+        return ["no_comm"]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise SystemExit(f"hpcdl bench train: --modes {args.modes!r}: choose from "
+                         f"{', '.join(MODES)}")
+    return modes
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name, low in (("batch", 1), ("steps", 1), ("warmup", 0), ("threads", 1),
+                      ("image_size", 8), ("matmul_size", 64)):
+        if getattr(args, name) < low:
+            raise SystemExit(f"hpcdl bench train: --{name.replace('_', '-')} must be >= {low}, "
+                             f"got {getattr(args, name)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    modes = parse_modes(args)
+    import torch
+    from mpi4py import MPI
+
+    import hpcdl.comm
+    from hpcdl.bench.report import bench_report, emit
+    from hpcdl.debug import install_fail_fast
+    from hpcdl.models import create_model, flops
+
+    world = MPI.COMM_WORLD
+    if world.size > 1:
+        install_fail_fast(world)  # an error on one rank ends the job instead of hanging it
+    torch.set_num_threads(args.threads)
+    malloc = "retain" if args.malloc == "retain" and retain_freed_memory() else "default"
+    comm = hpcdl.comm.init(args.backend, world, bucket_bytes=int(args.bucket_mb * 2 ** 20))
+    try:
+        config = bench_config(args, comm.size)
+        macs = flops(create_model(args.model, num_classes=args.num_classes), args.image_size)
+        train_flops_per_image = 6.0 * macs  # 2 FLOPs per multiply-add; backward ≈ 2× forward
+        loader = make_loader(args, comm, args.warmup + args.steps)
+        records = {}
+        for mode in modes:
+            if comm.rank == 0:
+                print(f"bench train: {mode} on {comm.size} rank(s), {args.warmup}+{args.steps} "
+                      f"steps of {args.batch} x {args.model} @{args.image_size}px",
+                      file=sys.stderr, flush=True)
+            world.Barrier()
+            if mode == "ddp_gloo":
+                samples = time_ddp_steps(world, config, loader, args.steps, args.warmup)
+            else:
+                samples = time_trainer_steps(comm, config, loader, mode == "no_comm",
+                                             args.steps, args.warmup)
+            per_rank = world.allgather(rank_means(samples))
+            records[mode] = mode_record(mode, per_rank, args.batch, train_flops_per_image)
+        world.Barrier()  # every rank multiplies at once, as every rank trained at once
+        matmul = statistics.fmean(world.allgather(matmul_flops_per_s(args.matmul_size)))
+        if comm.rank == 0:
+            for record in records.values():
+                record.update(model=args.model, image_size=args.image_size,
+                              threads=args.threads,
+                              memory_format=effective_memory_format(args.memory_format,
+                                                                    args.threads),
+                              malloc=malloc,
+                              backend=comm.backend if record["mode"] != "ddp_gloo" else "gloo",
+                              input="synthetic" if args.synthetic else args.data)
+            report = bench_report("train", list(records.values()),
+                                  ratios_of(records, matmul, train_flops_per_image),
+                                  ranks=comm.size)
+            report["machine"]["threads_per_rank"] = args.threads
+            report["machine"]["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+            emit(report, COLUMNS, args.json)
+    finally:
+        comm.close()
+    return 0

@@ -1,0 +1,192 @@
+"""The first run: real Fashion-MNIST through the whole ImageNet pipeline on a laptop.
+
+``mpiexec -n 2 hpcdl demo`` does, in one command, what a cluster run does in three:
+
+1. rank 0 writes the Fashion-MNIST subset shipped in ``hpcdl/demo_data`` (Xiao et al. 2017;
+   600 train + 100 test images per class) as an ImageNet-shaped JPEG tree and shards it into
+   checksummed HDF5 (``data_prep``), while the other ranks wait;
+2. every rank trains the demo recipe (``recipes/demo_fmnist.yaml``: a small ResNet, LARS with
+   warm-up and polynomial decay, You et al. ICPP'18) with gradients averaged over MPI;
+3. rank 0 prints top-1 on the held-out test images; ``RUN_DIR/summary.json`` records it.
+
+The run directory is ``--out DIR`` (kept) or a temporary directory removed at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DemoOptions", "demo_recipe_path", "prepare_demo_data", "run_demo", "DEMO_RECIPE"]
+
+DEMO_RECIPE = "demo_fmnist.yaml"
+#: What the README promises for the full demo on 2 cores (measured in docs/performance.md).
+TOP1_GOAL = 0.85
+TIME_GOAL_S = 300.0
+
+
+@dataclass
+class DemoOptions:
+    """One ``hpcdl demo`` invocation."""
+
+    out: str | None = None                  # run directory to keep; None: a temporary one
+    recipe: str | None = None               # default: the shipped demo recipe
+    overrides: Sequence[str] = ()           # recipe key=value overrides
+    epochs: float | None = None             # shorthand for the override epochs=E
+    max_steps: int | None = None            # stop after this global step (tests)
+    source: str = "demo"                    # Fashion-MNIST: demo (shipped), debian, or a folder
+    shards: int = 4                         # train shards (each node needs >= 1)
+    backend: str | None = None              # comm backend; default: the recipe's
+    progress: bool | None = None
+    log_level: str = "info"
+
+    def all_overrides(self) -> list[str]:
+        items = list(self.overrides)
+        if self.epochs is not None:
+            items.append(f"epochs={self.epochs}")
+        return items
+
+
+def demo_recipe_path() -> str:
+    """The demo recipe: packaged (``hpcdl/recipes``) or beside the package (source checkout,
+    ``pip install -e .``)."""
+    import hpcdl
+
+    package = os.path.dirname(os.path.abspath(hpcdl.__file__))
+    candidates = [os.path.join(package, "recipes", DEMO_RECIPE),
+                  os.path.join(os.path.dirname(package), "recipes", DEMO_RECIPE)]
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"hpcdl demo: recipe {DEMO_RECIPE} not found in "
+                            f"{' or '.join(candidates)}; pass --recipe PATH")
+
+
+def prepare_demo_data(data_dir: str, source: str = "demo", shards: int = 4) -> dict[str, Any]:
+    """Fashion-MNIST -> ``data_dir/tree`` (JPEG, ImageNet layout) -> ``data_dir/shards``.
+
+    Serial (one rank): the subset is 7,000 images of 28×28, seconds of work. Returns what was
+    written and how long it took."""
+    from data_prep.fashion_mnist import write_tree
+    from data_prep.shard import shard_tree
+
+    start = time.perf_counter()
+    tree = os.path.join(data_dir, "tree")
+    counts = write_tree(tree, source=source)
+    tree_s = time.perf_counter() - start
+    shard_dir = os.path.join(data_dir, "shards")
+    # resize=0: keep 28 px (the recipe's image_size); the sharder stores RGB JPEGs.
+    manifest = shard_tree(tree, shard_dir, shards, resize=0, comm=None)
+    return {"shard_dir": shard_dir, "tree": tree, "counts": counts,
+            "splits": {s: i["num_samples"] for s, i in manifest["splits"].items()},
+            "tree_s": tree_s, "prepare_s": time.perf_counter() - start}
+
+
+def _run_dir(world, out: str | None) -> str:
+    """``out``, or a temporary directory made by rank 0 (shared: one machine)."""
+    if out is not None:
+        path = os.path.abspath(out)
+    else:
+        path = tempfile.mkdtemp(prefix="hpcdl-demo-") if world.rank == 0 else None
+    return world.bcast(path, root=0)
+
+
+def _prepare_on_rank0(world, run_dir: str, options: DemoOptions) -> dict[str, Any]:
+    """Rank 0 prepares the data; the others wait at the broadcast of the result (or the
+    error, so a failure on rank 0 ends every rank with the same message, not a hang)."""
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    if world.rank == 0:
+        try:
+            result = prepare_demo_data(os.path.join(run_dir, "data"), options.source,
+                                       options.shards)
+        except (OSError, ValueError, RuntimeError) as exc:
+            error = f"preparing Fashion-MNIST ({options.source}) in {run_dir}/data: {exc}"
+    result, error = world.bcast((result, error), root=0)
+    if error:
+        raise RuntimeError(error)
+    return result
+
+
+def run_demo(options: DemoOptions) -> dict[str, Any]:
+    """Prepare, train, evaluate; returns the run's summary (every rank).
+
+    Collective over MPI.COMM_WORLD. The summary is the trainer's (``summary.json``) plus a
+    ``demo`` section: data preparation time, total time, and the goal it is measured against.
+    """
+    import logging
+
+    from mpi4py import MPI
+
+    import hpcdl.comm
+    from hpcdl.debug import install_fail_fast, install_stack_dump, setup_rank_logging
+    from hpcdl.io import atomic_write_text
+    from hpcdl.train.config import load_recipe
+    from hpcdl.train.threads import configure_threads
+    from hpcdl.train.trainer import Trainer, TrainOptions
+
+    start = time.perf_counter()
+    world = MPI.COMM_WORLD
+    recipe = options.recipe or demo_recipe_path()
+    config = load_recipe(recipe, options.all_overrides())  # every rank: a bad key fails early
+    run_dir = _run_dir(world, options.out)
+    setup_rank_logging(run_dir, world.rank, world.size, options.log_level)
+    install_stack_dump()
+    if world.size > 1:
+        install_fail_fast(world)
+    log = logging.getLogger("hpcdl.demo")
+    try:
+        log.info("hpcdl demo: %d rank(s), run directory %s", world.size, run_dir)
+        data = _prepare_on_rank0(world, run_dir, options)
+        log.info("Fashion-MNIST (%s): %s images as JPEG tree + shards in %.1f s", options.source,
+                 data["splits"], data["prepare_s"])
+        comm = hpcdl.comm.init(options.backend or config.comm.backend, world,
+                               bucket_bytes=int(config.comm.bucket_mb * 2 ** 20),
+                               wire_dtype=config.comm.wire_dtype)
+        trainer = None
+        try:
+            configure_threads(comm)
+            train_options = TrainOptions(max_steps=options.max_steps, progress=options.progress)
+            trainer = Trainer(config, data["shard_dir"], run_dir, comm, options=train_options)
+            trainer.resume("auto")  # --out of an interrupted demo continues it
+            summary = trainer.train()
+        finally:
+            if trainer is not None:
+                trainer.close()
+            comm.close()
+        summary["demo"] = {
+            "recipe": recipe, "source": options.source, "images": data["splits"],
+            "prepare_s": data["prepare_s"], "total_s": time.perf_counter() - start,
+            "goal": {"top1": TOP1_GOAL, "seconds": TIME_GOAL_S, "ranks": 2},
+        }
+        if world.rank == 0:
+            atomic_write_text(os.path.join(run_dir, "summary.json"),
+                              json.dumps(summary, indent=2) + "\n")
+        summary["run_dir"] = run_dir
+        return summary
+    finally:
+        world.Barrier()  # every rank is done with the files before any is removed
+        if options.out is None and world.rank == 0:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def format_result(summary: dict[str, Any], kept: bool) -> str:
+    """The closing lines the user reads."""
+    demo = summary["demo"]
+    top1 = summary.get("top1")
+    held_out = demo["images"].get("val", 0)
+    lines = [f"hpcdl demo: top-1 {100 * top1:.1f}% on {held_out} held-out Fashion-MNIST test "
+             f"images" if top1 is not None else "hpcdl demo: no evaluation ran",
+             f"  {summary['steps']} steps ({summary['epochs']:g} epochs) of global batch "
+             f"{summary['global_batch']} on {summary['ranks']} ranks, backend "
+             f"{summary['backend']}; {demo['total_s']:.0f} s in all (data "
+             f"{demo['prepare_s']:.0f} s, training {summary['train_s']:.0f} s)"]
+    if kept:
+        lines.append(f"  run directory: {summary['run_dir']} (summary.json, metrics.jsonl, "
+                     f"logs/, checkpoints/)")
+    return "\n".join(lines)

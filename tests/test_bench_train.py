@@ -1,0 +1,116 @@
+"""`hpcdl bench train`: the record and ratio arithmetic, the synthetic loader's contract, and
+one real `mpiexec -n 2` run of all three modes (ours, no_comm, ddp_gloo) on a tiny model whose
+JSON the planner reads (`results` per mode, `ratios`). No timing assertions: values are checked
+for presence, sign and internal consistency only.
+
+Serial test that launches its own mpiexec (never nested inside an MPI-launched rank)."""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hpcdl.bench import train as bench
+
+RECORD_KEYS = {"mode", "ranks", "batch_per_rank", "step_time_s", "images_per_s_per_rank",
+               "compute_s", "comm_wait_s", "data_wait_s"}
+
+
+def test_synthetic_images_follow_the_loader_contract():
+    loader = bench.SyntheticImages(batch_size=3, image_size=8, num_classes=5, length=7)
+    loader.set_epoch(0)
+    batches = list(loader)
+    assert len(loader) == 7 and len(batches) == 7
+    images, labels = batches[0]
+    assert images.dtype == torch.uint8 and images.shape == (3, 3, 8, 8)
+    assert labels.dtype == torch.int64 and int(labels.max()) < 5
+    assert loader.data_wait_s == 0.0
+
+
+def test_endless_crosses_epoch_ends():
+    loader = bench.SyntheticImages(batch_size=1, image_size=8, num_classes=2, length=2)
+    stream = bench.endless(loader)
+    assert len([next(stream) for _ in range(5)]) == 5
+
+
+def test_mode_record_splits_the_step_and_averages_over_ranks():
+    per_rank = [{"step": 2.0, "comm_wait": 0.2, "data_wait": 0.1, "step_median": 2.0},
+                {"step": 4.0, "comm_wait": 0.4, "data_wait": 0.3, "step_median": 4.0}]
+    record = bench.mode_record("ours", per_rank, batch=16, train_flops_per_image=1e9)
+    assert record["step_time_s"] == pytest.approx(3.0)
+    assert record["images_per_s_per_rank"] == pytest.approx(16 / 3.0)
+    assert record["compute_s"] == pytest.approx(3.0 - 0.3 - 0.2)
+    assert record["step_time_max_rank_s"] == 4.0
+    assert record["train_gflops_per_s"] == pytest.approx(16 / 2.5)
+
+
+def test_ddp_record_has_no_separable_comm_wait():
+    per_rank = [{"step": 1.0, "comm_wait": None, "data_wait": 0.0, "step_median": 1.0}]
+    record = bench.mode_record("ddp_gloo", per_rank, batch=8, train_flops_per_image=1e9)
+    assert record["comm_wait_s"] is None
+    assert record["compute_s"] == pytest.approx(1.0)
+
+
+def test_ratios_compare_ours_with_ceiling_and_ddp():
+    def rec(mode, images_per_s, comm_wait=0.0):
+        return {"mode": mode, "images_per_s_per_rank": images_per_s, "step_time_s": 1.0,
+                "comm_wait_s": comm_wait, "data_wait_s": 0.05, "train_gflops_per_s": 40.0}
+
+    records = {"ours": rec("ours", 9.7, 0.02), "no_comm": rec("no_comm", 10.0),
+               "ddp_gloo": rec("ddp_gloo", 8.0)}
+    ratios = bench.ratios_of(records, matmul=50e9, train_flops_per_image=6e9)
+    assert ratios["vs_no_comm"] == pytest.approx(0.97)
+    assert ratios["vs_ddp_gloo"] == pytest.approx(9.7 / 8.0)
+    assert ratios["flops_fraction_of_matmul"] == pytest.approx(0.8)
+    assert ratios["comm_wait"] == pytest.approx(0.02)
+    assert ratios["data_wait"] == pytest.approx(0.05)
+
+
+def test_modes_parse_and_no_comm_shorthand():
+    args = argparse.Namespace(no_comm=False, modes="ours,ddp_gloo")
+    assert bench.parse_modes(args) == ["ours", "ddp_gloo"]
+    assert bench.parse_modes(argparse.Namespace(no_comm=True, modes="ours")) == ["no_comm"]
+    with pytest.raises(SystemExit, match="horovod"):
+        bench.parse_modes(argparse.Namespace(no_comm=False, modes="ours,horovod"))
+
+
+def test_every_mode_falls_back_to_contiguous_on_one_thread():
+    assert bench.effective_memory_format("channels_last", threads=1) == "contiguous"
+    assert bench.effective_memory_format("channels_last", threads=2) == "channels_last"
+    assert bench.effective_memory_format("contiguous", threads=4) == "contiguous"
+
+
+def test_matmul_reference_is_a_positive_rate():
+    assert bench.matmul_flops_per_s(64, seconds=0.01) > 0
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_two_ranks_measure_every_mode_into_the_bench_json(tmp_path):
+    out = tmp_path / "train.json"
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "train",
+           "--model", "resnet_small", "--num-classes", "10", "--image-size", "16",
+           "--synthetic", "--batch", "4", "--steps", "2", "--warmup", "1",
+           "--matmul-size", "128", "--bucket-mb", "0.01", "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "240"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["bench"] == "train" and report["machine"]["ranks"] == 2
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert set(by_mode) == {"ours", "no_comm", "ddp_gloo"}
+    for record in by_mode.values():
+        assert RECORD_KEYS <= set(record)
+        assert record["ranks"] == 2 and record["batch_per_rank"] == 4
+        assert record["images_per_s_per_rank"] > 0
+    assert by_mode["no_comm"]["comm_wait_s"] == 0.0
+    assert by_mode["ours"]["comm_wait_s"] >= 0.0
+    ratios = report["ratios"]
+    for key in ("images_per_s_per_rank", "vs_no_comm", "vs_ddp_gloo",
+                "flops_fraction_of_matmul", "comm_wait", "data_wait"):
+        assert ratios[key] >= 0, key
+    assert ratios["vs_no_comm"] == pytest.approx(
+        by_mode["ours"]["images_per_s_per_rank"] / by_mode["no_comm"]["images_per_s_per_rank"])

@@ -1,0 +1,88 @@
+"""`hpcdl bench convergence`: the three recipes keep the experiment's definition (batches,
+linear scaling, LARS), the held-out split never touches the test set, the ratios are top-1
+differences in points, and a two-rank run of the real pipeline writes the bench JSON.
+
+Serial tests; the end-to-end one launches its own mpiexec."""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcdl.bench import convergence as bench
+from hpcdl.train.config import config_from_dict
+
+
+def default_args(**changes) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in changes.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_recipes_compare_small_batch_sgd_with_large_batch_sgd_and_lars():
+    recipes = bench.run_recipes(default_args(epochs=3))
+    assert set(recipes) == set(bench.RUNS)
+    configs = {name: config_from_dict(r) for name, r in recipes.items()}  # all valid recipes
+    assert configs["baseline"].batch.global_ == 128
+    assert configs["sgd_scaled"].batch.global_ == configs["lars"].batch.global_ == 1536
+    assert configs["baseline"].optimizer["name"] == configs["sgd_scaled"].optimizer["name"] == "sgd"
+    assert configs["lars"].optimizer["name"] == "lars"
+    # Linear scaling rule (Goyal et al.): lr grows with the batch, 1536/128 = 12x.
+    assert configs["sgd_scaled"].schedule["base_lr"] == pytest.approx(
+        12 * configs["baseline"].schedule["base_lr"])
+    assert {c.epochs for c in configs.values()} == {3}
+    assert configs["sgd_scaled"].schedule["warmup_epochs"] > 0
+    assert configs["lars"].schedule["warmup_epochs"] > 0
+
+
+def test_ratios_are_top1_differences_in_points():
+    records = {"baseline": {"top1": 0.90}, "sgd_scaled": {"top1": 0.85},
+               "lars": {"top1": 0.895}}
+    ratios = bench.convergence_ratios(records)
+    assert ratios["lars_minus_baseline_top1"] == pytest.approx(-0.5)
+    assert ratios["sgd_scaled_minus_baseline_top1"] == pytest.approx(-5.0)
+    assert ratios["baseline_top1"] == 0.90
+
+
+def test_unknown_run_is_refused():
+    with pytest.raises(SystemExit, match="adam"):
+        bench.parse_runs("baseline,adam")
+
+
+def test_holdout_split_is_carved_from_training_images_only(tmp_path):
+    from data_prep.fashion_mnist import load_split
+
+    folder = bench.write_holdout_source(str(tmp_path / "idx"), "demo", holdout=1000)
+    train_images, train_labels = load_split(folder, "train")
+    held_images, held_labels = load_split(folder, "val")
+    all_images, all_labels = load_split("demo", "train")
+    assert len(train_labels) == 5000 and len(held_labels) == 1000
+    assert np.array_equal(held_images, all_images[-1000:])
+    assert np.array_equal(train_labels, all_labels[:5000])
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_two_rank_run_writes_the_table_json(tmp_path):
+    out = tmp_path / "conv.json"
+    # The shipped subset and two steps per run: the plumbing, not the accuracy.
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench",
+           "convergence", "--source", "demo", "--epochs", "1", "--max-steps", "2",
+           "--small-batch", "64", "--large-batch", "256", "--width", "4",
+           "--out", str(tmp_path / "runs"), "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "400"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=450)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["run"] for r in report["results"]] == list(bench.RUNS)
+    assert [r["global_batch"] for r in report["results"]] == [64, 256, 256]
+    for record in report["results"]:
+        assert 0.0 <= record["top1"] <= 1.0 and record["steps"] == 2
+    assert "lars_minus_baseline_top1" in report["ratios"]
+    assert (tmp_path / "runs" / "lars-e1" / "summary.json").exists()
