@@ -36,3 +36,16 @@ def clean_tree(tmp_path_factory: pytest.TempPathFactory) -> TreeInfo:
     """A tiny tree without defects, val/ in class folders: 4 classes x 10 train, x 3 val."""
     root = tmp_path_factory.mktemp("clean") / "imagenet"
     return make_imagenet_tree(str(root), num_classes=4, train_per_class=10, val_per_class=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Shards of a tiny clean tree (3 classes x 8 train / 2 val, 24x20, 2 shards) for tests
+    that launch a whole `mpiexec hpcdl train`; built once per session. Read-only."""
+    from data_prep.shard import shard_tree
+
+    root = tmp_path_factory.mktemp("tiny")
+    make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=8, val_per_class=2,
+                       size=(24, 20))
+    shard_tree(str(root / "tree"), str(root / "shards"), shards=2, resize=20)
+    return str(root / "shards")

@@ -75,21 +75,17 @@ comm: {backend: mpi, bucket_mb: 0.004}
 """
 
 
-def test_a_rank_that_raises_mid_training_aborts_the_job_and_keeps_the_last_checkpoint(tmp_path):
-    from data_prep.shard import shard_tree
-    from data_prep.synthetic import make_imagenet_tree
+def test_a_rank_that_raises_mid_training_aborts_the_job_and_keeps_the_last_checkpoint(
+        tmp_path, tiny_shards):
     from hpcdl.train.checkpoint import latest_valid_checkpoint
 
-    make_imagenet_tree(str(tmp_path / "tree"), num_classes=3, train_per_class=8,
-                       val_per_class=2, size=(24, 20))
-    shard_tree(str(tmp_path / "tree"), str(tmp_path / "shards"), shards=2, resize=20)
     (tmp_path / "tiny.yaml").write_text(TINY_RECIPE)
     run_dir = tmp_path / "run"
     # Rank 1's gradient thread raises at its 36th collective: a few steps in (3 for the
     # initial broadcast, then one allreduce per bucket per step, checked once per layout),
     # after the checkpoint of step 2. Rank 0 is then blocked in that step's allreduce.
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "train",
-           "--recipe", str(tmp_path / "tiny.yaml"), "--data", str(tmp_path / "shards"),
+           "--recipe", str(tmp_path / "tiny.yaml"), "--data", tiny_shards,
            "--out", str(run_dir), "--max-steps", "12", "--checkpoint-every", "2", "--no-eval"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "150",
            "HPCDL_INJECT": "1:36:raise"}

@@ -120,14 +120,9 @@ comm: {backend: mpi, bucket_mb: 0.004}
 """
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from data_prep.shard import shard_tree
-    from data_prep.synthetic import make_imagenet_tree
-
+def setup(tmp_path_factory, tiny_shards):
     root = tmp_path_factory.mktemp("ltfb_cli")
-    make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=8, val_per_class=2,
-                       size=(24, 20))
-    shard_tree(str(root / "tree"), str(root / "shards"), shards=2, resize=20)
+    (root / "shards").symlink_to(tiny_shards, target_is_directory=True)
     (root / "tiny.yaml").write_text(RECIPE)
     return root
 

@@ -24,11 +24,13 @@ run             global batch  optimizer and schedule
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 COMMAND = "convergence"
@@ -203,6 +205,26 @@ def convergence_ratios(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return ratios
 
 
+@contextlib.contextmanager
+def bench_workdir(world: Any, out: str | None, prefix: str) -> Iterator[str]:
+    """The directory a multi-run bench works in, shared by every rank: ``out`` when given
+    (kept, so runs resume), else a temporary one made by rank 0 and removed at the end. Also
+    makes a failing rank take the job down and gives every rank its log under it."""
+    from hpcdl.debug import install_fail_fast, setup_rank_logging
+
+    if world.size > 1:
+        install_fail_fast(world)
+    path = os.path.abspath(out) if out else \
+        world.bcast(tempfile.mkdtemp(prefix=prefix) if world.rank == 0 else None)
+    setup_rank_logging(path, world.rank, world.size, "info")
+    try:
+        yield path
+    finally:
+        world.Barrier()
+        if not out and world.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def parse_runs(text: str) -> list[str]:
     runs = [r.strip() for r in text.split(",") if r.strip()]
     if not runs or any(r not in RUNS for r in runs):
@@ -221,17 +243,11 @@ def run(args: argparse.Namespace) -> int:
 
     import hpcdl.comm
     from hpcdl.bench.report import bench_report, emit
-    from hpcdl.debug import install_fail_fast, setup_rank_logging
     from hpcdl.train.threads import configure_threads
 
     world = MPI.COMM_WORLD
-    if world.size > 1:
-        install_fail_fast(world)
-    out = os.path.abspath(args.out) if args.out else \
-        world.bcast(tempfile.mkdtemp(prefix="hpcdl-convergence-") if world.rank == 0 else None)
-    setup_rank_logging(out, world.rank, world.size, "info")
     log = logging.getLogger("hpcdl.bench")
-    try:
+    with bench_workdir(world, args.out, "hpcdl-convergence-") as out:
         start = time.perf_counter()
         data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
         shard_dir = prepare_shards(world, data_dir, args.source, args.holdout)
@@ -259,8 +275,4 @@ def run(args: argparse.Namespace) -> int:
             report["total_s"] = time.perf_counter() - start
             emit(report, COLUMNS, args.json)
             sys.stdout.flush()
-    finally:
-        world.Barrier()
-        if not args.out and world.rank == 0:
-            shutil.rmtree(out, ignore_errors=True)
     return 0

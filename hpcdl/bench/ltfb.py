@@ -24,7 +24,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -230,9 +229,8 @@ def run(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.bench.convergence import prepare_shards
+    from hpcdl.bench.convergence import bench_workdir, prepare_shards
     from hpcdl.bench.report import bench_report, emit
-    from hpcdl.debug import install_fail_fast, setup_rank_logging
     from hpcdl.train.threads import configure_threads
 
     world = MPI.COMM_WORLD
@@ -242,13 +240,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{world.size} MPI ranks (run e.g. mpiexec -n {2 * args.trainers})",
                   file=sys.stderr)
         return 2
-    if world.size > 1:
-        install_fail_fast(world)
-    out = os.path.abspath(args.out) if args.out else \
-        world.bcast(tempfile.mkdtemp(prefix="hpcdl-ltfb-") if world.rank == 0 else None)
-    setup_rank_logging(out, world.rank, world.size, "info")
     log = logging.getLogger("hpcdl.bench")
-    try:
+    with bench_workdir(world, args.out, "hpcdl-ltfb-") as out:
         data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
         shard_dir = prepare_shards(world, data_dir, args.source, holdout=False)
         # threads from the node layout of the whole world (both runs use every rank)
@@ -284,8 +277,4 @@ def run(args: argparse.Namespace) -> int:
                             f"LTFB {args.trainers} x {world.size // args.trainers}")
                 print(f"wrote {args.plot}")
             sys.stdout.flush()
-    finally:
-        world.Barrier()
-        if not args.out and world.rank == 0:
-            shutil.rmtree(out, ignore_errors=True)
     return 0
