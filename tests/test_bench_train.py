@@ -84,6 +84,49 @@ def test_every_mode_falls_back_to_contiguous_on_one_thread():
     assert bench.effective_memory_format("contiguous", threads=4) == "contiguous"
 
 
+def test_modes_take_turns_in_rotated_order_after_their_warmup():
+    from mpi4py import MPI
+
+    calls = []
+
+    def stepper(mode):
+        def step(batch):
+            calls.append(mode)
+            return 0.0 if mode == "ours" else None
+        return step
+
+    loader = bench.SyntheticImages(batch_size=1, image_size=8, num_classes=2, length=3)
+    steppers = {m: stepper(m) for m in ("ours", "no_comm", "ddp_gloo")}
+    samples = bench.time_rounds(MPI.COMM_SELF, steppers, loader, steps=5, warmup=1, rounds=3)
+    assert calls[:3] == ["ours", "no_comm", "ddp_gloo"]            # warm-up, untimed
+    # shares 2, 2, 1; round r starts at mode r
+    assert calls[3:] == (["ours"] * 2 + ["no_comm"] * 2 + ["ddp_gloo"] * 2
+                         + ["no_comm"] * 2 + ["ddp_gloo"] * 2 + ["ours"] * 2
+                         + ["ddp_gloo", "ours", "no_comm"])
+    assert {m: len(s) for m, s in samples.items()} == {"ours": 5, "no_comm": 5, "ddp_gloo": 5}
+    assert samples["ours"][0]["comm_wait"] == 0.0 and samples["ddp_gloo"][0]["comm_wait"] is None
+
+
+def test_rounds_default_to_at_most_the_steps_and_never_exceed_them():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--synthetic", "--steps", "2"])
+    bench.check_args(args)
+    assert args.rounds == 2
+    with pytest.raises(SystemExit, match="--rounds 3"):
+        bench.check_args(parser.parse_args(["--synthetic", "--steps", "2", "--rounds", "3"]))
+
+
+def test_kernels_fall_into_categories():
+    assert bench.kernel_category("aten::convolution_backward") == "convolution"
+    assert bench.kernel_category("aten::mkldnn_convolution") == "convolution"
+    assert bench.kernel_category("aten::addmm") == "matmul"
+    assert bench.kernel_category("aten::native_batch_norm_backward") == "batch_norm"
+    assert bench.kernel_category("aten::threshold_backward") == "elementwise"
+    assert bench.kernel_category("aten::max_pool2d_with_indices") == "pooling"
+    assert bench.kernel_category("aten::empty") == "other"
+
+
 def test_matmul_reference_is_a_positive_rate():
     assert bench.matmul_flops_per_s(64, seconds=0.01) > 0
 
@@ -112,5 +155,10 @@ def test_two_ranks_measure_every_mode_into_the_bench_json(tmp_path):
     for key in ("images_per_s_per_rank", "vs_no_comm", "vs_ddp_gloo",
                 "flops_fraction_of_matmul", "comm_wait", "data_wait"):
         assert ratios[key] >= 0, key
+    breakdown = report["compute_breakdown"]
+    assert breakdown["mode"] == "no_comm"
+    shares = [v for k, v in breakdown.items() if k.endswith("_share")]
+    assert sum(shares) == pytest.approx(1.0) and breakdown["convolution_share"] > 0
+    assert ratios["dense_kernels_fraction_of_matmul"] > 0
     assert ratios["vs_no_comm"] == pytest.approx(
         by_mode["ours"]["images_per_s_per_rank"] / by_mode["no_comm"]["images_per_s_per_rank"])

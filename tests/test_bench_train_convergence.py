@@ -38,8 +38,21 @@ def test_recipes_compare_small_batch_sgd_with_large_batch_sgd_and_lars():
     assert configs["sgd_scaled"].schedule["base_lr"] == pytest.approx(
         12 * configs["baseline"].schedule["base_lr"])
     assert {c.epochs for c in configs.values()} == {3}
+    # Every run normalises over the baseline's per-rank batch (64 on 2 ranks): the large batch
+    # is 12 accumulated micro-batches, as more workers at the same per-worker batch would be.
+    assert {c.batch.per_rank for c in configs.values()} == {64}
+    assert configs["baseline"].batch.accumulation == 1
+    assert configs["lars"].batch.accumulation == configs["sgd_scaled"].batch.accumulation == 12
+    assert {c.data.min_scale for c in configs.values()} == {0.7}
     assert configs["sgd_scaled"].schedule["warmup_epochs"] > 0
     assert configs["lars"].schedule["warmup_epochs"] > 0
+
+
+def test_micro_batch_must_divide_the_global_batch():
+    assert bench.micro_batching(1536, 32, 4) == {"global": 1536, "per_rank": 32,
+                                                 "accumulation": 12}
+    with pytest.raises(SystemExit, match="--micro-batch 100 x 2 ranks"):
+        bench.micro_batching(1536, 100, 2)
 
 
 def test_ratios_are_top1_differences_in_points():

@@ -4,7 +4,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl.comm
-from hpcdl.comm.reducer import GradientReducer, layout_buckets
+from hpcdl.comm.reducer import GradientReducer, layout_buckets, split_tail
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,77 @@ def test_buckets_follow_reverse_registration_order_and_size():
 def test_parameter_larger_than_a_bucket_gets_its_own():
     buckets = layout_buckets([("big", torch.zeros(100)), ("small", torch.zeros(1))], 16)
     assert [b.names for b in buckets] == [["big"], ["small"]]
+
+
+def test_first_layers_get_a_small_last_bucket_of_their_own():
+    # Registration order p0..p4: p0, p1 are the first layers, their gradients come last.
+    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([3, 5, 40, 40, 40])]
+    buckets = layout_buckets(params[::-1], bucket_bytes=4 * 100, last_bucket_bytes=4 * 10)
+    assert [b.names for b in buckets] == [["p4", "p3"], ["p2"], ["p1", "p0"]]
+    assert [b.index for b in buckets] == [0, 1, 2]
+    assert buckets[-1].numel == 8
+
+
+def test_split_tail_keeps_everything_in_order():
+    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([40, 5, 3])]
+    assert split_tail(params, None) == (params, [])
+    assert split_tail(params, 4 * 2) == (params, [])            # nothing fits
+    assert split_tail(params, 4 * 1000) == (params, [])         # everything fits: no split
+    head, tail = split_tail(params, 4 * 8)
+    assert head + tail == params and [n for n, _ in tail] == ["p1", "p2"]
+
+
+def test_gradients_view_the_buckets_until_close(comm):
+    model = TwoHeads()
+    reducer = GradientReducer(comm, model.named_parameters(), bucket_bytes=64)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        reducer.arm(last=True)
+        model(torch.ones(2, 4)).sum().backward()
+        reducer.synchronize()
+    inside = [any(b.buffer.data_ptr() <= p.grad.data_ptr()
+                  < b.buffer.data_ptr() + b.buffer.numel() * 4 for b in reducer.buckets)
+              for p in model.parameters()]
+    assert all(inside)  # no copy back out of the buckets
+    values = [p.grad.clone() for p in model.parameters()]
+    reducer.close()     # the backend may free the buckets: gradients get their own memory
+    for p, value in zip(model.parameters(), values, strict=True):
+        assert all(p.grad.data_ptr() != b.buffer.data_ptr() for b in reducer.buckets)
+        assert torch.equal(p.grad, value)
+
+
+def test_zero_grad_keeping_the_views_still_reduces_each_step(comm):
+    model = TwoHeads()
+    x = torch.arange(8.0).view(2, 4)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    with GradientReducer(comm, model.named_parameters(), bucket_bytes=64) as reducer:
+        for _ in range(3):
+            model.zero_grad(set_to_none=False)  # zeroes the bucket views in place
+            reducer.arm(last=True)
+            model(x).sum().backward()
+            reducer.synchronize()
+            for p, g in zip(model.parameters(), expected, strict=True):
+                assert torch.allclose(p.grad, g)
+
+
+def test_only_the_marked_thread_waits_yielding():
+    import threading
+
+    from hpcdl.comm.base import waits_yield_in_this_thread, yield_waits_in_this_thread
+
+    seen = []
+
+    def worker():
+        seen.append(waits_yield_in_this_thread())
+        yield_waits_in_this_thread()
+        seen.append(waits_yield_in_this_thread())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [False, True]
+    assert not waits_yield_in_this_thread()  # the main thread still spins
 
 
 def test_wire_dtype_sets_the_bucket_dtype():

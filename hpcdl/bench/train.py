@@ -1,6 +1,6 @@
 """Training-step throughput: hpcdl's step against the ceiling and the baseline, in one run.
 
-Three modes on the same ranks, model, batch and threads, one after another:
+Three modes on the same ranks, model, batch and threads, taking turns (``--rounds``):
 
 - ``ours``: the trainer's own step (:meth:`hpcdl.train.trainer.Trainer.train_step`): forward,
   backward with gradients averaged by the overlapped :class:`~hpcdl.comm.reducer.
@@ -19,12 +19,13 @@ fp32 matmul measured by every rank at the same time (``flops_fraction_of_matmul`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 COMMAND = "train"
@@ -45,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--data", metavar="SHARDS", help="real shards (data_prep output)")
     parser.add_argument("--batch", type=int, default=16, help="images per rank per step")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="the modes take turns this many times, each running its share "
+                             "of --steps (rotated order; default min(4, --steps); 1: each "
+                             "mode once, in --modes order)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, per mode")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--modes", default=",".join(MODES),
@@ -66,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="decode threads with --data")
     parser.add_argument("--matmul-size", type=int, default=2048,
                         help="n of the n×n fp32 matmul that sets the FLOP/s reference")
+    parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                        help="skip profiling one compute-only step into kernel categories "
+                             "(where the FLOP fraction goes; on by default)")
     parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
 
 
@@ -142,30 +150,30 @@ def bench_config(args: argparse.Namespace, ranks: int):
 
 
 # -- timing -------------------------------------------------------------------------------------
-def time_trainer_steps(comm, config, loader, no_comm: bool, steps: int,
-                       warmup: int) -> list[dict[str, float]]:
-    """Per-step (step, comm wait, data wait) seconds of Trainer.train_step, after warm-up."""
+# Each mode is a "stepper": a function that takes one batch, runs one optimizer step, and
+# returns the seconds it waited for communication (None where that is not separable). Every
+# mode stays built for the whole run, so the modes can take turns (see time_rounds).
+Stepper = Callable[[Any], "float | None"]
+
+
+@contextlib.contextmanager
+def trainer_stepper(comm, config, loader, no_comm: bool) -> Iterator[Stepper]:
+    """Trainer.train_step: ours (overlapped reducer) or, with ``no_comm``, compute only."""
     from hpcdl.train.trainer import Trainer, TrainOptions
 
     options = TrainOptions(no_comm=no_comm, progress=False, handle_signals=False,
                            write_files=False, evaluate=False)
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-train-") as run_dir:
         trainer = Trainer(config, None, run_dir, comm, options=options, train_loader=loader)
+
+        def step(batch) -> float:
+            trainer.train_step([batch])
+            return trainer.reducer.comm_wait_s
+
         try:
-            batches = endless(loader)
-            samples = []
-            for i in range(warmup + steps):
-                start = time.perf_counter()
-                batch = next(batches)
-                data_wait = time.perf_counter() - start
-                trainer.train_step([batch])
-                step = time.perf_counter() - start
-                if i >= warmup:
-                    samples.append({"step": step, "comm_wait": trainer.reducer.comm_wait_s,
-                                    "data_wait": data_wait})
+            yield step
         finally:
             trainer.close()
-    return samples
 
 
 def ddp_process_group(mpi_comm):
@@ -200,7 +208,8 @@ def effective_memory_format(requested: str, threads: int) -> str:
     return "channels_last" if requested == "channels_last" and threads > 1 else "contiguous"
 
 
-def time_ddp_steps(mpi_comm, config, loader, steps: int, warmup: int) -> list[dict[str, float]]:
+@contextlib.contextmanager
+def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
     """The same step written the way a PyTorch user would: DDP(model) on gloo, LARS."""
     import torch
     import torch.distributed as dist
@@ -219,33 +228,115 @@ def time_ddp_steps(mpi_comm, config, loader, steps: int, warmup: int) -> list[di
                          else torch.contiguous_format)
         kw = {k: v for k, v in config.model.items() if k != "name"}
         model = create_model(config.model["name"], **kw).to(memory_format=memory_format)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)
-        total = warmup + steps
-        schedule = create_schedule(config.schedule, total, total)
+        # Held in a dict so it can be dropped before its process group is destroyed.
+        held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}
+        schedule = create_schedule(config.schedule, total_steps, total_steps)
         optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
         criterion = torch.nn.CrossEntropyLoss()
-        batches = endless(loader)
-        samples = []
-        for i in range(total):
-            start = time.perf_counter()
-            images, labels = next(batches)
-            data_wait = time.perf_counter() - start
+        steps = iter(range(10 ** 12))
+
+        def step(batch) -> None:
+            images, labels = batch
+            lr = schedule(next(steps))
             for group in optimizer.param_groups:
-                group["lr"] = schedule(i)
+                group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             inputs = normalize(images).contiguous(memory_format=memory_format)
-            criterion(ddp(inputs), labels).backward()
+            criterion(held["ddp"](inputs), labels).backward()
             optimizer.step()
-            step = time.perf_counter() - start
-            if i >= warmup:
-                # DDP waits for its allreduces inside backward(): not separable from compute.
-                samples.append({"step": step, "comm_wait": None, "data_wait": data_wait})
-        del ddp
+            # DDP waits for its allreduces inside backward(): not separable from compute.
+            return None
+
+        yield step
+        held.clear()
     finally:
         dist.destroy_process_group()
         mpi_comm.Barrier()  # rank 0's store outlives every peer's last use of it
         del store
+
+
+def time_rounds(world, steppers: dict[str, Stepper], loader, steps: int, warmup: int,
+                rounds: int) -> dict[str, list[dict[str, float | None]]]:
+    """Per-step (step, comm wait, data wait) seconds of every mode, the modes taking turns.
+
+    Each mode first runs ``warmup`` untimed steps; then ``rounds`` rounds each give every mode
+    its share of the ``steps`` timed steps, in a rotated order. A mode run once, start to
+    end, would carry whatever drifts during the run (heap growth, cache and frequency state,
+    a neighbour's load) in its number alone; taking turns spreads it over all modes."""
+    batches = endless(loader)
+    samples: dict[str, list[dict[str, float | None]]] = {mode: [] for mode in steppers}
+    names = list(steppers)
+    for mode in names:
+        for _ in range(warmup):
+            steppers[mode](next(batches))
+    shares = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    for r, share in enumerate(shares):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for mode in order:
+            world.Barrier()  # every rank starts the mode's steps together
+            for _ in range(share):
+                start = time.perf_counter()
+                batch = next(batches)
+                data_wait = time.perf_counter() - start
+                comm_wait = steppers[mode](batch)
+                samples[mode].append({"step": time.perf_counter() - start,
+                                      "comm_wait": comm_wait, "data_wait": data_wait})
     return samples
+
+
+#: Operator categories of the step's time (torch.profiler self time), first match wins.
+KERNEL_CATEGORIES = (
+    ("convolution", ("convolution", "conv2d", "conv_")),
+    ("matmul", ("addmm", "aten::mm", "aten::bmm", "linear")),
+    ("batch_norm", ("batch_norm",)),
+    ("elementwise", ("relu", "threshold", "clamp", "add", "mul", "div", "sub", "copy_", "fill",
+                     "zero", "where", "sqrt", "norm", "foreach", "lerp")),
+    ("pooling", ("pool",)),
+)
+
+
+def kernel_category(op: str) -> str:
+    lower = op.lower()
+    for category, needles in KERNEL_CATEGORIES:
+        if any(n in lower for n in needles):
+            return category
+    return "other"
+
+
+def compute_breakdown(step: Stepper, batches: Iterator, train_flops_per_image: float,
+                      batch: int, steps: int = 2) -> dict[str, float]:
+    """Profile ``steps`` steps (torch.profiler, CPU) and split their time by kernel category.
+
+    Returns each category's share of the profiled time, the step time under the profiler,
+    and ``dense_gflops_per_s``: the step's FLOPs over the time spent in convolution and
+    matmul kernels alone -- the FLOP rate the step would have if every other operator
+    (batch norm, ReLU, adds, pooling, the optimizer) took no time at all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(next(batches))
+        wall = (time.perf_counter() - start) / steps
+    seconds: dict[str, float] = {}
+    for event in prof.key_averages():
+        category = kernel_category(event.key)
+        seconds[category] = seconds.get(category, 0.0) + event.self_cpu_time_total / 1e6 / steps
+    total = sum(seconds.values()) or 1.0
+    result = {f"{c}_share": t / total for c, t in sorted(seconds.items())}
+    dense = seconds.get("convolution", 0.0) + seconds.get("matmul", 0.0)
+    result["profiled_step_s"] = wall
+    result["dense_gflops_per_s"] = (train_flops_per_image * batch / dense / 1e9) if dense else 0.0
+    return result
+
+
+def print_breakdown(breakdown: dict[str, Any], matmul: float) -> None:
+    shares = ", ".join(f"{k[:-6]} {100 * v:.1f}%" for k, v in breakdown.items()
+                       if k.endswith("_share"))
+    print(f"compute breakdown ({breakdown['mode']}, rank 0, profiled): {shares}; convolution "
+          f"and matmul kernels alone run at {breakdown['dense_gflops_per_s']:.1f} GFLOP/s = "
+          f"{breakdown['dense_gflops_per_s'] * 1e9 / matmul:.2f} of the matmul reference",
+          file=sys.stderr, flush=True)
 
 
 def retain_freed_memory() -> bool:
@@ -352,7 +443,12 @@ def parse_modes(args: argparse.Namespace) -> list[str]:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name, low in (("batch", 1), ("steps", 1), ("warmup", 0), ("threads", 1),
+    if args.rounds is None:
+        args.rounds = min(4, max(args.steps, 1))
+    if args.rounds > args.steps:
+        raise SystemExit(f"hpcdl bench train: --rounds {args.rounds} is more than --steps "
+                         f"{args.steps}: every round needs at least one step per mode")
+    for name, low in (("batch", 1), ("steps", 1), ("rounds", 1), ("warmup", 0), ("threads", 1),
                       ("image_size", 8), ("matmul_size", 64)):
         if getattr(args, name) < low:
             raise SystemExit(f"hpcdl bench train: --{name.replace('_', '-')} must be >= {low}, "
@@ -381,19 +477,29 @@ def run(args: argparse.Namespace) -> int:
         macs = flops(create_model(args.model, num_classes=args.num_classes), args.image_size)
         train_flops_per_image = 6.0 * macs  # 2 FLOPs per multiply-add; backward ≈ 2× forward
         loader = make_loader(args, comm, args.warmup + args.steps)
+        if comm.rank == 0:
+            print(f"bench train: {', '.join(modes)} on {comm.size} rank(s), {args.warmup} "
+                  f"warm-up + {args.steps} timed steps each in {args.rounds} round(s), batch "
+                  f"{args.batch} x {args.model} @{args.image_size}px",
+                  file=sys.stderr, flush=True)
+        with contextlib.ExitStack() as stack:
+            steppers = {}
+            for mode in modes:
+                steppers[mode] = stack.enter_context(
+                    ddp_stepper(world, config, args.warmup + args.steps) if mode == "ddp_gloo"
+                    else trainer_stepper(comm, config, loader, mode == "no_comm"))
+            samples = time_rounds(world, steppers, loader, args.steps, args.warmup,
+                                  args.rounds)
+            breakdown = None
+            profiled = next((m for m in ("no_comm", "ours", "ddp_gloo") if m in steppers), None)
+            if args.breakdown and profiled is not None:
+                world.Barrier()
+                breakdown = compute_breakdown(steppers[profiled], endless(loader),
+                                              train_flops_per_image, args.batch)
+                breakdown["mode"] = profiled
         records = {}
         for mode in modes:
-            if comm.rank == 0:
-                print(f"bench train: {mode} on {comm.size} rank(s), {args.warmup}+{args.steps} "
-                      f"steps of {args.batch} x {args.model} @{args.image_size}px",
-                      file=sys.stderr, flush=True)
-            world.Barrier()
-            if mode == "ddp_gloo":
-                samples = time_ddp_steps(world, config, loader, args.steps, args.warmup)
-            else:
-                samples = time_trainer_steps(comm, config, loader, mode == "no_comm",
-                                             args.steps, args.warmup)
-            per_rank = world.allgather(rank_means(samples))
+            per_rank = world.allgather(rank_means(samples[mode]))
             records[mode] = mode_record(mode, per_rank, args.batch, train_flops_per_image)
         world.Barrier()  # every rank multiplies at once, as every rank trained at once
         matmul = statistics.fmean(world.allgather(matmul_flops_per_s(args.matmul_size)))
@@ -409,6 +515,13 @@ def run(args: argparse.Namespace) -> int:
             report = bench_report("train", list(records.values()),
                                   ratios_of(records, matmul, train_flops_per_image),
                                   ranks=comm.size)
+            ratios = report["ratios"]
+            if breakdown is not None:
+                # Upper bound of the FLOP fraction with every non-dense operator fused away.
+                ratios["dense_kernels_fraction_of_matmul"] = \
+                    breakdown["dense_gflops_per_s"] * 1e9 / matmul
+                report["compute_breakdown"] = breakdown
+                print_breakdown(breakdown, matmul)
             report["machine"]["threads_per_rank"] = args.threads
             report["machine"]["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
             emit(report, COLUMNS, args.json)

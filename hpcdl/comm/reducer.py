@@ -16,6 +16,18 @@ Choices that keep every rank in step:
 - A parameter that got no gradient this step (unused branch) contributes zeros when
   ``synchronize`` launches what is left, so no rank waits for a bucket another never sends.
 
+Choices that keep the step fast:
+- The bucket holding the first layers is reduced last, after the whole backward: its
+  reduction cannot overlap anything. It is kept small (``last_bucket_bytes``, 1 MiB: the
+  stem and first stage of ResNet-50), so what stays exposed is one small allreduce; DDP caps
+  its first bucket for the mirror-image reason (Li et al., §3.2.3).
+- After the reduction ``p.grad`` becomes a view of the bucket (DDP's
+  ``gradient_as_bucket_view``): no copy back out, on the critical path after backward. A
+  gradient that already is that view (``zero_grad(set_to_none=False)``) is not copied in.
+- The communication thread's waits sleep between tests (:func:`~hpcdl.comm.base.
+  yield_waits_in_this_thread`): it waits for peers still in backward, and a spinning wait
+  would take a core from the compute.
+
 This module speaks tensors and a communicator only: it never imports a model or an optimizer.
 """
 from __future__ import annotations
@@ -28,7 +40,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["GradientReducer", "Bucket", "layout_buckets"]
+from hpcdl.comm.base import yield_waits_in_this_thread
+
+__all__ = ["GradientReducer", "Bucket", "layout_buckets", "DEFAULT_LAST_BUCKET_BYTES"]
+
+#: The bucket reduced after backward has finished: small, since nothing hides its reduction.
+DEFAULT_LAST_BUCKET_BYTES = 2**20
 
 
 @dataclass
@@ -47,10 +64,45 @@ class Bucket:
 
 
 def layout_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: int,
-                   wire_dtype: torch.dtype | None = None) -> list[Bucket]:
+                   wire_dtype: torch.dtype | None = None,
+                   last_bucket_bytes: int | None = None) -> list[Bucket]:
     """Group parameters (already in reverse registration order) into buckets of at most
     ``bucket_bytes`` on the wire; a parameter larger than a bucket gets one of its own.
-    A change of dtype starts a new bucket (a buffer has one dtype)."""
+    A change of dtype starts a new bucket (a buffer has one dtype). With
+    ``last_bucket_bytes``, the parameters at the end of the order (the first layers, whose
+    gradients come last) that fit in that many bytes form the last bucket on their own."""
+    head, tail = split_tail(named_params, last_bucket_bytes, wire_dtype)
+    buckets = _layout(head, bucket_bytes, wire_dtype)
+    for bucket in _layout(tail, bucket_bytes, wire_dtype):
+        bucket.index = len(buckets)
+        buckets.append(bucket)
+    return buckets
+
+
+def _wire_bytes(p: torch.Tensor, wire_dtype: torch.dtype | None) -> int:
+    return p.numel() * torch.empty(0, dtype=wire_dtype or p.dtype).element_size()
+
+
+def split_tail(named_params: list[tuple[str, torch.Tensor]], tail_bytes: int | None,
+               wire_dtype: torch.dtype | None = None):
+    """(head, tail): ``tail`` is the longest suffix of ``named_params`` of at most
+    ``tail_bytes`` bytes on the wire (empty when ``tail_bytes`` is None or the whole list
+    would fit: then there is nothing to split)."""
+    if not tail_bytes:
+        return named_params, []
+    size, cut = 0, len(named_params)
+    while cut > 0:
+        size += _wire_bytes(named_params[cut - 1][1], wire_dtype)
+        if size > tail_bytes:
+            break
+        cut -= 1
+    if cut == 0:
+        return named_params, []
+    return named_params[:cut], named_params[cut:]
+
+
+def _layout(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+            wire_dtype: torch.dtype | None) -> list[Bucket]:
     buckets: list[Bucket] = []
     current: list[tuple[str, torch.Tensor]] = []
     filled = 0
@@ -67,8 +119,7 @@ def layout_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: i
                               offsets, total, dtype))
 
     for name, p in named_params:
-        dtype = wire_dtype or p.dtype
-        nbytes = p.numel() * torch.empty(0, dtype=dtype).element_size()
+        nbytes = _wire_bytes(p, wire_dtype)
         if current and (filled + nbytes > bucket_bytes or current[0][1].dtype != p.dtype):
             close()
             current, filled = [], 0
@@ -94,11 +145,17 @@ class GradientReducer:
     gradients): the compute-only ceiling of ``hpcdl bench train``. ``wire_dtype`` (e.g.
     ``torch.bfloat16``) is the dtype of the fusion buffers, hence of what the backend sends.
     ``comm_wait_s`` is the time the main thread blocked in the last ``synchronize``.
+    ``last_bucket_bytes`` caps the bucket of the first layers (None: no cap).
+
+    After ``synchronize``, a ``p.grad`` of the bucket's dtype is a view into the bucket: valid
+    until the next step's reduction overwrites it (``close`` gives every such gradient its
+    own memory, since the backend may free the buckets).
     """
 
     def __init__(self, comm, named_params: Iterable[tuple[str, torch.Tensor]],
                  bucket_bytes: int, wire_dtype: torch.dtype | None = None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True,
+                 last_bucket_bytes: int | None = DEFAULT_LAST_BUCKET_BYTES) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"GradientReducer: bucket_bytes must be > 0, got {bucket_bytes}")
         self.comm = comm
@@ -107,7 +164,8 @@ class GradientReducer:
         if not trainable:
             raise ValueError("GradientReducer: the model has no parameter that requires grad")
         # Reverse registration order: the last layer's gradients are ready first.
-        self.buckets = layout_buckets(trainable[::-1], bucket_bytes, wire_dtype)
+        self.buckets = layout_buckets(trainable[::-1], bucket_bytes, wire_dtype,
+                                      last_bucket_bytes)
         self._where: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
             bucket.buffer = comm.empty(bucket.numel, bucket.dtype) if self.enabled else None
@@ -164,7 +222,13 @@ class GradientReducer:
         self._next_launch = 0
 
     def close(self) -> None:
-        """Remove the hooks and stop the communication thread (idempotent)."""
+        """Remove the hooks, stop the communication thread, and give each gradient that
+        views a bucket its own memory (idempotent)."""
+        for bucket in self.buckets:
+            if bucket.buffer is not None:
+                for p in bucket.params:
+                    if p.grad is not None and _aliases(p.grad, bucket.buffer):
+                        p.grad = p.grad.clone()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -195,7 +259,7 @@ class GradientReducer:
         view = bucket.buffer[start:start + p.numel()]
         if grad is None:
             view.zero_()
-        else:
+        elif grad.data_ptr() != view.data_ptr():  # (equal: the gradient is the bucket view)
             view.view_as(grad).copy_(grad)  # casts to the wire dtype when it differs
 
     def _fill_missing(self, bucket: Bucket) -> None:
@@ -216,6 +280,7 @@ class GradientReducer:
             self._next_launch += 1
 
     def _communicate(self) -> None:
+        yield_waits_in_this_thread()
         while True:
             bucket = self._queue.get()
             if bucket is None:
@@ -232,8 +297,18 @@ class GradientReducer:
         for position, p in enumerate(bucket.params):
             start = bucket.offsets[position]
             averaged = bucket.buffer[start:start + p.numel()].view(p.shape)
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
             # Every rank sets p.grad, even for a parameter it did not use, so the optimizer
             # takes the same step on every rank.
+            if averaged.dtype == p.dtype and p.is_contiguous():
+                p.grad = averaged       # a view: nothing copied (a no-op when it already is)
+                continue
+            if p.grad is None or p.grad.data_ptr() == averaged.data_ptr():
+                p.grad = torch.empty_like(p)  # the parameter's dtype and memory layout
             p.grad.copy_(averaged)
+
+
+def _aliases(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies inside ``buffer``'s."""
+    start = buffer.data_ptr()
+    end = start + buffer.numel() * buffer.element_size()
+    return start <= tensor.data_ptr() < end

@@ -176,9 +176,10 @@ class Trainer:
             self._apply_ipex()
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
         self.broadcast_model()
+        # On one rank the world's average is the rank's own gradient: nothing to reduce.
         self.reducer = GradientReducer(comm, list(self.model.named_parameters()),
                                        bucket_bytes=int(config.comm.bucket_mb * 2**20),
-                                       enabled=not self.options.no_comm)
+                                       enabled=not self.options.no_comm and comm.size > 1)
         self.step = 0                 # optimizer steps completed (the schedule's argument)
         self.resumed_from: str | None = None
         self.last_eval: dict[str, Any] | None = None
@@ -662,7 +663,8 @@ class Trainer:
             "accumulation": self.accumulation,
             "ranks": self.size,
             "backend": getattr(self.comm, "backend", "?"),
-            "reducer": "enabled" if self.reducer.enabled else "disabled (no_comm)",
+            "reducer": ("enabled" if self.reducer.enabled else "disabled (no_comm)"
+                        if self.options.no_comm else "not needed (1 rank)"),
             "threads": torch.get_num_threads(),
             "wall_s": wall_s,
             "train_s": self._train_time_s,

@@ -6,7 +6,7 @@ import hpcdl.comm
 from hpcdl.comm.reducer import GradientReducer
 
 
-@pytest.fixture(scope="module", params=["mpi", "ring"])
+@pytest.fixture(scope="module", params=["mpi", "ring", "shm"])
 def comm(request):
     from mpi4py import MPI
 
@@ -96,3 +96,26 @@ def test_bf16_wire_dtype_averages_approximately(comm, world):
     expected = 1.0 + (world.size - 1) / 2
     for p in model.parameters():
         assert torch.allclose(p.grad, torch.full_like(p, expected), rtol=1e-2)
+
+
+def test_views_of_the_buckets_stay_right_across_steps(comm, world):
+    """After synchronize p.grad views the bucket (for shm: window memory the peers read).
+    Both ways of zeroing -- dropping the views, or zeroing them in place -- must give the
+    world's average step after step, and close() must leave the values in place."""
+    model = make_model()
+    expected = {}
+    for r in range(world.size):
+        for n, g in local_grads(model, rank_input(r)).items():
+            expected[n] = expected.get(n, 0) + g / world.size
+    reducer = GradientReducer(comm, model.named_parameters(), bucket_bytes=256,
+                              last_bucket_bytes=128)
+    for set_to_none in (True, False, False, True):
+        model.zero_grad(set_to_none=set_to_none)
+        reducer.arm(last=True)
+        model(rank_input(world.rank)).pow(2).sum().backward()
+        reducer.synchronize()
+        for n, p in model.named_parameters():
+            assert torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6), n
+    reducer.close()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6), n
