@@ -27,6 +27,9 @@ stage serial python3 -m pytest tests --ignore=tests/mpi -q -rs --junitxml="$resu
 for n in 2 3 4; do
     stage "mpi-n$n" mpiexec -n "$n" python3 -m pytest tests/mpi -q -rs \
         --junitxml="$results/mpi-n$n.xml"
+    for hang in "$results/mpi-n$n".rank*.hang.txt; do  # the watchdog's stacks, if it fired
+        [ -s "$hang" ] && { echo "--- $hang"; cat "$hang"; }
+    done
 done
 
 python3 tests/summarize.py "$results" || status=1

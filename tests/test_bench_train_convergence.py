@@ -84,18 +84,29 @@ def test_holdout_split_is_carved_from_training_images_only(tmp_path):
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 def test_two_rank_run_writes_the_table_json(tmp_path):
     out = tmp_path / "conv.json"
-    # The shipped subset and two steps per run: the plumbing, not the accuracy.
+    # The shipped subset and three steps per run: the plumbing, not the accuracy.
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench",
-           "convergence", "--source", "demo", "--epochs", "1", "--max-steps", "2",
+           "convergence", "--source", "demo", "--epochs", "1", "--max-steps", "3",
            "--small-batch", "64", "--large-batch", "256", "--width", "4",
            "--out", str(tmp_path / "runs"), "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "400"}
+    # Slurm's time-limit signal during the first run (raised after step 1, acted on at the end
+    # of step 2 by every rank): checkpoint, stop the bench, exit 75.
+    stopped = subprocess.run(cmd, env={**env, "HPCDL_TEST_SIGNAL_AT_STEP": "1"},
+                             capture_output=True, text=True, timeout=450)
+    assert stopped.returncode == 75, stopped.stdout + stopped.stderr
+    assert not out.exists() and not (tmp_path / "runs" / "lars-e1").exists()
+    assert os.listdir(tmp_path / "runs" / "baseline-e1" / "checkpoints") == ["ckpt-000000002.pt"]
+    # The same command again (a requeued job) resumes the first run and does the rest.
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ckpt-000000002.pt at step 2" in proc.stdout + proc.stderr  # "resumed from ..."
     report = json.loads(out.read_text())
     assert [r["run"] for r in report["results"]] == list(bench.RUNS)
     assert [r["global_batch"] for r in report["results"]] == [64, 256, 256]
     for record in report["results"]:
-        assert 0.0 <= record["top1"] <= 1.0 and record["steps"] == 2
+        assert 0.0 <= record["top1"] <= 1.0 and record["steps"] == 3
     assert "lars_minus_baseline_top1" in report["ratios"]
     assert (tmp_path / "runs" / "lars-e1" / "summary.json").exists()
+    assert json.loads((tmp_path / "runs" / "baseline-e1" / "summary.json").read_text())[
+        "resumed_from"].endswith("ckpt-000000002.pt")

@@ -72,6 +72,8 @@ def test_signal_stop_then_resume_matches_uninterrupted_run(setup):
     assert code == 0, out
     assert resumed["resumed_from"].endswith("ckpt-000000005.pt")
     assert resumed["steps"] == 9
+    # training time of the whole run: this invocation's plus the stopped one's (checkpoint)
+    assert resumed["train_s_total"] > resumed["train_s"] > 0
     assert resumed["params_sha256"] == summary(root, "ref")["params_sha256"]
     assert os.path.exists(root / "run" / "config.yaml")
     assert os.path.exists(root / "run" / "logs" / "rank-0001.log")

@@ -223,7 +223,7 @@ def run_record(name: str, recipe: dict[str, Any], summary: dict[str, Any]) -> di
             "weight_decay": recipe["optimizer"]["weight_decay"],
             "epochs": summary["epochs"], "steps": summary["steps"], "top1": summary["top1"],
             "top5": summary["top5"], "eval_loss": summary["eval_loss"],
-            "train_s": summary["train_s"], "images_per_s": summary["images_per_s"],
+            "train_s": summary["train_s_total"], "images_per_s": summary["images_per_s"],
             "ranks": summary["ranks"], "stopped": summary["stopped"]}
 
 
@@ -278,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     import hpcdl.comm
     from hpcdl.bench.report import bench_report, emit
     from hpcdl.train.threads import configure_threads
+    from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
     world = MPI.COMM_WORLD
     log = logging.getLogger("hpcdl.bench")
@@ -296,6 +297,12 @@ def run(args: argparse.Namespace) -> int:
                 run_dir = os.path.join(out, f"{name}-e{args.epochs:g}")
                 log.info("run %s: %s", name, recipes[name]["name"])
                 summary = train_run(comm, recipes[name], shard_dir, run_dir, args.max_steps)
+                if summary["stopped"] == "signal":
+                    # SIGTERM/SIGUSR1 (Slurm's time limit): the run is checkpointed; stop the
+                    # bench too, so a requeued job with the same --out resumes where it was.
+                    log.warning("run %s stopped by a signal at step %d: stopping the bench "
+                                "(rerun with --out %s to resume)", name, summary["steps"], out)
+                    return EXIT_STOPPED_BY_SIGNAL
                 records[name] = run_record(name, recipes[name], summary)
                 log.info("run %s: top-1 %.4f after %s epochs (%.0f s)", name,
                          summary["top1"] or float("nan"), summary["epochs"], summary["train_s"])

@@ -32,10 +32,11 @@ This module speaks tensors and a communicator only: it never imports a model or 
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -220,6 +221,17 @@ class GradientReducer:
             bucket.filled.clear()
             bucket.done.clear()
         self._next_launch = 0
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Within, steps communicate nothing and each rank keeps its own gradients: the
+        compute-only ceiling measured on the very model, optimizer and buffers of the real
+        step (``hpcdl bench train``)."""
+        enabled, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = enabled
 
     def close(self) -> None:
         """Remove the hooks, stop the communication thread, and give each gradient that

@@ -243,10 +243,14 @@ class StallWatchdog(threading.Thread):
             self._report(seq, name, waited, now, logging.WARNING)
         if t.abort_s and waited >= t.abort_s:
             text = self._report(seq, name, waited, now, logging.CRITICAL)
-            sys.stderr.write(f"[rank {m.rank}/{m.size} {self.host}] stall: aborting the job "
-                             f"(MPI_Abort {STALL_EXIT_CODE}) after {waited:.1f} s > "
-                             f"HPCDL_STALL_ABORT_S={t.abort_s:g}\n")
-            sys.stderr.flush()
+            reason = (f"stall: aborting the job (MPI_Abort {STALL_EXIT_CODE}) after "
+                      f"{waited:.1f} s > HPCDL_STALL_ABORT_S={t.abort_s:g}")
+            # In the rank's log file as well: MPI_Abort may kill the launcher before it has
+            # forwarded the last lines of stderr, and the file is what stays.
+            logging.getLogger(LOGGER_NAME).critical("%s", reason)
+            if m.rank != 0:  # (rank 0's logger already prints to the terminal)
+                sys.stderr.write(f"[rank {m.rank}/{m.size} {self.host}] {reason}\n")
+                sys.stderr.flush()
             self.reports.append(text)
             self.abort(STALL_EXIT_CODE)
 

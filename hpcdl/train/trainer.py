@@ -188,7 +188,8 @@ class Trainer:
         self._stop_signal: int | None = None
         self._metrics: MetricsWriter | None = None
         self._images_this_run = 0
-        self._train_time_s = 0.0
+        self._train_time_s = 0.0          # training seconds of this invocation
+        self._train_time_before_s = 0.0   # ... and of the invocations it resumed (checkpoint)
         self._window = _Window()
         self._progress = None
         #: callables ``hook(trainer)`` run after every optimizer step, before the checkpoint
@@ -485,7 +486,13 @@ class Trainer:
             "recipe": self.config.name,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "train_s_total": self.train_s_total,
         }
+
+    @property
+    def train_s_total(self) -> float:
+        """Training seconds up to now, summed over every invocation of this run (resumes)."""
+        return self._train_time_before_s + self._train_time_s
 
     def load_state_dict(self, state: dict[str, Any], source: str = "<state>") -> None:
         """Restore model, optimizer, step and (same world size) this rank's RNG states."""
@@ -495,6 +502,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+        self._train_time_before_s = float(state.get("train_s_total", 0.0))
         rngs = state.get("rng")
         if state.get("world_size") == self.size and rngs:
             self._load_rank_state(rngs[self.rank])
@@ -668,6 +676,7 @@ class Trainer:
             "threads": torch.get_num_threads(),
             "wall_s": wall_s,
             "train_s": self._train_time_s,
+            "train_s_total": self.train_s_total,
             "images_per_s": self._images_this_run / self._train_time_s
             if self._train_time_s > 0 else None,
             "comm_wait_s": self.reducer.total_comm_wait_s,

@@ -3,8 +3,10 @@
 Every rank runs the same tests in the same order. Three rules keep a failing test from hanging
 the whole suite:
 - ranks meet at a barrier after each test, so they stay in lock-step;
-- a watchdog (faulthandler) prints every thread's stack and exits a rank that is stuck in one
-  test longer than HPCDL_TEST_TIMEOUT seconds, which makes mpiexec end the others;
+- a watchdog (faulthandler) writes every thread's stack and exits a rank that is stuck in one
+  test longer than HPCDL_TEST_TIMEOUT seconds, which makes mpiexec end the others. It writes
+  to ``<junit file>.rank<r>.hang.txt`` (pytest captures stderr, and a killed rank's captured
+  output is lost), headed by the test's name; tests/run.sh prints those files;
 - ``@pytest.mark.min_ranks(n)`` / ``max_ranks(n)`` skip at collection time, identically on
   every rank, so no rank waits for a test another rank skipped.
 """
@@ -12,11 +14,13 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import tempfile
 
 import pytest
 from mpi4py import MPI
 
 TEST_TIMEOUT_S = float(os.environ.get("HPCDL_TEST_TIMEOUT", "240"))
+_hang_file = None  # where the watchdog writes (pytest_configure opens it)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -27,6 +31,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if xmlpath:  # one JUnit file per rank; tests/summarize.py reads rank 0's
         root, ext = os.path.splitext(xmlpath)
         config.option.xmlpath = f"{root}.rank{rank}{ext}"
+    else:
+        root = os.path.join(tempfile.gettempdir(), f"hpcdl-mpi-tests-{os.getpid()}")
+    global _hang_file
+    _hang_file = open(f"{root}.rank{rank}.hang.txt", "w")  # noqa: SIM115 - open for the session
     if rank != 0:  # the other ranks report failures only, so the terminal stays readable
         config.option.verbose = -1
         config.option.reportchars = "fE"
@@ -43,9 +51,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs <= {high.args[0]} ranks, have {size}"))
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _hang_file is not None:  # reached only when no watchdog fired: nothing to keep
+        _hang_file.close()
+        os.unlink(_hang_file.name)
+
+
 @pytest.fixture(autouse=True)
-def _lockstep_and_watchdog():
-    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+def _lockstep_and_watchdog(request: pytest.FixtureRequest):
+    _hang_file.seek(0)
+    _hang_file.truncate()
+    _hang_file.write(f"rank {MPI.COMM_WORLD.rank}: {request.node.nodeid} ran longer than "
+                     f"{TEST_TIMEOUT_S:g} s (HPCDL_TEST_TIMEOUT); every thread's stack:\n")
+    _hang_file.flush()
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=_hang_file)
     try:
         yield
     finally:

@@ -1,4 +1,7 @@
-"""GradientReducer under real MPI: averaged gradients, fixed bucket order, unused parameters."""
+"""GradientReducer under real MPI: averaged gradients, fixed bucket order, unused parameters,
+bucket views across steps, suspension."""
+import contextlib
+
 import pytest
 import torch
 
@@ -119,3 +122,23 @@ def test_views_of_the_buckets_stay_right_across_steps(comm, world):
     reducer.close()
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6), n
+
+
+def test_suspended_reducer_keeps_each_ranks_gradients_then_resumes(comm, world):
+    model = make_model()
+    own = local_grads(model, rank_input(world.rank))
+    expected = {}
+    for r in range(world.size):
+        for n, g in local_grads(model, rank_input(r)).items():
+            expected[n] = expected.get(n, 0) + g / world.size
+    with GradientReducer(comm, model.named_parameters(), bucket_bytes=256) as reducer:
+        for suspend in (True, False, True):
+            model.zero_grad(set_to_none=True)
+            with reducer.suspended() if suspend else contextlib.nullcontext():
+                reducer.arm(last=True)
+                model(rank_input(world.rank)).pow(2).sum().backward()
+                reducer.synchronize()
+            want = own if suspend else expected
+            for n, p in model.named_parameters():
+                assert torch.allclose(p.grad, want[n], rtol=1e-5, atol=1e-6), (suspend, n)
+            assert reducer.enabled
