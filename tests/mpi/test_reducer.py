@@ -36,12 +36,18 @@ def rank_input(rank, n=3):
     return torch.arange(n * 6, dtype=torch.float32).view(n, 6) / 10 + rank
 
 
+def world_average_grads(model, size):
+    """The world's average gradient, computed locally from every rank's input."""
+    expected = {}
+    for r in range(size):
+        for n, g in local_grads(model, rank_input(r)).items():
+            expected[n] = expected.get(n, 0) + g / size
+    return expected
+
+
 def test_gradients_are_averaged_over_ranks(comm, world):
     model = make_model()
-    expected = {}
-    for r in range(world.size):  # the world's average, computed locally from every rank's data
-        for n, g in local_grads(model, rank_input(r)).items():
-            expected[n] = expected.get(n, 0) + g / world.size
+    expected = world_average_grads(model, world.size)
     with GradientReducer(comm, model.named_parameters(), bucket_bytes=256) as reducer:
         assert len(reducer.buckets) > 2  # several buckets in flight
         for _ in range(2):  # the reducer is reusable step after step
@@ -106,10 +112,7 @@ def test_views_of_the_buckets_stay_right_across_steps(comm, world):
     Both ways of zeroing -- dropping the views, or zeroing them in place -- must give the
     world's average step after step, and close() must leave the values in place."""
     model = make_model()
-    expected = {}
-    for r in range(world.size):
-        for n, g in local_grads(model, rank_input(r)).items():
-            expected[n] = expected.get(n, 0) + g / world.size
+    expected = world_average_grads(model, world.size)
     reducer = GradientReducer(comm, model.named_parameters(), bucket_bytes=256,
                               last_bucket_bytes=128)
     for set_to_none in (True, False, False, True):
@@ -127,10 +130,7 @@ def test_views_of_the_buckets_stay_right_across_steps(comm, world):
 def test_suspended_reducer_keeps_each_ranks_gradients_then_resumes(comm, world):
     model = make_model()
     own = local_grads(model, rank_input(world.rank))
-    expected = {}
-    for r in range(world.size):
-        for n, g in local_grads(model, rank_input(r)).items():
-            expected[n] = expected.get(n, 0) + g / world.size
+    expected = world_average_grads(model, world.size)
     with GradientReducer(comm, model.named_parameters(), bucket_bytes=256) as reducer:
         for suspend in (True, False, True):
             model.zero_grad(set_to_none=True)
