@@ -1,7 +1,9 @@
 """Fixtures shared by the serial and MPI tests: ImageNet-shaped trees (data_prep.synthetic),
-and a clean ``hpcdl`` logger for every test."""
+tiny shards and the tiny recipe that trains on them, the planner's isolated directories, and a
+clean ``hpcdl`` logger for every test."""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -49,3 +51,40 @@ def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
                        size=(24, 20))
     shard_tree(str(root / "tree"), str(root / "shards"), shards=2, resize=20)
     return str(root / "shards")
+
+
+TINY_RECIPE = """
+name: tiny
+model: {name: resnet_small, num_classes: 3, width: 4, layers: [1, 1, 1]}
+data: {image_size: 16, workers: 1}
+batch: {global: 4, per_rank: 2}
+epochs: 2
+optimizer: {name: lars, momentum: 0.9, weight_decay: 5.0e-5}
+schedule: {name: poly, base_lr: 1.0, warmup_epochs: 0.5}
+train: {seed: 1, log_every_steps: 2}
+comm: {backend: mpi, bucket_mb: 0.004}
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A LARS recipe for ``tiny_shards`` on 2 ranks (global batch 4): what the end-to-end
+    ``mpiexec hpcdl train`` tests run. Read-only."""
+    path = tmp_path_factory.mktemp("recipe") / "tiny.yaml"
+    path.write_text(TINY_RECIPE)
+    return str(path)
+
+
+@pytest.fixture
+def isolated_plan_dirs(tmp_path, monkeypatch):
+    """No user config or machine files leak into the planner; flops for the paper's models are
+    pre-cached, so no test counts a real ResNet-50 or AlexNet."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("HPCDL_MACHINES_DIR", raising=False)
+    cache = tmp_path / "cache" / "hpcdl" / "flops.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({
+        "resnet50@224": {"forward_macs": 4_089_184_256, "parameters": 25_557_032},
+        "resnet50@112": {"forward_macs": 1_077_899_264, "parameters": 25_557_032},
+        "alexnet_bn@224": {"forward_macs": 714_188_480, "parameters": 61_110_184}}))

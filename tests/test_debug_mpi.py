@@ -62,30 +62,18 @@ def test_mismatched_shapes_end_the_job_naming_both_shapes_and_ranks(tmp_path):
            "'bytes': 16" in log
 
 
-TINY_RECIPE = """
-name: tiny_failfast
-model: {name: resnet_small, num_classes: 3, width: 4, layers: [1, 1, 1]}
-data: {image_size: 16, workers: 1}
-batch: {global: 4, per_rank: 2}
-epochs: 2
-optimizer: {name: lars, momentum: 0.9, weight_decay: 5.0e-5}
-schedule: {name: poly, base_lr: 1.0, warmup_epochs: 0.5}
-train: {seed: 1, log_every_steps: 2}
-comm: {backend: mpi, bucket_mb: 0.004}
-"""
 
 
 def test_a_rank_that_raises_mid_training_aborts_the_job_and_keeps_the_last_checkpoint(
-        tmp_path, tiny_shards):
+        tmp_path, tiny_shards, tiny_recipe):
     from hpcdl.train.checkpoint import latest_valid_checkpoint
 
-    (tmp_path / "tiny.yaml").write_text(TINY_RECIPE)
     run_dir = tmp_path / "run"
     # Rank 1's gradient thread raises at its 36th collective: a few steps in (3 for the
     # initial broadcast, then one allreduce per bucket per step, checked once per layout),
     # after the checkpoint of step 2. Rank 0 is then blocked in that step's allreduce.
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "train",
-           "--recipe", str(tmp_path / "tiny.yaml"), "--data", tiny_shards,
+           "--recipe", tiny_recipe, "--data", tiny_shards,
            "--out", str(run_dir), "--max-steps", "12", "--checkpoint-every", "2", "--no-eval"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "150",
            "HPCDL_INJECT": "1:36:raise"}

@@ -1,7 +1,6 @@
 """The planner's cost model (hpcdl/plan): α-β-γ formulas by hand, placement, overlap, machine
 files, calibration fitting and bench-JSON parsing. No real ResNet-50 tensors: flops come from a
-pre-filled cache (conftest-free fixture below)."""
-import json
+pre-filled cache (tests/conftest.py: isolated_plan_dirs)."""
 import math
 import os
 
@@ -31,18 +30,7 @@ RESNET50 = Workload("resnet50", 224, 4_089_184_256, 25_557_032, "test")
 ALPHA, BETA, GAMMA = 1e-6, 1e-9, 2e-10
 N = 1e6
 
-
-@pytest.fixture(autouse=True)
-def isolated_dirs(tmp_path, monkeypatch):
-    """No user config or cache leaks in; flops for the paper's models are pre-cached."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("HPCDL_MACHINES_DIR", raising=False)
-    cache = tmp_path / "cache" / "hpcdl" / "flops.json"
-    cache.parent.mkdir(parents=True)
-    cache.write_text(json.dumps({
-        "resnet50@224": {"forward_macs": RESNET50.forward_macs, "parameters": 25_557_032},
-        "resnet50@112": {"forward_macs": 1_077_899_264, "parameters": 25_557_032}}))
+pytestmark = pytest.mark.usefixtures("isolated_plan_dirs")
 
 
 def small_machine(cores=2, ranks_per_node=1):

@@ -5,17 +5,7 @@ import pytest
 
 from hpcdl.cli.main import main
 
-
-@pytest.fixture(autouse=True)
-def isolated_dirs(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("HPCDL_MACHINES_DIR", raising=False)
-    cache = tmp_path / "cache" / "hpcdl" / "flops.json"
-    cache.parent.mkdir(parents=True)
-    cache.write_text(json.dumps({
-        "resnet50@224": {"forward_macs": 4_089_184_256, "parameters": 25_557_032},
-        "alexnet_bn@224": {"forward_macs": 714_188_480, "parameters": 61_110_184}}))
+pytestmark = pytest.mark.usefixtures("isolated_plan_dirs")
 
 
 def test_plan_prints_the_breakdown_and_a_sweep_table(capsys):

@@ -12,26 +12,14 @@ import pytest
 
 from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
-RECIPE = """
-name: tiny_cli
-model: {name: resnet_small, num_classes: 3, width: 4, layers: [1, 1, 1]}
-data: {image_size: 16, workers: 1}
-batch: {global: 4, per_rank: 2}
-epochs: 2
-optimizer: {name: lars, momentum: 0.9, weight_decay: 5.0e-5}
-schedule: {name: poly, base_lr: 1.0, warmup_epochs: 0.5}
-train: {seed: 1, log_every_steps: 2}
-comm: {backend: mpi, bucket_mb: 0.004}
-"""
-
 pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_shards):
+def setup(tmp_path_factory, tiny_shards, tiny_recipe):
     root = tmp_path_factory.mktemp("cli")
     (root / "shards").symlink_to(tiny_shards, target_is_directory=True)
-    (root / "tiny.yaml").write_text(RECIPE)
+    (root / "tiny.yaml").symlink_to(tiny_recipe)
     return root
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import sys
@@ -242,7 +243,7 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
         schedule = create_schedule(config.schedule, total_steps, total_steps)
         optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
         criterion = torch.nn.CrossEntropyLoss()
-        steps = iter(range(10 ** 12))
+        steps = itertools.count()
 
         def step(batch) -> None:
             images, labels = batch

@@ -314,7 +314,7 @@ class GradientReducer:
             if averaged.dtype == p.dtype and p.is_contiguous():
                 p.grad = averaged       # a view: nothing copied (a no-op when it already is)
                 continue
-            if p.grad is None or p.grad.data_ptr() == averaged.data_ptr():
+            if p.grad is None:
                 p.grad = torch.empty_like(p)  # the parameter's dtype and memory layout
             p.grad.copy_(averaged)
 

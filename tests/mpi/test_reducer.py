@@ -36,6 +36,19 @@ def rank_input(rank, n=3):
     return torch.arange(n * 6, dtype=torch.float32).view(n, 6) / 10 + rank
 
 
+def reduced_step(model, reducer, rank, set_to_none=True):
+    """One step as the trainer takes it: zero, arm, backward on this rank's input, synchronize."""
+    model.zero_grad(set_to_none=set_to_none)
+    reducer.arm(last=True)
+    model(rank_input(rank)).pow(2).sum().backward()
+    reducer.synchronize()
+
+
+def assert_grads(model, expected, context=""):
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6), (context, n)
+
+
 def world_average_grads(model, size):
     """The world's average gradient, computed locally from every rank's input."""
     expected = {}
@@ -51,12 +64,8 @@ def test_gradients_are_averaged_over_ranks(comm, world):
     with GradientReducer(comm, model.named_parameters(), bucket_bytes=256) as reducer:
         assert len(reducer.buckets) > 2  # several buckets in flight
         for _ in range(2):  # the reducer is reusable step after step
-            model.zero_grad(set_to_none=True)
-            reducer.arm(last=True)
-            model(rank_input(world.rank)).pow(2).sum().backward()
-            reducer.synchronize()
-            for n, p in model.named_parameters():
-                assert torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6), n
+            reduced_step(model, reducer, world.rank)
+            assert_grads(model, expected)
 
 
 def test_buckets_launch_in_bucket_order_whatever_order_gradients_arrive(comm, world):
@@ -116,15 +125,10 @@ def test_views_of_the_buckets_stay_right_across_steps(comm, world):
     reducer = GradientReducer(comm, model.named_parameters(), bucket_bytes=256,
                               last_bucket_bytes=128)
     for set_to_none in (True, False, False, True):
-        model.zero_grad(set_to_none=set_to_none)
-        reducer.arm(last=True)
-        model(rank_input(world.rank)).pow(2).sum().backward()
-        reducer.synchronize()
-        for n, p in model.named_parameters():
-            assert torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6), n
+        reduced_step(model, reducer, world.rank, set_to_none)
+        assert_grads(model, expected, f"set_to_none={set_to_none}")
     reducer.close()
-    for n, p in model.named_parameters():
-        assert torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6), n
+    assert_grads(model, expected, "after close")
 
 
 def test_suspended_reducer_keeps_each_ranks_gradients_then_resumes(comm, world):
@@ -133,12 +137,7 @@ def test_suspended_reducer_keeps_each_ranks_gradients_then_resumes(comm, world):
     expected = world_average_grads(model, world.size)
     with GradientReducer(comm, model.named_parameters(), bucket_bytes=256) as reducer:
         for suspend in (True, False, True):
-            model.zero_grad(set_to_none=True)
             with reducer.suspended() if suspend else contextlib.nullcontext():
-                reducer.arm(last=True)
-                model(rank_input(world.rank)).pow(2).sum().backward()
-                reducer.synchronize()
-            want = own if suspend else expected
-            for n, p in model.named_parameters():
-                assert torch.allclose(p.grad, want[n], rtol=1e-5, atol=1e-6), (suspend, n)
+                reduced_step(model, reducer, world.rank)
+            assert_grads(model, own if suspend else expected, f"suspended={suspend}")
             assert reducer.enabled
