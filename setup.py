@@ -5,6 +5,9 @@ where only the CPU wheel is wanted (and on a cluster the CPU wheel is what a Xeo
 """
 from setuptools import find_packages, setup
 
+TOP_LEVEL_STAGES = {"hpcdl.data_prep": "data_prep", "hpcdl.slurm": "slurm",
+                    "hpcdl.recipes": "recipes"}
+
 setup(
     name="hpcdl",
     version="0.1.0",
@@ -12,9 +15,13 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["hpcdl", "hpcdl.*", "data_prep", "slurm"]),
-    package_data={"hpcdl": ["plan/machines/*.yaml", "demo_data/*", "recipes/*.yaml"],
-                  "slurm": ["*.sbatch", "job_body.sh"]},
+    # The repository's top-level stages install under hpcdl's own name (hpcdl.data_prep,
+    # hpcdl.slurm, hpcdl.recipes), so a wheel adds no generic top-level import names.
+    packages=find_packages(include=["hpcdl", "hpcdl.*"]) + list(TOP_LEVEL_STAGES),
+    package_dir=TOP_LEVEL_STAGES,
+    package_data={"hpcdl": ["plan/machines/*.yaml", "demo_data/*"],
+                  "hpcdl.slurm": ["*.sbatch", "job_body.sh"],
+                  "hpcdl.recipes": ["*.yaml"]},
     include_package_data=True,
     install_requires=[
         "torch==2.13.0",

@@ -14,8 +14,9 @@ import json
 import os
 import shutil
 
-from data_prep.shard import MANIFEST, sha256_file
-from data_prep.verify import read_manifest
+from hpcdl.data_prep.shard import MANIFEST, sha256_file
+from hpcdl.data_prep.verify import read_manifest
+
 from hpcdl.io import atomic_write, atomic_write_text
 
 

@@ -210,8 +210,6 @@ def _train_shard_count(data: str, nodes: int, warnings: list[str]) -> int:
 def _load_recipe(recipe: str, overrides: list[str]):
     from hpcdl.train.config import RecipeError, load_recipe
 
-    if not os.path.isfile(recipe):
-        raise RenderError(f"--recipe {recipe!r}: no such file")
     try:
         return load_recipe(recipe, overrides)
     except (RecipeError, ValueError, OSError) as exc:
@@ -384,6 +382,8 @@ def _settings(spec: JobSpec, run_dir: str, recipe: str, data: str, setup: str,
 
 def render_job(spec: JobSpec) -> Rendered:
     """Validate ``spec`` and return the filled template."""
+    from hpcdl.train.config import resolve_recipe
+
     warnings, ranks, per_rank, config = validate(spec)
     absolute = os.path.abspath
     run_dir = _check_run_dir(absolute(spec.out or os.path.join("runs", spec.job_name)))
@@ -395,8 +395,8 @@ def render_job(spec: JobSpec) -> Rendered:
     values = {
         "SBATCH_COMMON": _sbatch_common(spec, run_dir),
         "SBATCH_RANKS": f"#SBATCH --ntasks-per-node={rpn}" if rpn else "",
-        "SETTINGS": _settings(spec, run_dir, absolute(spec.recipe), absolute(spec.data), setup,
-                              config.data.rotate_shards),
+        "SETTINGS": _settings(spec, run_dir, absolute(resolve_recipe(spec.recipe)),
+                              absolute(spec.data), setup, config.data.rotate_shards),
         "RANKS_PER_NODE": str(rpn) if rpn else "auto",
         "CORES_PER_SOCKET": str(spec.cores_per_socket),
         "KNL_CORES": str(spec.knl_cores),

@@ -7,8 +7,7 @@ import json
 import logging
 
 import pytest
-
-from data_prep.synthetic import TreeInfo, make_imagenet_tree
+from hpcdl.data_prep.synthetic import TreeInfo, make_imagenet_tree
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +43,7 @@ def clean_tree(tmp_path_factory: pytest.TempPathFactory) -> TreeInfo:
 def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Shards of a tiny clean tree (3 classes x 8 train / 2 val, 24x20, 2 shards) for tests
     that launch a whole `mpiexec hpcdl train`; built once per session. Read-only."""
-    from data_prep.shard import shard_tree
+    from hpcdl.data_prep.shard import shard_tree
 
     root = tmp_path_factory.mktemp("tiny")
     make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=8, val_per_class=2,

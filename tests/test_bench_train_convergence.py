@@ -70,7 +70,7 @@ def test_unknown_run_is_refused():
 
 
 def test_holdout_split_is_carved_from_training_images_only(tmp_path):
-    from data_prep.fashion_mnist import load_split
+    from hpcdl.data_prep.fashion_mnist import load_split
 
     folder = bench.write_holdout_source(str(tmp_path / "idx"), "demo", holdout=1000)
     train_images, train_labels = load_split(folder, "train")

@@ -6,9 +6,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from hpcdl.data_prep.fashion_mnist import CLASSES, balanced_subset, load_split, write_tree
+from hpcdl.data_prep.shard import shard_tree
 
-from data_prep.fashion_mnist import CLASSES, balanced_subset, load_split, write_tree
-from data_prep.shard import shard_tree
 from hpcdl.data import ShardedImageNet, normalize, read_manifest
 from hpcdl.data.augment import random_resized_crop_boxes, sample_uniforms
 from hpcdl.data.sampler import node_shard_indices

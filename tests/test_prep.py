@@ -7,11 +7,11 @@ import os
 import h5py
 import numpy as np
 import pytest
+from hpcdl.data_prep.shard import InjectedFailure, shard_tree
+from hpcdl.data_prep.stage import stage_node
+from hpcdl.data_prep.synthetic import make_imagenet_tree
+from hpcdl.data_prep.verify import verify_shards
 
-from data_prep.shard import InjectedFailure, shard_tree
-from data_prep.stage import stage_node
-from data_prep.synthetic import make_imagenet_tree
-from data_prep.verify import verify_shards
 from hpcdl.cli.main import main as hpcdl_main
 
 

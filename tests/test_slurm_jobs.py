@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from slurm.render import JobSpec, render_job
+from hpcdl.slurm.render import JobSpec, render_job
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "slurm" / "cluster.sh"
@@ -103,8 +102,8 @@ def wait_until(predicate, what: str, limit: float = 120.0):
 @pytest.fixture(scope="module")
 def shards(workdir):
     """Tiny real Fashion-MNIST shards (160 train images in 2 shards, 20 val in 1)."""
-    from data_prep.fashion_mnist import write_tree
-    from data_prep.shard import shard_tree
+    from hpcdl.data_prep.fashion_mnist import write_tree
+    from hpcdl.data_prep.shard import shard_tree
 
     root = workdir / "fmnist"
     write_tree(str(root / "tree"), source="demo", train_per_class=16, val_per_class=2)

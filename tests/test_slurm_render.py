@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from slurm.render import (
+from hpcdl.slurm.render import (
     CHECKPOINT_EXIT,
     JobSpec,
     RenderError,

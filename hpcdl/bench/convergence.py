@@ -153,7 +153,7 @@ def run_recipes(args: argparse.Namespace, ranks: int = 2) -> dict[str, dict[str,
 # -- data -------------------------------------------------------------------------------------
 def write_holdout_source(folder: str, source: str, holdout: int = HOLDOUT) -> str:
     """idx files whose 'test' split is the last ``holdout`` training images (tuning split)."""
-    from data_prep.fashion_mnist import FILES, load_split, write_idx
+    from hpcdl.data_prep.fashion_mnist import FILES, load_split, write_idx
 
     images, labels = load_split(source, "train")
     if len(labels) <= holdout:
@@ -170,9 +170,9 @@ def write_holdout_source(folder: str, source: str, holdout: int = HOLDOUT) -> st
 def prepare_shards(world, data_dir: str, source: str, holdout: bool) -> str:
     """Rank 0 writes the JPEG tree; all ranks shard it (data_prep, MPI-parallel). Reuses
     ``data_dir/shards`` (``shards-holdout``) when its manifest is already there."""
-    from data_prep.fashion_mnist import write_tree
-    from data_prep.shard import shard_tree
     from hpcdl.data.format import MANIFEST
+    from hpcdl.data_prep.fashion_mnist import write_tree
+    from hpcdl.data_prep.shard import shard_tree
 
     suffix = "-holdout" if holdout else ""  # the two splits never share a folder
     shard_dir = os.path.join(data_dir, f"shards{suffix}")

@@ -140,9 +140,9 @@ def time_prep_shard(src: str, ranks: int, num_shards: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from data_prep.shard import shard_tree
-    from data_prep.synthetic import make_imagenet_tree
     from hpcdl.bench.report import bench_report, emit
+    from hpcdl.data_prep.shard import shard_tree
+    from hpcdl.data_prep.synthetic import make_imagenet_tree
 
     torch.set_num_threads(1)
     if args.generate and not os.path.isdir(os.path.join(args.src, "train")):

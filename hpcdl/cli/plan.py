@@ -90,10 +90,13 @@ def _recipe_values(path: str) -> dict:
     """The planner's inputs from a recipe (recipes are data: read the YAML, no trainer)."""
     import yaml
 
+    from hpcdl.train.config import RecipeError, resolve_recipe
+
     try:
+        path = resolve_recipe(path)
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f) or {}
-    except OSError as exc:
+    except (OSError, RecipeError) as exc:
         raise SystemExit(f"hpcdl plan: cannot read recipe {path}: {exc}") from exc
     found = {
         "model": (doc.get("model") or {}).get("name"),

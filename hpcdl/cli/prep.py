@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_shard(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from data_prep.shard import shard_tree
+    from hpcdl.data_prep.shard import shard_tree
 
     comm = MPI.COMM_WORLD
     start = time.perf_counter()
@@ -85,7 +85,7 @@ def run_shard(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from data_prep.verify import read_manifest, verify_shards
+    from hpcdl.data_prep.verify import read_manifest, verify_shards
 
     try:
         manifest = read_manifest(args.dir)
@@ -103,8 +103,8 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_stage(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from data_prep.stage import stage_node
     from hpcdl.data.nodes import node_layout
+    from hpcdl.data_prep.stage import stage_node
 
     comm = MPI.COMM_WORLD
     node_index, num_nodes, local_rank, _ = node_layout(comm)

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slurm.render import JobSpec, RenderError, render_job
+    from hpcdl.slurm.render import JobSpec, RenderError, render_job
 
     spec = JobSpec(
         arch=args.arch, nodes=args.nodes, recipe=args.recipe, data=args.data, time=args.time,

@@ -12,6 +12,7 @@ them (hpcdl.models.create_model, hpcdl.optim.create_optimizer / create_schedule)
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -22,7 +23,8 @@ import yaml
 
 from hpcdl.io import atomic_write_text
 
-__all__ = ["Config", "RecipeError", "load_recipe", "parse_overrides", "resolve_batch",
+__all__ = ["Config", "RecipeError", "load_recipe", "parse_overrides", "resolve_recipe",
+           "shipped_recipes", "resolve_batch",
            "write_resolved_config", "config_from_dict"]
 
 
@@ -266,11 +268,34 @@ def _apply_override(raw: dict[str, Any], keys: list[str], value: Any, item: str)
     node[keys[-1]] = value
 
 
+def shipped_recipes() -> list[str]:
+    """Names of the recipes installed with hpcdl (``recipes/`` in the repository)."""
+    files = importlib.resources.files("hpcdl.recipes")
+    return sorted(p.name[:-len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_recipe(name_or_path: str) -> str:
+    """A recipe file: ``name_or_path`` itself when it exists, else the shipped recipe of that
+    name (``resnet50_lars_32k`` or ``resnet50_lars_32k.yaml``), so a wheel install finds them.
+
+    A name that is neither raises :class:`RecipeError` listing the shipped names."""
+    if os.path.exists(name_or_path) or os.sep in name_or_path:
+        return name_or_path
+    name = name_or_path.removesuffix(".yaml")
+    candidate = importlib.resources.files("hpcdl.recipes") / f"{name}.yaml"
+    if candidate.is_file():
+        return str(candidate)
+    raise RecipeError(f"recipe {name_or_path}: no such file, and no shipped recipe of that name "
+                      f"(shipped: {', '.join(shipped_recipes())})")
+
+
 def load_recipe(path: str, overrides: Iterable[str] = ()) -> Config:
-    """Read ``path``, apply ``key=value`` overrides (dotted keys), validate.
+    """Read ``path`` (a file, or a shipped recipe's name: :func:`resolve_recipe`), apply
+    ``key=value`` overrides (dotted keys), validate.
 
     Errors name the file and the dotted key: ``recipes/x.yaml: unknown key(s) batch.per_rnak``.
     """
+    path = resolve_recipe(path)
     try:
         with open(path, encoding="utf-8") as f:
             raw = _yaml_load(f)

@@ -53,18 +53,11 @@ class DemoOptions:
 
 
 def demo_recipe_path() -> str:
-    """The demo recipe: packaged (``hpcdl/recipes``) or beside the package (source checkout,
-    ``pip install -e .``)."""
-    import hpcdl
+    """The demo recipe, shipped as package data (``hpcdl.recipes``; ``recipes/`` in the
+    repository), so a wheel install finds it as well as a source checkout."""
+    from hpcdl.train.config import resolve_recipe
 
-    package = os.path.dirname(os.path.abspath(hpcdl.__file__))
-    candidates = [os.path.join(package, "recipes", DEMO_RECIPE),
-                  os.path.join(os.path.dirname(package), "recipes", DEMO_RECIPE)]
-    for path in candidates:
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(f"hpcdl demo: recipe {DEMO_RECIPE} not found in "
-                            f"{' or '.join(candidates)}; pass --recipe PATH")
+    return resolve_recipe(DEMO_RECIPE)
 
 
 def prepare_demo_data(data_dir: str, source: str = "demo", shards: int = 4) -> dict[str, Any]:
@@ -72,8 +65,8 @@ def prepare_demo_data(data_dir: str, source: str = "demo", shards: int = 4) -> d
 
     Serial (one rank): the subset is 7,000 images of 28×28, seconds of work. Returns what was
     written and how long it took."""
-    from data_prep.fashion_mnist import write_tree
-    from data_prep.shard import shard_tree
+    from hpcdl.data_prep.fashion_mnist import write_tree
+    from hpcdl.data_prep.shard import shard_tree
 
     start = time.perf_counter()
     tree = os.path.join(data_dir, "tree")

@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from hpcdl.data_prep.shard import shard_tree
+from hpcdl.data_prep.synthetic import make_imagenet_tree
 from mpi4py import MPI
 
-from data_prep.shard import shard_tree
-from data_prep.synthetic import make_imagenet_tree
 from hpcdl.data import ShardedImageNet, read_manifest
 from hpcdl.data.nodes import node_layout
 

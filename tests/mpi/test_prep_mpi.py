@@ -6,11 +6,11 @@ import os
 import shutil
 
 import pytest
+from hpcdl.data_prep.shard import PROGRESS_DIR, shard_tree
+from hpcdl.data_prep.synthetic import make_imagenet_tree
+from hpcdl.data_prep.verify import verify_shards
 from mpi4py import MPI
 
-from data_prep.shard import PROGRESS_DIR, shard_tree
-from data_prep.synthetic import make_imagenet_tree
-from data_prep.verify import verify_shards
 from hpcdl.cli.main import main as hpcdl_main
 from hpcdl.data.nodes import node_layout
 

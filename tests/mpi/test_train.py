@@ -34,8 +34,8 @@ def shards(tmp_path_factory):
     world = MPI.COMM_WORLD
     path = None
     if world.rank == 0:
-        from data_prep.shard import shard_tree
-        from data_prep.synthetic import make_imagenet_tree
+        from hpcdl.data_prep.shard import shard_tree
+        from hpcdl.data_prep.synthetic import make_imagenet_tree
 
         root = tmp_path_factory.mktemp("data")
         make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=16,
