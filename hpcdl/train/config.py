@@ -57,6 +57,13 @@ class DataConfig:
     min_scale: float = 0.08
     workers: int = 4
     rotate_shards: bool = False
+    # Train crop: random_resized (Inception/torchvision, min_scale..1), or Caffe's fixed-size
+    # crop after resizing to val_resize² (caffe_square) or short side val_resize
+    # (caffe_short_side), hpcdl.data.augment.caffe_crop_boxes.
+    crop: str = "random_resized"
+    # imagenet: (x/255 - mean)/std; caffe_mean: (x - mean) * input_scale (Caffe's transform).
+    normalize: str = "imagenet"
+    input_scale: float = 1.0
 
 
 @dataclass
@@ -233,6 +240,13 @@ def _check_values(config: Config, origin: str) -> None:
                           f"{t.keep_checkpoints}")
     if t.log_every_steps < 1:
         raise RecipeError(f"{origin}: train.log_every_steps must be >= 1, got {t.log_every_steps}")
+    if config.data.crop not in ("random_resized", "caffe_square", "caffe_short_side"):
+        raise RecipeError(f"{origin}: data.crop must be random_resized, caffe_square or "
+                          f"caffe_short_side, got {config.data.crop!r}")
+    if config.data.normalize not in ("imagenet", "caffe_mean") or config.data.input_scale <= 0:
+        raise RecipeError(f"{origin}: data.normalize must be imagenet or caffe_mean and "
+                          f"data.input_scale > 0, got {config.data.normalize!r}, "
+                          f"{config.data.input_scale}")
     if config.comm.bucket_mb <= 0:
         raise RecipeError(f"{origin}: comm.bucket_mb must be > 0, got {config.comm.bucket_mb}")
     if config.comm.wire_dtype not in ("float32", "bfloat16"):
