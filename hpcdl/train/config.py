@@ -110,6 +110,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    # What the source reports: {top1: 0..1, source: citation, checked: bool}; hpcdl report
+    # prints the measured top-1 against it.
+    expected: dict[str, Any] = field(default_factory=dict)
     path: str = ""  # the file it came from (not part of the schema; for messages)
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,6 +128,7 @@ class Config:
             "schedule": dict(self.schedule),
             "train": _section_to_dict(self.train),
             "comm": _section_to_dict(self.comm),
+            **({"expected": dict(self.expected)} if self.expected else {}),
         }
 
 
@@ -132,7 +136,7 @@ class Config:
 _SECTIONS = {"data": DataConfig, "batch": BatchConfig, "train": TrainConfig, "comm": CommConfig}
 _NAMED_SECTIONS = ("model", "optimizer", "schedule")
 _TOP_LEVEL = ("name", "source", "model", "data", "batch", "epochs", "optimizer", "schedule",
-              "train", "comm")
+              "train", "comm", "expected")
 _REQUIRED_TOP = ("name", "model", "batch", "epochs", "optimizer", "schedule")
 
 
@@ -217,9 +221,30 @@ def config_from_dict(raw: Mapping[str, Any], origin: str = "<recipe>") -> Config
     named = {s: _named_section(raw[s], s, origin) for s in _NAMED_SECTIONS}
     sections = {s: _build_section(cls, raw.get(s), s, origin) for s, cls in _SECTIONS.items()}
     config = Config(name=name, source=_coerce(raw.get("source") or "", "str", f"{origin}: source"),
-                    epochs=epochs, path=origin, **named, **sections)
+                    epochs=epochs, path=origin, expected=_expected(raw.get("expected"), origin),
+                    **named, **sections)
     _check_values(config, origin)
     return config
+
+
+def _expected(raw: Any, origin: str) -> dict[str, Any]:
+    """The ``expected`` section: the top-1 the recipe's source reports, with its citation."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{origin}: 'expected' must be a mapping {{top1, source, checked}}")
+    unknown = sorted(set(raw) - {"top1", "source", "checked"})
+    if unknown:
+        raise RecipeError(f"{origin}: unknown key(s) {', '.join(f'expected.{k}' for k in unknown)}"
+                          f"; known: expected.top1, expected.source, expected.checked")
+    top1 = _coerce(raw.get("top1"), "float", f"{origin}: expected.top1")
+    if not 0.0 < top1 <= 1.0:
+        raise RecipeError(f"{origin}: expected.top1 is a fraction in (0, 1], got {top1}")
+    source = _coerce(raw.get("source"), "str", f"{origin}: expected.source")
+    if not source.strip():
+        raise RecipeError(f"{origin}: expected.source must cite where top1 comes from")
+    checked = _coerce(raw.get("checked", False), "bool", f"{origin}: expected.checked")
+    return {"top1": top1, "source": source, "checked": checked}
 
 
 def _check_values(config: Config, origin: str) -> None:
