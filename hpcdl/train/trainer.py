@@ -214,7 +214,8 @@ class Trainer:
                                local_size=self.comm.local_size, batch_size=batch_size,
                                image_size=data.image_size, seed=self.config.train.seed,
                                workers=data.workers, rotate_shards=data.rotate_shards,
-                               min_scale=data.min_scale)
+                               min_scale=data.min_scale, crop=data.crop,
+                               resize=data.val_resize)
 
     def _build_schedule(self):
         from hpcdl.optim import create_schedule
@@ -404,9 +405,10 @@ class Trainer:
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8:
-            from hpcdl.data import normalize
+            from hpcdl.data import input_normalization, normalize
 
-            images = normalize(images)
+            data = self.config.data
+            images = normalize(images, *input_normalization(data.normalize, data.input_scale))
         return images.contiguous(memory_format=self.memory_format)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
