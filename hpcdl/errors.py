@@ -20,14 +20,28 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["EXIT_BAD_INPUT", "BadInputError", "agreed", "agree_on"]
+__all__ = ["EXIT_BAD_INPUT", "BadInputError", "agreed", "agree_on", "mark_agreed"]
 
 #: Exit code of a command that was given bad input (argparse's own code for bad usage).
 EXIT_BAD_INPUT = 2
 
 
 class BadInputError(Exception):
-    """Input a person can fix: the message names what is wrong and what to do."""
+    """Input a person can fix: the message names what is wrong and what to do.
+
+    ``agreed`` is True once every rank is known to raise it (after :func:`agree_on`, or a
+    broadcast decision): a command may then exit cleanly on every rank, rank 0 printing the
+    line. An error that is not agreed may be this rank's alone, so the command must abort the
+    job instead (the other ranks could be waiting in a collective).
+    """
+
+    agreed: bool = False
+
+
+def mark_agreed(error: BadInputError) -> BadInputError:
+    """``error``, marked as raised on every rank (see :attr:`BadInputError.agreed`)."""
+    error.agreed = True
+    return error
 
 
 def agree_on(mpi_comm: Any, error: BaseException | None) -> None:
@@ -40,17 +54,17 @@ def agree_on(mpi_comm: Any, error: BaseException | None) -> None:
     size = mpi_comm.Get_size() if mpi_comm is not None else 1
     if size == 1:
         if error is not None:
-            raise error
+            raise mark_agreed(error) if isinstance(error, BadInputError) else error
         return
     messages = mpi_comm.allgather(None if error is None else str(error))
     failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
     if not failed:
         return
-    if error is not None and failed[0][0] == mpi_comm.Get_rank():
-        raise error
+    if isinstance(error, BadInputError) and failed[0][0] == mpi_comm.Get_rank():
+        raise mark_agreed(error)
     rank, text = failed[0]
     where = "" if len(failed) == size else f"rank {rank} of {size}: "
-    raise BadInputError(f"{where}{text}") from error
+    raise mark_agreed(BadInputError(f"{where}{text}")) from error
 
 
 @contextlib.contextmanager
