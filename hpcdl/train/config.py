@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from hpcdl.errors import BadInputError
 from hpcdl.io import atomic_write_text
 
 __all__ = ["Config", "RecipeError", "load_recipe", "parse_overrides", "resolve_recipe",
@@ -28,7 +29,7 @@ __all__ = ["Config", "RecipeError", "load_recipe", "parse_overrides", "resolve_r
            "write_resolved_config", "config_from_dict"]
 
 
-class RecipeError(ValueError):
+class RecipeError(BadInputError, ValueError):
     """A recipe (or an override of it) does not match the schema."""
 
 
