@@ -92,3 +92,41 @@ def test_compression_divides_the_gradient_bytes_and_is_not_overlapped():
 def test_bad_relaxed_plan_inputs_are_clear_errors(bad, message):
     with pytest.raises(ValueError, match=message):
         plan(load_machine("skx"), RESNET50, PlanInputs(32768, 2048, 2, **bad))
+
+
+# -- hpcdl bench relaxed: recipes and the report's arithmetic ---------------------------------
+def bench_args(**kw):
+    import argparse
+
+    from hpcdl.bench import relaxed
+
+    parser = argparse.ArgumentParser()
+    relaxed.add_arguments(parser)
+    return parser.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+
+
+def test_bench_runs_differ_only_in_their_consistency_keys():
+    from hpcdl.bench.relaxed import recipe
+
+    args = bench_args(local_steps=4)
+    sync, local = recipe(args, "sync", 4, 100), recipe(args, "local_sgd", 4, 100)
+    assert sync["comm"] == {"backend": "mpi", "bucket_mb": 1}
+    assert local["comm"]["algorithm"] == "local_sgd" and local["comm"]["local_steps"] == 4
+    assert local["comm"]["sync_warmup_steps"] == 25  # 0.25 of 100 steps per epoch
+    assert {k: v for k, v in local.items() if k not in ("comm", "name")} == \
+        {k: v for k, v in sync.items() if k not in ("comm", "name")}
+    config_from_dict(local)  # a valid recipe
+
+
+def test_bench_report_compares_bytes_per_step_and_top1_with_sync():
+    from hpcdl.bench.relaxed import finish
+
+    records = [{"run": "sync", "top1": 0.90, "steps": 10, "bytes_per_rank": 8000},
+               {"run": "local_sgd", "top1": 0.897, "steps": 10, "bytes_per_rank": 1000},
+               {"run": "powersgd", "top1": 0.88, "steps": 10, "bytes_per_rank": 1000}]
+    ratios = finish(records, bench_args())
+    assert ratios["local_sgd_bytes_reduction"] == pytest.approx(8.0)
+    assert ratios["local_sgd_top1_minus_sync"] == pytest.approx(-0.3)
+    assert ratios["local_sgd_goal_met"] and not ratios["powersgd_goal_met"]  # -2 points
+    # the planner predicts each method at 2,048 sockets: local SGD saves AlexNet-BN time
+    assert records[1]["plan_alexnet_bn_min"] < records[0]["plan_alexnet_bn_min"]
