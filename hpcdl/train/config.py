@@ -90,11 +90,31 @@ class TrainConfig:
     momentum_correction: bool = False
 
 
+#: hpcdl.comm.policy.ALGORITHMS, spelled here so reading a recipe does not initialise MPI
+CONSISTENCY_ALGORITHMS = ("sync", "local_sgd", "hierarchical_local_sgd", "powersgd")
+
+
 @dataclass
 class CommConfig:
     backend: str = "auto"
     bucket_mb: float = 25.0
     wire_dtype: str = "float32"
+    # How replicas stay consistent (hpcdl/comm/policy.py, docs/comm.md): sync,
+    # local_sgd, hierarchical_local_sgd or powersgd.
+    algorithm: str = "sync"
+    local_steps: int = 1          # H: steps between model averages (local SGD)
+    sync_warmup_steps: int = 0    # synchronous steps first (post-local SGD; PowerSGD's start)
+    powersgd_rank: int = 4        # r of the PowerSGD factors
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in CONSISTENCY_ALGORITHMS:
+            raise RecipeError(f"comm.algorithm={self.algorithm!r}: choose one of "
+                              f"{', '.join(CONSISTENCY_ALGORITHMS)}")
+        for key in ("local_steps", "powersgd_rank"):
+            if getattr(self, key) < 1:
+                raise RecipeError(f"comm.{key}={getattr(self, key)}: must be >= 1")
+        if self.sync_warmup_steps < 0:
+            raise RecipeError(f"comm.sync_warmup_steps={self.sync_warmup_steps}: must be >= 0")
 
 
 @dataclass
