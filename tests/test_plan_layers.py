@@ -193,7 +193,7 @@ def test_ranks_beyond_the_cores_slow_every_class_proportionally():
 
 
 def test_a_class_rated_machine_needs_the_layer_table():
-    with pytest.raises(ValueError, match="layer table"):
+    with pytest.raises(ValueError, match="layer table, and it cannot be counted"):
         plan(class_machine(), Workload("m", 32, 1e9, 10, "test"),
              PlanInputs(global_batch=2, procs=1, procs_per_node=1))
 
