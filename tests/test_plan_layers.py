@@ -102,6 +102,17 @@ def test_grouped_convolution_lrn_and_dropout_are_handled_generically():
     assert layers[1].memory_bytes() == PASSES["lrn"][1] * 16 * 12 * 12 * 4
 
 
+@pytest.mark.parametrize(("model", "expected"), [
+    ("alexnet_bvlc", {"conv_large", "conv_grouped", "conv_3x3", "lrn", "linear", "dropout"}),
+    ("alexnet_bn_nvcaffe", {"conv_large", "conv_grouped", "conv_3x3", "batch_norm", "linear"})])
+def test_the_two_tower_alexnets_cost_their_grouped_convolutions_and_lrn(model, expected,
+                                                                     tmp_path):
+    layers = layer_table(model, 227, str(tmp_path / "layers.json"))
+    assert expected <= {la.op_class for la in layers}
+    grouped = [la for la in layers if la.op_class == "conv_grouped"]
+    assert len(grouped) == 3 and all(la.macs > 0 for la in grouped)
+
+
 def test_class_totals_sum_flops_and_bytes_per_class():
     layers = count_layers(TinyResidual(), 32)
     totals = class_totals(layers)
