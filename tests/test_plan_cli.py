@@ -113,4 +113,4 @@ def test_validate_runs_one_real_row_end_to_end(tmp_path, capsys):
     assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
     assert row["predicted_vs_measured"] == pytest.approx(
         row["predicted_step_s"] / row["measured_step_s"])
-    assert "resnet_small@16_np1" in doc["ratios"] and "bf16" in doc["bf16"]
+    assert "resnet_small@16_np1" in doc["ratios"] and "bf16" in doc["bf16"] and doc["complete"]

@@ -213,7 +213,7 @@ def cpu_warning(machine: Any) -> str | None:
 
 
 def validate_command(args: argparse.Namespace) -> int:
-    from hpcdl.bench.report import bench_report, emit
+    from hpcdl.bench.report import emit, write_json
     from hpcdl.plan.machine import MachineError, load_machine
     from hpcdl.plan.workload import workload
 
@@ -240,18 +240,31 @@ def validate_command(args: argparse.Namespace) -> int:
                 return 1
             records.append(record)
             ratios[f"{work.model}@{work.image_size}_np{procs}"] = record["predicted_vs_measured"]
-    ratios["within_15_percent"] = all(0.85 <= r <= 1.15 for r in ratios.values())
-    report = bench_report("plan-validate", records, ratios, ranks=max(procs_list))
-    report["machine_file"] = machine.path
-    report["bf16"] = bf16_skip_reason()
-    if warning:
-        report["cpu_warning"] = warning
+            if args.json:   # a long validation stopped early keeps the rows it measured
+                write_json(args.json, validation_report(records, ratios, machine, warning,
+                                                        procs_list, complete=False))
+    report = validation_report(records, ratios, machine, warning, procs_list, complete=True)
     print(report["bf16"])
     emit(report, ("model", "image_size", "ranks", "batch_per_rank", "predicted_step_s",
                   "measured_step_s", "measured_min_s", "measured_max_s",
                   "predicted_vs_measured", "predicted_compute_s", "measured_compute_s"),
          args.json)
     return 0
+
+
+def validation_report(records: Sequence[Mapping[str, Any]], ratios: Mapping[str, float],
+                      machine: Any, warning: str | None, procs_list: Sequence[int],
+                      complete: bool) -> dict[str, Any]:
+    """The bench JSON of a validation (``complete`` False while rows are still to come)."""
+    from hpcdl.bench.report import bench_report
+
+    ratios = dict(ratios)
+    ratios["within_15_percent"] = all(0.85 <= r <= 1.15 for r in ratios.values())
+    report = bench_report("plan-validate", list(records), ratios, ranks=max(procs_list))
+    report.update(machine_file=machine.path, bf16=bf16_skip_reason(), complete=complete)
+    if warning:
+        report["cpu_warning"] = warning
+    return report
 
 
 def validate_row(machine: Any, work: Any, procs: int,
