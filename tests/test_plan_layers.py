@@ -243,6 +243,17 @@ def test_every_representative_layer_is_of_its_class():
         layers = count_layers(build(kind, args), 0, shape, input_grad)
         assert [la.op_class for la in layers] == [op_class], (kind, args)
         assert layer_work(layers[0], 2) > 0
+
+
+def test_representative_layers_time_after_their_table_is_counted():
+    """Calibration counts a layer (on an empty batch) and then times it on a real one."""
+    from hpcdl.plan.class_rates import time_layer
+
+    for op_class, kind, args, shape, input_grad in REPRESENTATIVE:
+        if op_class in ("add", "relu", "batch_norm"):
+            module = build(kind, args)
+            count_layers(module, 0, shape, input_grad)
+            assert time_layer(module, shape, 2, input_grad, repeats=1) > 0
     assert {r[0] for r in REPRESENTATIVE} == set(OP_CLASSES)
 
 

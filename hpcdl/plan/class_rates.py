@@ -94,7 +94,7 @@ class AddLearnt(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "other"):
-            self.other = nn.Parameter(torch.zeros_like(x[:1]))
+            self.other = nn.Parameter(torch.zeros(1, *x.shape[1:]))
         return x + self.other.expand_as(x)
 
 
