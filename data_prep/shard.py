@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from hpcdl.data_prep.tree import scan_tree
 
 from hpcdl.data.format import FORMAT_VERSION, MANIFEST, shard_name
+from hpcdl.data_prep.tree import scan_tree
 from hpcdl.io import atomic_write_bytes, atomic_write_text
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "shard_name", "shard_tree", "sha256_file"]
