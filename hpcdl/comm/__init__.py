@@ -19,6 +19,7 @@ from hpcdl.comm.base import (
     CollectiveMismatchError,
     Communicator,
 )
+from hpcdl.data.nodes import split_nodes
 
 __all__ = ["BACKENDS", "CollectiveMismatchError", "Communicator", "auto_backend", "init"]
 
@@ -41,7 +42,7 @@ def auto_backend(world: MPI.Intracomm) -> str:
     (or one rank) ``mpi``: the vendor's allreduce is tuned for the interconnect.
     Collective over ``world``.
     """
-    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    node = split_nodes(world)  # honours HPCDL_RANKS_PER_NODE, like the topology
     try:
         most = world.allreduce(node.size, op=MPI.MAX)
     finally:
@@ -57,8 +58,9 @@ def init(backend: str = "auto", world: MPI.Intracomm | None = None,
 
     ``bucket_bytes`` is the fusion bucket size of :meth:`Communicator.allreduce_`;
     ``wire_dtype=torch.bfloat16`` sends bf16 and sums in fp32 (``ring``, ``shm``).
-    ``ranks_per_node=k`` treats groups of k consecutive ranks as nodes (to exercise the
-    multi-node paths on one machine); None (the default) asks MPI which ranks share memory.
+    ``ranks_per_node=k`` treats groups of k consecutive world ranks as nodes (to exercise the
+    multi-node paths on one machine); None (the default) reads the testing switch
+    ``HPCDL_RANKS_PER_NODE``, and without it asks MPI which ranks share memory.
     """
     world = world if world is not None else MPI.COMM_WORLD
     name = backend.lower()

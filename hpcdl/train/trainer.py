@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hpcdl.comm.reducer import GradientReducer
+from hpcdl.data.nodes import node_path
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import Config, resolve_batch, write_resolved_config
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
@@ -144,7 +145,9 @@ class Trainer:
                  options: TrainOptions | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, schedule=None,
                  train_loader=None, val_loader=None, timeline=None) -> None:
-        self.config, self.data_dir, self.run_dir, self.comm = config, data_dir, run_dir, comm
+        self.config, self.run_dir, self.comm = config, run_dir, comm
+        # "{node}" in --data: this node's staging directory (hpcdl prep stage --to ...-{node})
+        self.data_dir = node_path(data_dir, comm.node_index) if data_dir is not None else None
         self.options = options or TrainOptions()
         self.rank, self.size = comm.rank, comm.size
         self.timeline = timeline
