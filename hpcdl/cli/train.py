@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.train.checkpoint import CheckpointError
+    from hpcdl.train.checkpoint import CheckpointError, resume_layout
     from hpcdl.train.config import RecipeError, load_recipe
     from hpcdl.train.trainer import (
         EXIT_NONFINITE_LOSS,
@@ -141,10 +141,17 @@ def run(args: argparse.Namespace) -> int:
                            ipex=args.ipex, progress=args.progress, evaluate=not args.no_eval)
     trainer = None
     try:
+        # The checkpoint's rank count, batch and epoch length, read first: a resume on another
+        # rank count (requeued onto other nodes) adapts the per-rank batch, or is refused here
+        # naming the rank counts that would work, before any rank loads data.
+        layout = resume_layout(args.resume, args.out, world)
         try:
             trainer = Trainer(config, args.data, args.out, comm, options=options,
-                              timeline=timeline)
+                              timeline=timeline, resume_layout=layout)
         except ValueError as exc:  # RecipeError, or a factory rejecting a recipe value
+            if layout and layout.get("world_size") != comm.size:
+                return _fail(comm.rank, f"--resume {args.resume}: the checkpoint in {args.out} "
+                                        f"was written by {layout.get('world_size')} ranks: {exc}")
             return _fail(comm.rank, f"{args.recipe}: {exc}")
         try:
             trainer.resume(args.resume)

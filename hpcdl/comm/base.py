@@ -160,8 +160,13 @@ class Communicator:
         self._comm = self.mpi_comm.Dup()          # our collectives and point-to-point
         self._check_comm = self.mpi_comm.Dup()    # signature checks only
         self._init_topology()
-        #: wait with Test+sleep instead of MPI's busy-polling Wait (ring, shm)
-        self.yield_while_waiting = oversubscribed(self.local_size)
+        #: wait with Test+sleep instead of MPI's busy-polling Wait (ring, shm). Agreed by all
+        #: ranks: shm issues Iallreduce when yielding and Allreduce otherwise, and a blocking
+        #: and a non-blocking collective never match (MPI-3.1 §5.12) -- with nodes of 3 and 1
+        #: ranks on 2 cores, one leader yielded and the other blocked: a hang (tests/mpi/
+        #: test_nodes.py).
+        self.yield_while_waiting = bool(self._comm.allreduce(
+            oversubscribed(self.local_size), op=MPI.LOR))
         self._checked: set[int] = set()
         self._staging: dict[torch.dtype, torch.Tensor] = {}
         self._closed = False
