@@ -751,6 +751,7 @@ class Trainer:
             "per_rank_batch": self.per_rank,
             "accumulation": self.accumulation,
             "ranks": self.size,
+            "nodes": getattr(self.comm, "num_nodes", 1),
             "backend": getattr(self.comm, "backend", "?"),
             "reducer": ("enabled" if self.reducer.enabled else "disabled (no_comm)"
                         if self.options.no_comm else "not needed (1 rank)"),

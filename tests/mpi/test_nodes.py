@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from hpcdl.data_prep.shard import MANIFEST, shard_tree, sha256_file
+from hpcdl.data_prep.shard import MANIFEST, sha256_file, shard_tree
 from hpcdl.data_prep.synthetic import make_imagenet_tree
 from hpcdl.data_prep.verify import read_manifest
 from mpi4py import MPI
@@ -22,6 +22,9 @@ from hpcdl.cli.prep import run_stage
 from hpcdl.data import ShardedImageNet
 from hpcdl.data.nodes import RANKS_PER_NODE_ENV, node_layout
 from hpcdl.debug.doctor import collect_rank_info, diagnose
+from hpcdl.train.config import config_from_dict
+from hpcdl.train.ltfb import LTFB, LTFBOptions
+from hpcdl.train.trainer import TrainOptions
 
 TRAIN_SHARDS = 6
 
@@ -32,7 +35,7 @@ def shards(tmp_path_factory) -> str:
     out = None
     if world.rank == 0:
         base = tmp_path_factory.mktemp("nodes")
-        tree = make_imagenet_tree(str(base / "tree"), num_classes=3, train_per_class=8,
+        tree = make_imagenet_tree(str(base / "tree"), num_classes=3, train_per_class=12,
                                   val_per_class=2, size=(20, 20))
         out = str(base / "shards")
         shard_tree(tree.root, out, shards=TRAIN_SHARDS, val_shards=2)
@@ -142,3 +145,36 @@ def test_prep_stage_copies_each_nodes_shards_into_its_own_directory(world, shard
     if local_rank == 0:  # verified: every staged file has the manifest's sha256
         assert {n: sha256_file(os.path.join(mine, n)) for n in expected} == expected
     assert run_stage(args) == 0  # a rerun finds everything present and copies nothing
+
+
+@pytest.mark.min_ranks(4)
+@pytest.mark.max_ranks(4)
+def test_ltfb_trainers_on_different_nodes_play_a_tournament(world, shards, two_per_node,
+                                                            shared_tmp):
+    config = config_from_dict({
+        "name": "tiny_ltfb_nodes",
+        "model": {"name": "resnet_small", "num_classes": 3, "width": 4, "layers": [1, 1, 1]},
+        "data": {"image_size": 16, "workers": 1},
+        "batch": {"global": 4, "per_rank": 2},
+        "epochs": 1,
+        "optimizer": {"name": "lars", "momentum": 0.9},
+        "schedule": {"name": "poly", "base_lr": 1.0, "warmup_epochs": 0.5},
+        "train": {"seed": 3},
+        "comm": {"backend": "auto", "bucket_mb": 0.004}})
+    ltfb = LTFB(config, shards, os.path.join(shared_tmp, "ltfb"), world,
+                LTFBOptions(trainers=2, interval=1, metric="loss", holdout_fraction=0.25),
+                TrainOptions(deterministic=True, progress=False, max_steps=2, evaluate=False,
+                             write_files=False))
+    try:
+        # trainer t is node t: its allreduce stays inside the node (shm, one node of 2)
+        node, _, _, _ = node_layout(world)
+        assert node == ltfb.index
+        assert (ltfb.comm.num_nodes, ltfb.comm.local_size, ltfb.comm.backend) == (1, 2, "shm")
+        ltfb.train()
+        rounds = ltfb.rounds
+    finally:
+        ltfb.close()
+    assert [r["partner"] for r in rounds] == [1 - ltfb.index] * 2  # across the nodes
+    # each trainer judges on its own held-out set; its two ranks (one node) agree
+    mine = [(ltfb.index, r["winner"]) for r in rounds]
+    assert all(m == mine for i, m in enumerate(world.allgather(mine)) if i // 2 == ltfb.index)
