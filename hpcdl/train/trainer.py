@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hpcdl.comm.policy import create_policy
+from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import Config, resolve_batch, write_resolved_config
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
@@ -76,7 +77,7 @@ class NonFiniteLossError(RuntimeError):
         self.step, self.loss = step, loss
 
 
-class IpexUnavailableError(RuntimeError):
+class IpexUnavailableError(BadInputError, RuntimeError):
     """--ipex was asked for but intel_extension_for_pytorch is not importable."""
 
 
@@ -93,6 +94,7 @@ class TrainOptions:
     handle_signals: bool = True          # SIGUSR1/SIGTERM -> checkpoint and stop
     write_files: bool = True             # metrics.jsonl, summary.json, config.yaml, checkpoints
     evaluate: bool = True                # eval at epoch ends and at the end
+    verify_shards: bool = False          # sha256 of every shard read, before training
 
 
 def derive_seed(seed: int, epoch: int, rank: int) -> int:
@@ -219,12 +221,18 @@ class Trainer:
         if self.data_dir is None:
             raise ValueError("Trainer: data_dir is needed to build the loaders (--data SHARDS)")
         data = self.config.data
-        return ShardedImageNet(self.data_dir, split=split, node_index=self.comm.node_index,
-                               num_nodes=self.comm.num_nodes, local_rank=self.comm.local_rank,
-                               local_size=self.comm.local_size, batch_size=batch_size,
-                               image_size=data.image_size, seed=self.config.train.seed,
-                               workers=data.workers, rotate_shards=data.rotate_shards,
-                               min_scale=data.min_scale)
+        # Collective: ranks of different nodes check different shards, and all must stop
+        # together if any found a bad one (hpcdl/errors.py).
+        with agreed(self.comm.mpi_comm):
+            return ShardedImageNet(self.data_dir, split=split, node_index=self.comm.node_index,
+                                   num_nodes=self.comm.num_nodes,
+                                   local_rank=self.comm.local_rank,
+                                   local_size=self.comm.local_size, batch_size=batch_size,
+                                   image_size=data.image_size, seed=self.config.train.seed,
+                                   workers=data.workers, rotate_shards=data.rotate_shards,
+                                   min_scale=data.min_scale, crop=data.crop,
+                                   resize=data.val_resize,
+                                   verify_shards=self.options.verify_shards)
 
     def _build_schedule(self):
         from hpcdl.optim import create_schedule
@@ -418,9 +426,10 @@ class Trainer:
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8:
-            from hpcdl.data import normalize
+            from hpcdl.data import input_normalization, normalize
 
-            images = normalize(images)
+            data = self.config.data
+            images = normalize(images, *input_normalization(data.normalize, data.input_scale))
         return images.contiguous(memory_format=self.memory_format)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -498,6 +507,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "world_size": self.size,
             "recipe": self.config.name,
+            "model_config": dict(self.config.model),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "train_s_total": self.train_s_total,
@@ -511,9 +521,9 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any], source: str = "<state>") -> None:
         """Restore model, optimizer, step and (same world size) this rank's RNG states."""
-        if state.get("global_batch", self.global_batch) != self.global_batch:
-            raise ValueError(f"{source}: saved with global batch {state['global_batch']}, this "
-                             f"run has {self.global_batch}; resume with the same batch.global")
+        ckpt.check_compatible(state, source, recipe=self.config.name,
+                              global_batch=self.global_batch, model_config=self.config.model,
+                              model_state=self.model.state_dict())
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
@@ -559,11 +569,15 @@ class Trainer:
                     ckpt.save_checkpoint(path, state)
                     ckpt.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints)
                 log.info("checkpoint %s", path)
-            except OSError as exc:
-                error = f"rank 0 could not write checkpoint {path}: {exc}"
+            except OSError as exc:  # CheckpointWriteError: disk full, quota, file-size limit
+                what = str(exc) if isinstance(exc, ckpt.CheckpointWriteError) else \
+                    f"could not write checkpoint {path}: {exc}"
+                error = f"rank 0 {what}; {_previous_checkpoint(self.run_dir, path)}: free " \
+                        f"space there (or lower train.keep_checkpoints), then resume with " \
+                        f"--resume auto"
         error = self.comm.mpi_comm.bcast(error, root=0)
         if error:
-            raise RuntimeError(error)
+            raise mark_agreed(ckpt.CheckpointWriteError(error))
         self._last_checkpoint_step = self.step
         return path if self.options.write_files else None
 
@@ -709,6 +723,11 @@ class Trainer:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+def _previous_checkpoint(run_dir: str, failed: str) -> str:
+    kept = [p for p in ckpt.list_checkpoints(run_dir) if p != failed]
+    return f"the previous checkpoint {kept[-1]} is intact" if kept else "no checkpoint was kept"
 
 
 class _Window:
