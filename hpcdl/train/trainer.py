@@ -785,7 +785,7 @@ class Trainer:
             "ranks": self.size,
             "nodes": getattr(self.comm, "num_nodes", 1),
             "backend": getattr(self.comm, "backend", "?"),
-            "reducer": ("enabled" if self.reducer.enabled else "disabled (no_comm)"
+            "reducer": ("enabled" if self.policy.communicates else "disabled (no_comm)"
                         if self.options.no_comm else "not needed (1 rank)"),
             "threads": torch.get_num_threads(),
             "wall_s": wall_s,
