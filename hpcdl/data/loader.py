@@ -26,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hpcdl.data.augment import (
+    CAFFE_CROPS,
     FLIP_DRAW,
+    caffe_crop_boxes,
     centre_crop_box,
     crop_resize,
     random_resized_crop_boxes,
@@ -43,6 +45,27 @@ from hpcdl.data.sampler import (
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# BVLC's ImageNet mean (python/caffe/imagenet/ilsvrc_2012_mean.npy averaged over pixels, BGR
+# 104.0, 116.7, 122.7) in RGB and 0..255: Caffe subtracts the per-pixel mean image, which is
+# not shipped; its channel means differ from it by a few grey levels.
+CAFFE_MEAN_RGB = (122.68, 116.67, 104.01)
+NORMALIZATIONS = ("imagenet", "caffe_mean")
+
+
+def input_normalization(kind: str = "imagenet", input_scale: float = 1.0
+                        ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) for :func:`normalize`: ``imagenet`` (x/255 − mean)/std (torchvision);
+    ``caffe_mean``: (x − mean)·input_scale in 0..255 units, Caffe's DataTransformer with
+    ``mean_file`` and ``scale`` (BVLC AlexNet: scale 1; NVCaffe AlexNet-BN: 0.00390625)."""
+    if kind == "imagenet":
+        return IMAGENET_MEAN, IMAGENET_STD
+    if kind == "caffe_mean":
+        if input_scale <= 0:
+            raise ValueError(f"data.input_scale must be > 0, got {input_scale}")
+        # (x/255 − m/255)/std = (x − m)·scale  ⇔  std = 1/(255·scale)
+        return (tuple(m / 255.0 for m in CAFFE_MEAN_RGB),
+                (1.0 / (255.0 * input_scale),) * 3)
+    raise ValueError(f"data.normalize={kind!r}: choose one of {NORMALIZATIONS}")
 PREFETCH_PER_WORKER = 2
 
 
@@ -82,6 +105,7 @@ class ShardedImageNet:
                  num_nodes: int = 1, local_rank: int = 0, local_size: int = 1,
                  batch_size: int = 32, image_size: int = 224, seed: int = 0, workers: int = 2,
                  rotate_shards: bool = False, min_scale: float = 0.08,
+                 crop: str = "random_resized", resize: int = 256,
                  verify_shards: bool = False):
         if not 0 <= node_index < num_nodes:
             raise ValueError(f"node_index={node_index} outside 0..{num_nodes - 1}")
@@ -94,6 +118,10 @@ class ShardedImageNet:
         self.local_rank, self.local_size = local_rank, local_size
         self.batch_size, self.image_size, self.seed = batch_size, image_size, seed
         self.workers, self.rotate_shards, self.min_scale = workers, rotate_shards, min_scale
+        if crop not in ("random_resized", *CAFFE_CROPS):
+            raise ValueError(f"data.crop={crop!r}: choose random_resized or one of "
+                             f"{CAFFE_CROPS}")
+        self.crop, self.resize = crop, resize
         self.manifest = read_manifest(shard_dir)
         self.classes = self.manifest["classes"]
         self.image_format = self.manifest["image_format"]
@@ -196,7 +224,13 @@ class ShardedImageNet:
         size = self.image_size
         images = torch.empty((len(indices), 3, size, size), dtype=torch.uint8)
         data, shapes, labels = self.read_samples(indices)
-        if self.train:
+        if self.crop in CAFFE_CROPS:
+            uniforms = sample_uniforms(self.seed, self.epoch, indices) if self.train else None
+            boxes = caffe_crop_boxes(shapes[:, 0], shapes[:, 1], uniforms, size, self.resize,
+                                     square=self.crop == "caffe_square")
+            flips = ((uniforms[:, FLIP_DRAW] < 0.5).tolist() if self.train
+                     else [False] * len(indices))
+        elif self.train:
             uniforms = sample_uniforms(self.seed, self.epoch, indices)
             boxes = random_resized_crop_boxes(shapes[:, 0], shapes[:, 1], uniforms,
                                               scale=(self.min_scale, 1.0)).tolist()

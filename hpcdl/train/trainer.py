@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcdl.comm.reducer import GradientReducer
+from hpcdl.comm.policy import create_policy
 from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import Config, resolve_batch, write_resolved_config
@@ -179,9 +179,14 @@ class Trainer:
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
         self.broadcast_model()
         # On one rank the world's average is the rank's own gradient: nothing to reduce.
-        self.reducer = GradientReducer(comm, list(self.model.named_parameters()),
-                                       bucket_bytes=int(config.comm.bucket_mb * 2**20),
-                                       enabled=not self.options.no_comm and comm.size > 1)
+        # How replicas stay consistent (every step, every H steps, compressed) is the
+        # policy's business (hpcdl/comm/policy.py); the loop only asks it.
+        self.policy = create_policy(
+            comm, list(self.model.named_parameters()), algorithm=config.comm.algorithm,
+            local_steps=config.comm.local_steps, sync_warmup_steps=config.comm.sync_warmup_steps,
+            powersgd_rank=config.comm.powersgd_rank,
+            bucket_bytes=int(config.comm.bucket_mb * 2**20),
+            enabled=not self.options.no_comm and comm.size > 1, seed=config.train.seed)
         self.step = 0                 # optimizer steps completed (the schedule's argument)
         self.resumed_from: str | None = None
         self.last_eval: dict[str, Any] | None = None
@@ -197,6 +202,11 @@ class Trainer:
         #: callables ``hook(trainer)`` run after every optimizer step, before the checkpoint
         #: and stop decisions of that step (LTFB's tournaments, hpcdl/train/ltfb.py)
         self.after_step_hooks: list = []
+
+    @property
+    def reducer(self):
+        """What backward feeds this step: the policy's current gradient reducer."""
+        return self.policy.reducer
 
     # -- building from the recipe ------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -220,7 +230,8 @@ class Trainer:
                                    local_size=self.comm.local_size, batch_size=batch_size,
                                    image_size=data.image_size, seed=self.config.train.seed,
                                    workers=data.workers, rotate_shards=data.rotate_shards,
-                                   min_scale=data.min_scale,
+                                   min_scale=data.min_scale, crop=data.crop,
+                                   resize=data.val_resize,
                                    verify_shards=self.options.verify_shards)
 
     def _build_schedule(self):
@@ -294,7 +305,8 @@ class Trainer:
         Raises :class:`NonFiniteLossError` on every rank at the same step.
         """
         start = time.perf_counter()
-        self.check_replicas()
+        if self.policy.replicas_equal:  # (local SGD resumed between two averages: not yet)
+            self.check_replicas()
         self._open_outputs()
         stopped = "completed"
         with stop_signals_as_flag(self.request_stop, self.options.handle_signals):
@@ -367,6 +379,7 @@ class Trainer:
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.policy.before_step(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = 0.0
         n = len(micro_batches)
@@ -392,6 +405,8 @@ class Trainer:
         with self._span("optimizer", "compute"):
             self.optimizer.step()
         self.step += 1
+        with self._span("model average", "comm"):
+            self.policy.after_step(self.step, last=self.step >= self._last_step())
         self._images_this_run += self.global_batch
         return loss_sum / self.size
 
@@ -411,9 +426,10 @@ class Trainer:
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8:
-            from hpcdl.data import normalize
+            from hpcdl.data import input_normalization, normalize
 
-            images = normalize(images)
+            data = self.config.data
+            images = normalize(images, *input_normalization(data.normalize, data.input_scale))
         return images.contiguous(memory_format=self.memory_format)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -452,7 +468,7 @@ class Trainer:
                 self.comm.allreduce_(stats, average=True)
         self.model.eval()
         sums = np.zeros(4, dtype=np.float64)  # loss·n, top-1 correct, top-5 correct, n
-        with torch.no_grad(), self._span("evaluate", "eval"):
+        with torch.no_grad(), self._span("evaluate", "eval"), self.policy.averaged():
             if hasattr(self.val_loader, "set_epoch"):
                 self.val_loader.set_epoch(0)
             for images, labels in self.val_loader:
@@ -495,6 +511,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "train_s_total": self.train_s_total,
+            "consistency": self.policy.state_dict(),
         }
 
     @property
@@ -510,6 +527,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+        self.policy.load_state_dict(state.get("consistency"), source)
         self._train_time_before_s = float(state.get("train_s_total", 0.0))
         rngs = state.get("rng")
         if state.get("world_size") == self.size and rngs:
@@ -523,7 +541,8 @@ class Trainer:
     def _rank_state(self) -> dict[str, Any]:
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()
                    if b.is_floating_point()}
-        return {**ckpt.rng_state(), "buffers": buffers}
+        return {**ckpt.rng_state(), "buffers": buffers,
+                "consistency": self.policy.rank_state(self.step, self.model, self.optimizer)}
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         ckpt.set_rng_state(state)
@@ -532,6 +551,7 @@ class Trainer:
             for name, value in state.get("buffers", {}).items():
                 if name in own:
                     own[name].copy_(value)
+        self.policy.load_rank_state(state.get("consistency"), self.model, self.optimizer)
 
     def save_checkpoint(self) -> str | None:
         """Collective: gather every rank's RNG state; rank 0 writes atomically and keeps the
@@ -692,13 +712,14 @@ class Trainer:
             "images_per_s": self._images_this_run / self._train_time_s
             if self._train_time_s > 0 else None,
             "comm_wait_s": self.reducer.total_comm_wait_s,
+            "traffic": self.policy.traffic(),
             "resumed_from": self.resumed_from,
             "params_sha256": self.params_sha256(),
         }
 
     def close(self) -> None:
         """Stop the reducer's thread and remove its hooks."""
-        self.reducer.close()
+        self.policy.close()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
