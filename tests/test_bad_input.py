@@ -259,6 +259,18 @@ def test_every_rank_stops_on_bad_input_and_rank_0_prints_one_line(tmp_path, shar
 
 
 @needs_mpiexec
+def test_a_shard_unreadable_mid_run_aborts_the_job_with_exit_2_naming_it(tmp_path, shards,
+                                                                         tiny_recipe):
+    shard = shards / "train-00000-of-00002.h5"
+    flip_byte(shard, 0)  # passes the size check at open; the first read of it fails
+    code, out = finish(mpiexec_train(tiny_recipe, shards, tmp_path / "out", "--max-steps", "4"))
+    lines = [line for line in out.splitlines() if line.startswith("hpcdl train: rank ")]
+    assert code == EXIT_BAD_INPUT, out
+    assert lines and all(f"shard {shard} is unreadable" in line for line in lines), out
+    assert "hpcdl prep verify" in lines[0] and "Traceback" not in out
+
+
+@needs_mpiexec
 def test_ltfb_resume_of_another_global_batch_is_refused_on_every_rank(tmp_path, first_run,
                                                                       tiny_shards, tiny_recipe):
     run = tmp_path / "ltfb"
