@@ -27,9 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcdl.comm.reducer import GradientReducer
+from hpcdl.comm.policy import create_policy
+from hpcdl.data.nodes import node_path
+from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.train import checkpoint as ckpt
-from hpcdl.train.config import Config, resolve_batch, write_resolved_config
+from hpcdl.train.config import Config, elastic_batch, resolve_batch, write_resolved_config
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
 
 __all__ = ["Trainer", "TrainOptions", "NonFiniteLossError", "IpexUnavailableError",
@@ -76,7 +78,7 @@ class NonFiniteLossError(RuntimeError):
         self.step, self.loss = step, loss
 
 
-class IpexUnavailableError(RuntimeError):
+class IpexUnavailableError(BadInputError, RuntimeError):
     """--ipex was asked for but intel_extension_for_pytorch is not importable."""
 
 
@@ -93,6 +95,7 @@ class TrainOptions:
     handle_signals: bool = True          # SIGUSR1/SIGTERM -> checkpoint and stop
     write_files: bool = True             # metrics.jsonl, summary.json, config.yaml, checkpoints
     evaluate: bool = True                # eval at epoch ends and at the end
+    verify_shards: bool = False          # sha256 of every shard read, before training
 
 
 def derive_seed(seed: int, epoch: int, rank: int) -> int:
@@ -100,6 +103,13 @@ def derive_seed(seed: int, epoch: int, rank: int) -> int:
     per rank and epoch, reproducible from the recipe alone."""
     mixed = np.random.SeedSequence([seed, epoch, rank]).generate_state(1, dtype=np.uint64)[0]
     return int(mixed & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def resume_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """The seed of rank ``rank`` when a run resumes at ``step`` on another rank count: a
+    function of the run's position, so an elastic resume is itself repeatable."""
+    mixed = np.random.SeedSequence([seed, epoch, step, rank]).generate_state(1, dtype=np.uint64)
+    return int(mixed[0] & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 def seed_everything(seed: int) -> None:
@@ -143,12 +153,23 @@ class Trainer:
     def __init__(self, config: Config, data_dir: str | None, run_dir: str, comm, *,
                  options: TrainOptions | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, schedule=None,
-                 train_loader=None, val_loader=None, timeline=None) -> None:
-        self.config, self.data_dir, self.run_dir, self.comm = config, data_dir, run_dir, comm
+                 train_loader=None, val_loader=None, timeline=None,
+                 resume_layout: dict[str, int] | None = None) -> None:
+        self.config, self.run_dir, self.comm = config, run_dir, comm
+        # "{node}" in --data: this node's staging directory (hpcdl prep stage --to ...-{node})
+        self.data_dir = node_path(data_dir, comm.node_index) if data_dir is not None else None
         self.options = options or TrainOptions()
         self.rank, self.size = comm.rank, comm.size
         self.timeline = timeline
-        self.per_rank, self.accumulation = resolve_batch(config.batch, self.size)
+        # A checkpoint of another rank count (a requeue onto other nodes) is resumed with the
+        # same global batch: the per-rank batch and accumulation adapt, or this raises naming
+        # the rank counts that would work -- before any loader exists.
+        self.resume_layout = resume_layout
+        if resume_layout and resume_layout.get("world_size", self.size) != self.size:
+            self.per_rank, self.accumulation = elastic_batch(config.batch, self.size,
+                                                             resume_layout.get("per_rank"))
+        else:
+            self.per_rank, self.accumulation = resolve_batch(config.batch, self.size)
         self.global_batch = self.per_rank * self.size * self.accumulation
         if self.options.deterministic:
             # Bit-for-bit repeatable on the same rank count: deterministic kernels, seeds from
@@ -169,6 +190,7 @@ class Trainer:
                              f"batches of {self.per_rank} per rank, fewer than accumulation="
                              f"{self.accumulation}: use more data or a smaller batch")
         self.total_steps = max(1, math.ceil(config.epochs * self.steps_per_epoch))
+        self._schedule_from_recipe = schedule is None
         self.schedule = schedule if schedule is not None else self._build_schedule()
         self.optimizer = optimizer if optimizer is not None else self._build_optimizer()
         self.autocast_dtype = self._autocast_dtype()
@@ -177,9 +199,14 @@ class Trainer:
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
         self.broadcast_model()
         # On one rank the world's average is the rank's own gradient: nothing to reduce.
-        self.reducer = GradientReducer(comm, list(self.model.named_parameters()),
-                                       bucket_bytes=int(config.comm.bucket_mb * 2**20),
-                                       enabled=not self.options.no_comm and comm.size > 1)
+        # How replicas stay consistent (every step, every H steps, compressed) is the
+        # policy's business (hpcdl/comm/policy.py); the loop only asks it.
+        self.policy = create_policy(
+            comm, list(self.model.named_parameters()), algorithm=config.comm.algorithm,
+            local_steps=config.comm.local_steps, sync_warmup_steps=config.comm.sync_warmup_steps,
+            powersgd_rank=config.comm.powersgd_rank,
+            bucket_bytes=int(config.comm.bucket_mb * 2**20),
+            enabled=not self.options.no_comm and comm.size > 1, seed=config.train.seed)
         self.step = 0                 # optimizer steps completed (the schedule's argument)
         self.resumed_from: str | None = None
         self.last_eval: dict[str, Any] | None = None
@@ -196,6 +223,11 @@ class Trainer:
         #: and stop decisions of that step (LTFB's tournaments, hpcdl/train/ltfb.py)
         self.after_step_hooks: list = []
 
+    @property
+    def reducer(self):
+        """What backward feeds this step: the policy's current gradient reducer."""
+        return self.policy.reducer
+
     # -- building from the recipe ------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
         from hpcdl.models import create_model
@@ -209,13 +241,18 @@ class Trainer:
         if self.data_dir is None:
             raise ValueError("Trainer: data_dir is needed to build the loaders (--data SHARDS)")
         data = self.config.data
-        return ShardedImageNet(self.data_dir, split=split, node_index=self.comm.node_index,
-                               num_nodes=self.comm.num_nodes, local_rank=self.comm.local_rank,
-                               local_size=self.comm.local_size, batch_size=batch_size,
-                               image_size=data.image_size, seed=self.config.train.seed,
-                               workers=data.workers, rotate_shards=data.rotate_shards,
-                               min_scale=data.min_scale, crop=data.crop,
-                               resize=data.val_resize)
+        # Collective: ranks of different nodes check different shards, and all must stop
+        # together if any found a bad one (hpcdl/errors.py).
+        with agreed(self.comm.mpi_comm):
+            return ShardedImageNet(self.data_dir, split=split, node_index=self.comm.node_index,
+                                   num_nodes=self.comm.num_nodes,
+                                   local_rank=self.comm.local_rank,
+                                   local_size=self.comm.local_size, batch_size=batch_size,
+                                   image_size=data.image_size, seed=self.config.train.seed,
+                                   workers=data.workers, rotate_shards=data.rotate_shards,
+                                   min_scale=data.min_scale, crop=data.crop,
+                                   resize=data.val_resize,
+                                   verify_shards=self.options.verify_shards)
 
     def _build_schedule(self):
         from hpcdl.optim import create_schedule
@@ -288,7 +325,8 @@ class Trainer:
         Raises :class:`NonFiniteLossError` on every rank at the same step.
         """
         start = time.perf_counter()
-        self.check_replicas()
+        if self.policy.replicas_equal:  # (local SGD resumed between two averages: not yet)
+            self.check_replicas()
         self._open_outputs()
         stopped = "completed"
         with stop_signals_as_flag(self.request_stop, self.options.handle_signals):
@@ -361,6 +399,7 @@ class Trainer:
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.policy.before_step(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = 0.0
         n = len(micro_batches)
@@ -386,6 +425,8 @@ class Trainer:
         with self._span("optimizer", "compute"):
             self.optimizer.step()
         self.step += 1
+        with self._span("model average", "comm"):
+            self.policy.after_step(self.step, last=self.step >= self._last_step())
         self._images_this_run += self.global_batch
         return loss_sum / self.size
 
@@ -447,7 +488,7 @@ class Trainer:
                 self.comm.allreduce_(stats, average=True)
         self.model.eval()
         sums = np.zeros(4, dtype=np.float64)  # loss·n, top-1 correct, top-5 correct, n
-        with torch.no_grad(), self._span("evaluate", "eval"):
+        with torch.no_grad(), self._span("evaluate", "eval"), self.policy.averaged():
             if hasattr(self.val_loader, "set_epoch"):
                 self.val_loader.set_epoch(0)
             for images, labels in self.val_loader:
@@ -485,11 +526,28 @@ class Trainer:
             "steps_per_epoch": self.steps_per_epoch,
             "global_batch": self.global_batch,
             "world_size": self.size,
+            "per_rank": self.per_rank,
+            "accumulation": self.accumulation,
+            "images_seen": self.images_seen,
+            "images_in_epoch": self.images_in_epoch,
             "recipe": self.config.name,
+            "model_config": dict(self.config.model),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "train_s_total": self.train_s_total,
+            "consistency": self.policy.state_dict(),
         }
+
+    @property
+    def images_seen(self) -> int:
+        """Training images consumed by the run (every rank, every invocation)."""
+        return self.step * self.global_batch
+
+    @property
+    def images_in_epoch(self) -> int:
+        """Images consumed in the current epoch: the loader's position, independent of the
+        rank count (docs/training.md)."""
+        return (self.step % self.steps_per_epoch) * self.global_batch
 
     @property
     def train_s_total(self) -> float:
@@ -498,26 +556,72 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any], source: str = "<state>") -> None:
         """Restore model, optimizer, step and (same world size) this rank's RNG states."""
-        if state.get("global_batch", self.global_batch) != self.global_batch:
-            raise ValueError(f"{source}: saved with global batch {state['global_batch']}, this "
-                             f"run has {self.global_batch}; resume with the same batch.global")
+        ckpt.check_compatible(state, source, recipe=self.config.name,
+                              global_batch=self.global_batch, model_config=self.config.model,
+                              model_state=self.model.state_dict())
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+        self.policy.load_state_dict(state.get("consistency"), source)
         self._train_time_before_s = float(state.get("train_s_total", 0.0))
         rngs = state.get("rng")
         if state.get("world_size") == self.size and rngs:
             self._load_rank_state(rngs[self.rank])
         elif rngs:
-            log.warning("%s was written by %s ranks, this run has %d: RNG states are reseeded, so "
-                        "the run continues but is not bit-identical to an uninterrupted one",
-                        source, state.get("world_size"), self.size)
+            self._adopt_other_layout(state, rngs, source)
         self._last_checkpoint_step = self.step
+
+    def _adopt_other_layout(self, state: dict[str, Any], rngs: list, source: str) -> None:
+        """Elastic resume: a checkpoint of P ranks continued on P' != P (docs/training.md).
+
+        - epoch length: the run's, from the checkpoint (same global batch, so the same images
+          per epoch); the schedule, a function of the step, continues where it stopped;
+        - BN running statistics: every rank starts from their average over the P saved ranks
+          (what evaluation uses, :meth:`evaluate`), not from one rank's;
+        - RNG states: reseeded on every rank from (seed, epoch, step, rank) -- a P-rank stream
+          has no P'-rank counterpart; the loader's order and augmentation draws are functions
+          of (seed, epoch, sample), so they need no RNG state.
+        """
+        saved_spe = int(state.get("steps_per_epoch", self.steps_per_epoch))
+        if saved_spe != self.steps_per_epoch:
+            self._set_steps_per_epoch(saved_spe, source)
+        self._load_mean_buffers([r.get("buffers", {}) for r in rngs])
+        epoch = self.step // self.steps_per_epoch
+        seed_everything(resume_seed(self.config.train.seed, epoch, self.step, self.rank))
+        log.warning("%s was written by %d ranks (%s per rank × accumulation %s), this run has %d "
+                    "(%d × %d), global batch %d: BN statistics averaged over the %d saved ranks, "
+                    "RNG reseeded from (seed, epoch, step, rank); the run continues at step %d, "
+                    "%d images into epoch %d", source, len(rngs), state.get("per_rank", "?"),
+                    state.get("accumulation", "?"), self.size, self.per_rank,
+                    self.accumulation, self.global_batch, len(rngs), self.step,
+                    self.images_in_epoch, epoch)
+
+    def _set_steps_per_epoch(self, steps: int, source: str) -> None:
+        """Keep the run's epoch length (multi-node layouts can differ by a step or two)."""
+        available = len(self.train_loader) // self.accumulation
+        if steps > available:
+            raise ckpt.CheckpointError(
+                f"{source}: the run has {steps} steps per epoch but this layout ({self.size} "
+                f"ranks on {self.comm.num_nodes} node(s)) gives only {available}: some node "
+                f"holds too few images of its shards; resume on the previous node count")
+        self.steps_per_epoch = steps
+        self.total_steps = max(1, math.ceil(self.config.epochs * steps))
+        if self._schedule_from_recipe:
+            self.schedule = self._build_schedule()
+
+    def _load_mean_buffers(self, per_rank: list[dict[str, torch.Tensor]]) -> None:
+        own = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name in per_rank[0] if per_rank else ():
+                if name in own and all(name in b for b in per_rank):
+                    mean = torch.stack([b[name].double() for b in per_rank]).mean(0)
+                    own[name].copy_(mean.to(own[name].dtype))
 
     def _rank_state(self) -> dict[str, Any]:
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()
                    if b.is_floating_point()}
-        return {**ckpt.rng_state(), "buffers": buffers}
+        return {**ckpt.rng_state(), "buffers": buffers,
+                "consistency": self.policy.rank_state(self.step, self.model, self.optimizer)}
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         ckpt.set_rng_state(state)
@@ -526,6 +630,7 @@ class Trainer:
             for name, value in state.get("buffers", {}).items():
                 if name in own:
                     own[name].copy_(value)
+        self.policy.load_rank_state(state.get("consistency"), self.model, self.optimizer)
 
     def save_checkpoint(self) -> str | None:
         """Collective: gather every rank's RNG state; rank 0 writes atomically and keeps the
@@ -543,11 +648,15 @@ class Trainer:
                     ckpt.save_checkpoint(path, state)
                     ckpt.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints)
                 log.info("checkpoint %s", path)
-            except OSError as exc:
-                error = f"rank 0 could not write checkpoint {path}: {exc}"
+            except OSError as exc:  # CheckpointWriteError: disk full, quota, file-size limit
+                what = str(exc) if isinstance(exc, ckpt.CheckpointWriteError) else \
+                    f"could not write checkpoint {path}: {exc}"
+                error = f"rank 0 {what}; {_previous_checkpoint(self.run_dir, path)}: free " \
+                        f"space there (or lower train.keep_checkpoints), then resume with " \
+                        f"--resume auto"
         error = self.comm.mpi_comm.bcast(error, root=0)
         if error:
-            raise RuntimeError(error)
+            raise mark_agreed(ckpt.CheckpointWriteError(error))
         self._last_checkpoint_step = self.step
         return path if self.options.write_files else None
 
@@ -669,11 +778,14 @@ class Trainer:
             "steps": self.step,
             "total_steps": self.total_steps,
             "global_batch": self.global_batch,
+            "images_seen": self.images_seen,
+            "images_in_epoch": self.images_in_epoch,
             "per_rank_batch": self.per_rank,
             "accumulation": self.accumulation,
             "ranks": self.size,
+            "nodes": getattr(self.comm, "num_nodes", 1),
             "backend": getattr(self.comm, "backend", "?"),
-            "reducer": ("enabled" if self.reducer.enabled else "disabled (no_comm)"
+            "reducer": ("enabled" if self.policy.communicates else "disabled (no_comm)"
                         if self.options.no_comm else "not needed (1 rank)"),
             "threads": torch.get_num_threads(),
             "wall_s": wall_s,
@@ -682,16 +794,22 @@ class Trainer:
             "images_per_s": self._images_this_run / self._train_time_s
             if self._train_time_s > 0 else None,
             "comm_wait_s": self.reducer.total_comm_wait_s,
+            "traffic": self.policy.traffic(),
             "resumed_from": self.resumed_from,
             "params_sha256": self.params_sha256(),
         }
 
     def close(self) -> None:
         """Stop the reducer's thread and remove its hooks."""
-        self.reducer.close()
+        self.policy.close()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+def _previous_checkpoint(run_dir: str, failed: str) -> str:
+    kept = [p for p in ckpt.list_checkpoints(run_dir) if p != failed]
+    return f"the previous checkpoint {kept[-1]} is intact" if kept else "no checkpoint was kept"
 
 
 class _Window:
