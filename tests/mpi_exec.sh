@@ -16,6 +16,8 @@ venv=${HPCDL_MPI_VENVS:-$repo/.mpi-venvs}/$name
 [ -x "$venv/bin/mpiexec" ] || die "no mpiexec in $venv: run tests/mpi_env.sh $name first"
 export VIRTUAL_ENV=$venv PATH=$venv/bin:$PATH
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# tests/mpi/test_mpi_library.py checks that the ranks really run this MPI.
+export HPCDL_EXPECT_MPI=$name
 limit=${MPIEXEC_TIMEOUT:-900}
 options=()
 case $name in
