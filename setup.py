@@ -45,7 +45,9 @@ setup(
         # One MPI implementation from PyPI each, with its own mpiexec in the environment's
         # bin (docs/mpi.md). Install at most one: their libmpi and mpiexec collide.
         **MPI_EXTRAS,
-        "test": ["pytest", "ruff"],
+        "test": ["pytest", "ruff", "webdataset"],
+        # Baselines a bench compares against (hpcdl bench loader: WebDataset).
+        "bench": ["webdataset"],
         # Optional Intel accelerators. Both are archived upstream and have no wheel for
         # torch 2.13; install the builds matching your torch on the cluster by hand. hpcdl
         # detects them at run time and never needs them.

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from hpcdl.data_prep.tree import scan_tree
 
 from hpcdl.data.format import FORMAT_VERSION, MANIFEST, shard_name
-from hpcdl.io import atomic_write_bytes, atomic_write_text
+from hpcdl.data_prep.tree import scan_tree
+from hpcdl.io import atomic_write_bytes, atomic_write_text, sha256_file
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "shard_name", "shard_tree", "sha256_file"]
 
@@ -46,14 +46,6 @@ class SkipSample(Exception):
 
 class InjectedFailure(RuntimeError):
     """Raised by ``fail_after`` to simulate a job killed mid-run (tests)."""
-
-
-def sha256_file(path: str, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def resized_size(width: int, height: int, short_side: int) -> tuple[int, int]:

@@ -16,7 +16,6 @@ import shutil
 
 from hpcdl.data_prep.shard import MANIFEST, sha256_file
 from hpcdl.data_prep.verify import read_manifest
-
 from hpcdl.io import atomic_write, atomic_write_text
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from hpcdl.data_prep.shard import sha256_file
-
 from hpcdl.data.format import read_manifest
+from hpcdl.data_prep.shard import sha256_file
 
 __all__ = ["read_manifest", "verify_shards", "check_shard"]
 

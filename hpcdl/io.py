@@ -5,6 +5,7 @@ of one (DESIGN.md: every write that matters is atomic).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -52,3 +53,12 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def atomic_write_text(path: str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    """The file's sha256, read in 4 MiB blocks (shards are GiB: never the whole file at once)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

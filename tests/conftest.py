@@ -7,6 +7,7 @@ import json
 import logging
 
 import pytest
+
 from hpcdl.data_prep.synthetic import TreeInfo, make_imagenet_tree
 
 

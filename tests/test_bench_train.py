@@ -162,3 +162,29 @@ def test_two_ranks_measure_every_mode_into_the_bench_json(tmp_path):
     assert ratios["dense_kernels_fraction_of_matmul"] > 0
     assert ratios["vs_no_comm"] == pytest.approx(
         by_mode["ours"]["images_per_s_per_rank"] / by_mode["no_comm"]["images_per_s_per_rank"])
+
+
+def test_matmul_reference_runs_in_bf16_for_a_bf16_step():
+    assert bench.matmul_flops_per_s(64, seconds=0.01, dtype="bfloat16") > 0
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_bf16_mode_measures_every_mode_in_bf16_or_says_why_not(tmp_path):
+    from hpcdl.train.trainer import bf16_supported
+
+    out = tmp_path / "train_bf16.json"
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "train",
+           "--model", "resnet_small", "--num-classes", "10", "--image-size", "16",
+           "--synthetic", "--batch", "4", "--steps", "1", "--warmup", "1", "--bf16",
+           "--no-breakdown", "--matmul-size", "128", "--bucket-mb", "0.01", "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "240"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    if bf16_supported():
+        assert {r["precision"] for r in report["results"]} == {"bfloat16"}
+        assert {r["mode"] for r in report["results"]} == {"ours", "no_comm", "ddp_gloo"}
+    else:  # one clear line, naming the CPU, and a JSON that says it was skipped
+        assert report["results"] == [] and "no native bf16" in report["skipped"]
+        assert "skipped" in proc.stdout and report["machine"]["cpu"] in proc.stdout

@@ -2,6 +2,10 @@
 one-rank communicator (MPI singleton)."""
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+
 import pytest
 import torch
 
@@ -76,3 +80,53 @@ def test_one_rank_communicator_leaves_tensors_and_rejects_unknown_backends():
         comm.allreduce_(tensor, average=True)
         assert torch.equal(tensor, torch.arange(5, dtype=torch.float32))
         assert (comm.size, comm.num_nodes, comm.local_size) == (1, 1, 1)
+
+
+def test_site_mpi_ratio_compares_the_default_with_each_mpis_best_tuning():
+    from hpcdl.bench.allreduce import site_ratios
+
+    records = [dict(bandwidth_record("default", "shm", 10**8, 2, 0.02)),
+               dict(bandwidth_record("impi", "mpi", 10**8, 2, 0.10), tuning="default"),
+               dict(bandwidth_record("impi", "mpi", 10**8, 2, 0.08),
+                    tuning="I_MPI_ADJUST_ALLREDUCE=2")]
+    ratios = site_ratios(records, ["impi"], [10**6, 10**8])
+    assert ratios["default_vs_impi_busbw_100MB"] == pytest.approx(4.0)
+    assert ratios["impi_best_tuning"] == "I_MPI_ADJUST_ALLREDUCE=2"
+
+
+def test_site_mpi_needs_a_known_name_and_a_prefix_with_mpiexec_and_python(tmp_path):
+    from hpcdl.bench.allreduce import parse_site_mpi
+
+    with pytest.raises(SystemExit, match="NAME one of"):
+        parse_site_mpi(["lam=/opt/lam"])
+    with pytest.raises(SystemExit, match="bin/mpiexec"):
+        parse_site_mpi([f"impi={tmp_path}"])
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_driver_merges_hpcdl_and_a_site_mpi_run_into_one_report(tmp_path, monkeypatch):
+    import json
+
+    from hpcdl.bench import allreduce
+    from hpcdl.cli.main import main as hpcdl_main
+
+    # This environment's own MPI stands in for a site install: a prefix with its mpiexec and
+    # python, and two of its documented tunings (the real driver tries them all).
+    (tmp_path / "site" / "bin").mkdir(parents=True)
+    os.symlink(shutil.which("mpiexec"), tmp_path / "site" / "bin" / "mpiexec")
+    os.symlink(sys.executable, tmp_path / "site" / "bin" / "python")
+    monkeypatch.setitem(allreduce.SITE_TUNINGS, "mpich",
+                        [{}, {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring"}])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "allreduce.json"
+    assert hpcdl_main(["bench", "allreduce", "--np", "2", "--backends", "mpi", "--sizes",
+                       "1K,64K", "--repeats", "5", "--warmup", "0",
+                       "--site-mpi", f"mpich={tmp_path / 'site'}", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {(r["backend"], r.get("tuning"), r["bytes"]) for r in report["results"]}
+    assert ("default", None, 64000) in rows and ("mpi", None, 64000) in rows
+    assert {t for b, t, _ in rows if b == "mpich"} == {
+        "default", "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"}
+    assert report["ratios"]["default_vs_mpich_busbw_64KB"] > 0
+    assert report["ratios"]["mpich_best_tuning"] in {"default",
+                                                     "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring"}

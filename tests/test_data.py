@@ -6,12 +6,17 @@ import itertools
 import numpy as np
 import pytest
 import torch
+
+from hpcdl.data import ShardedImageNet, input_normalization, normalize, read_manifest
+from hpcdl.data.augment import (
+    caffe_crop_boxes,
+    crop_resize,
+    random_resized_crop_boxes,
+    sample_uniforms,
+)
+from hpcdl.data.sampler import node_shard_indices
 from hpcdl.data_prep.fashion_mnist import CLASSES, balanced_subset, load_split, write_tree
 from hpcdl.data_prep.shard import shard_tree
-
-from hpcdl.data import ShardedImageNet, normalize, read_manifest
-from hpcdl.data.augment import random_resized_crop_boxes, sample_uniforms
-from hpcdl.data.sampler import node_shard_indices
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +229,30 @@ def test_bench_loader_writes_both_sides_and_the_ratio(tmp_path):
     assert sides["imagefolder_pillow"]["images_per_s_per_core"] > 0
     assert sides["hdf5_sharded"]["images_per_s_per_core"] > 0
     assert report["ratios"]["hdf5_vs_imagefolder"] > 0
+    # The fair baselines read the shards' own pre-resized JPEGs: ImageFolder and WebDataset.
+    for name in ("imagefolder_pillow_resized", "webdataset_pil_resized", "simplejpeg_decode_only"):
+        assert sides[name]["images_per_s_per_core"] > 0
+    for ratio in ("hdf5_vs_imagefolder_resized", "hdf5_vs_webdataset", "hdf5_fraction_of_decode"):
+        assert report["ratios"][ratio] > 0
+
+
+def test_resized_baselines_export_the_stored_jpegs_byte_for_byte(tmp_path):
+    import tarfile
+
+    from hpcdl.bench.loader import export_resized_baselines, stored_train_jpegs
+    from hpcdl.data_prep.synthetic import make_imagenet_tree
+
+    make_imagenet_tree(str(tmp_path / "src"), num_classes=2, train_per_class=3, val_per_class=0)
+    shard_tree(str(tmp_path / "src"), str(tmp_path / "shards"), 2)
+    stored = {name.rsplit("/", 1)[-1].rsplit(".", 1)[0]: jpeg
+              for name, _, _, jpeg in stored_train_jpegs(str(tmp_path / "shards"))}
+    tree, tars = export_resized_baselines(str(tmp_path / "shards"), str(tmp_path / "out"))
+    files = {p.stem: p.read_bytes() for p in (tmp_path / "out" / "tree").rglob("*.jpg")}
+    assert files == stored and len(stored) == 6
+    with tarfile.open(tars[0]) as tar:
+        in_tar = {m.name.rsplit("/", 1)[-1].removesuffix(".jpg"): tar.extractfile(m).read()
+                  for m in tar.getmembers() if m.name.endswith(".jpg")}
+    assert in_tar == stored
 
 
 def test_val_rank_without_shards_yields_empty_batches_to_keep_step_with_the_others(shards):
@@ -243,3 +272,62 @@ def test_read_rows_returns_rows_in_the_order_asked(shards):
         images = f["images"]
         got = read_rows(images, np.array([5, 1, 3]))
         assert all(np.array_equal(g, images[r]) for g, r in zip(got, [5, 1, 3], strict=True))
+
+
+def test_caffe_square_crop_is_a_227_window_of_the_image_resized_to_256_squared():
+    """Caffe: resize to 256x256 (aspect not kept), crop 227 at Rand(256 - 227 + 1)."""
+    heights, widths = np.array([256, 256, 300]), np.array([341, 256, 256])
+    lowest = caffe_crop_boxes(heights, widths, np.zeros((3, 2)), 227, 256, square=True)
+    highest = caffe_crop_boxes(heights, widths, np.full((3, 2), 0.999999), 227, 256,
+                               square=True)
+    for (t0, l0, h, w), (t1, l1, _, _), hh, ww in zip(lowest, highest, heights, widths,
+                                                       strict=True):
+        assert (t0, l0) == (0, 0)
+        assert h == pytest.approx(227 * hh / 256) and w == pytest.approx(227 * ww / 256)
+        assert t1 == pytest.approx(29 * hh / 256) and l1 == pytest.approx(29 * ww / 256)
+    (top, left, h, w), = caffe_crop_boxes(np.array([256]), np.array([341]), None, 227, 256,
+                                          square=True)
+    assert (top, left) == (14 * 256 / 256, 14 * 341 / 256)        # val: the centre crop
+
+
+def test_caffe_short_side_crop_keeps_the_aspect():
+    draws = np.array([[0.0, 1 - 1e-9]])
+    (top, left, h, w), = caffe_crop_boxes(np.array([256]), np.array([341]), draws, 227, 256,
+                                          square=False)
+    assert (h, w) == (227, 227) and top == 0 and left == 341 - 227
+
+
+def test_caffe_crop_of_a_raw_image_equals_resize_then_crop():
+    """The one-box crop matches resizing the whole image to 256² first, then cropping."""
+    gen = torch.Generator().manual_seed(0)
+    image = torch.randint(0, 256, (128, 96, 3), dtype=torch.uint8, generator=gen)
+    (box,) = caffe_crop_boxes(np.array([128]), np.array([96]), np.array([[0.5, 0.25]]), 56, 64,
+                              square=True)
+    out = torch.empty((3, 56, 56), dtype=torch.uint8)
+    crop_resize(image.numpy().reshape(-1), (128, 96, 3), "raw", box, 56, False, out)
+    whole = torch.nn.functional.interpolate(image.permute(2, 0, 1)[None].float(), (64, 64),
+                                            mode="bilinear", antialias=True, align_corners=False)
+    top, left = round(box[0] * 64 / 128), round(box[1] * 64 / 96)
+    expected = whole[0, :, top:top + 56, left:left + 56]
+    assert (out.float() - expected).abs().mean() < 12   # two resampling paths, same window
+
+
+def test_loader_with_caffe_crop_gives_batches_of_the_crop_size(shards):
+    x, _ = next(iter(loader(shards, batch_size=4, image_size=14, crop="caffe_square",
+                            resize=16)))
+    assert x.shape == (4, 3, 14, 14)
+    v, _ = next(iter(loader(shards, split="val", batch_size=4, image_size=14,
+                            crop="caffe_short_side", resize=16)))
+    assert v.shape == (4, 3, 14, 14)
+    with pytest.raises(ValueError, match="crop"):
+        loader(shards, crop="inception")
+
+
+def test_caffe_mean_normalization_is_mean_subtraction_times_scale():
+    """NVCaffe AlexNet-BN: (x - mean) * 0.00390625, in float64 as the reference."""
+    x = torch.tensor([0, 100, 255], dtype=torch.uint8).view(1, 3, 1, 1).expand(1, 3, 2, 2)
+    y = normalize(x.contiguous(), *input_normalization("caffe_mean", 0.00390625))
+    expected = (torch.tensor([0.0, 100.0, 255.0], dtype=torch.float64)
+                - torch.tensor([122.68, 116.67, 104.01], dtype=torch.float64)) / 256
+    torch.testing.assert_close(y[0, :, 0, 0].double(), expected, rtol=1e-6, atol=1e-6)
+    assert input_normalization() == ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))

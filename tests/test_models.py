@@ -6,7 +6,8 @@ from hpcdl.models import create_model, flops, list_models
 from hpcdl.models.resnet import PreActBottleneck, ResNet
 from hpcdl.optim import LARS, param_groups
 
-FULL_SIZE = ["alexnet", "alexnet_bn", "resnet50", "resnet50_v1", "resnet50_v2"]
+FULL_SIZE = ["alexnet", "alexnet_bn", "alexnet_bvlc", "alexnet_bn_nvcaffe", "resnet50",
+             "resnet50_v1", "resnet50_v2"]
 SMALL = ["resnet_small", "resnet50_small", "alexnet_bn_small"]
 
 
@@ -35,7 +36,9 @@ def test_registry_lists_the_zoo():
 
 
 @pytest.mark.parametrize("name, count", [("alexnet", 61_100_840), ("resnet50", 25_557_032),
-                                         ("resnet50_v1", 25_557_032)])
+                                         ("resnet50_v1", 25_557_032),
+                                         ("alexnet_bvlc", 60_965_224),
+                                         ("alexnet_bn_nvcaffe", 60_965_224)])
 def test_published_parameter_counts(name, count):
     assert n_params(meta_model(name)) == count
 
@@ -149,3 +152,49 @@ def test_unknown_model_and_option_are_named():
         create_model("resnet51")
     with pytest.raises(ValueError, match="widht"):
         create_model("resnet_small", widht=8)
+
+
+def _layer_kinds(model):
+    return [type(m).__name__ for m in model.features]
+
+
+def test_nvcaffe_alexnet_bn_follows_train_val2_prototxt():
+    """borisgin/nvcaffe models/alexnet_bn/train_val2.prototxt: BN without γ/β after pool1,
+    pool2, relu3 and relu4; groups 2 on conv2/4/5; biases kept; no LRN."""
+    model = meta_model("alexnet_bn_nvcaffe")
+    assert _layer_kinds(model) == [
+        "Conv2d", "ReLU", "MaxPool2d", "BatchNorm2d",
+        "Conv2d", "ReLU", "MaxPool2d", "BatchNorm2d",
+        "Conv2d", "ReLU", "BatchNorm2d",
+        "Conv2d", "ReLU", "BatchNorm2d",
+        "Conv2d", "ReLU", "MaxPool2d"]
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert [(bn.num_features, bn.affine, bn.eps, bn.momentum) for bn in bns] == [
+        (96, False, 1e-4, 0.1), (256, False, 1e-4, 0.1), (384, False, 1e-4, 0.1),
+        (384, False, 1e-4, 0.1)]
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [96, 256, 384, 384, 256]
+    assert [c.groups for c in convs] == [1, 2, 1, 2, 2]
+    assert all(m.bias is not None for m in model.modules()
+               if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)))
+
+
+def test_bvlc_alexnet_has_lrn_before_pool1_and_pool2_and_caffe_fillers():
+    torch.manual_seed(0)
+    model = create_model("alexnet_bvlc")
+    kinds = _layer_kinds(model)
+    assert kinds[:8] == ["Conv2d", "ReLU", "LocalResponseNorm", "MaxPool2d",
+                         "Conv2d", "ReLU", "LocalResponseNorm", "MaxPool2d"]
+    assert "BatchNorm2d" not in kinds
+    assert model.features.conv2.bias.eq(0.1).all() and model.features.conv1.bias.eq(0).all()
+    assert model.classifier.fc6.weight.std().item() == pytest.approx(0.005, rel=0.01)
+    assert model.features.conv3.weight.std().item() == pytest.approx(0.01, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["alexnet_bvlc", "alexnet_bn_nvcaffe"])
+def test_caffe_alexnets_take_227_px_and_count_bvlc_flops(name):
+    """pool5 is 256×6×6 at 227 px; grouped convs halve conv2/4/5's multiply-adds
+    (BVLC AlexNet: 724 M per image)."""
+    model = create_model(name)
+    assert model(torch.zeros(2, 3, 227, 227)).shape == (2, 1000)
+    assert flops(model, 227) == 724_406_816

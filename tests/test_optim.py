@@ -3,6 +3,8 @@
     λ = η·‖w‖ / (‖g‖ + β·‖w‖ + ε), λ = 1 if ‖w‖ = 0 or ‖g‖ = 0 (lars=False: λ = 1)
     v ← m·v + lr·λ·(g + β·w);   w ← w − v   (nesterov: w ← w − (m·v + lr·λ·(g + β·w)))
     trust_clip: λ ← min(λ, 1)
+    trust_ratio_wd=False: λ = η·‖w‖ / (‖g‖ + ε)          (NVCaffe's later GetLocalRate)
+    larc_clip: the effective rate lr·λ becomes min(λ, lr) (NVIDIA LARC "clip")
 """
 import copy
 import math
@@ -21,20 +23,23 @@ from hpcdl.optim import (
 
 
 def reference_step(ws, gs, vs, *, lr, momentum, weight_decay, trust_coefficient=0.001, eps=0.0,
-                   nesterov=False, trust_clip=False, lars=True):
+                   nesterov=False, trust_clip=False, lars=True, trust_ratio_wd=True,
+                   larc_clip=False):
     """One step on lists of float64 tensors, one tensor at a time, straight from the formula."""
     new_ws, new_vs = [], []
     for w, g, v in zip(ws, gs, vs, strict=True):
         w_norm, g_norm = math.sqrt(float((w * w).sum())), math.sqrt(float((g * g).sum()))
         if lars and w_norm > 0 and g_norm > 0:
-            trust = trust_coefficient * w_norm / (g_norm + weight_decay * w_norm + eps)
+            decay_term = weight_decay * w_norm if trust_ratio_wd else 0.0
+            trust = trust_coefficient * w_norm / (g_norm + decay_term + eps)
         else:
             trust = 1.0
         if trust_clip:
             trust = min(trust, 1.0)
+        rate = min(trust, lr) if larc_clip and lars else lr * trust
         d = g + weight_decay * w
-        v_new = momentum * v + lr * trust * d
-        w_new = w - (momentum * v_new + lr * trust * d if nesterov else v_new)
+        v_new = momentum * v + rate * d
+        w_new = w - (momentum * v_new + rate * d if nesterov else v_new)
         new_ws.append(w_new)
         new_vs.append(v_new)
     return new_ws, new_vs
@@ -65,6 +70,10 @@ CASES = [
     dict(momentum=0.9, weight_decay=1e-4, trust_coefficient=0.02, trust_clip=True),
     dict(momentum=0.0, weight_decay=5e-4),
     dict(momentum=0.9, weight_decay=5e-4, lars=False),
+    dict(momentum=0.9, weight_decay=5e-4, trust_ratio_wd=False),
+    dict(momentum=0.9, weight_decay=5e-4, trust_coefficient=0.02, larc_clip=True),
+    dict(momentum=0.9, weight_decay=5e-4, trust_coefficient=1e-5, larc_clip=True),
+    dict(momentum=0.9, weight_decay=5e-4, trust_ratio_wd=False, larc_clip=True, nesterov=True),
 ]
 
 
@@ -267,3 +276,60 @@ def test_bfloat16_parameters_step_close_to_reference():
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.bfloat16
         torch.testing.assert_close(g.double(), w, rtol=2e-2, atol=2e-2)
+
+
+def test_larc_clip_caps_the_local_rate_at_the_global_one():
+    """A tensor whose η‖w‖/‖g‖ exceeds lr moves at lr (LARC clip), one below keeps λ."""
+    w = torch.ones(4, dtype=torch.float64)
+    small_grad = torch.full((4,), 1e-6, dtype=torch.float64)
+    (big,), _ = run_lars([w], [[small_grad]], 0.5, momentum=0.0, trust_coefficient=0.1,
+                         larc_clip=True)
+    torch.testing.assert_close(big, w - 0.5 * small_grad)
+
+
+def test_trust_clip_and_larc_clip_together_are_refused():
+    with pytest.raises(ValueError, match="larc_clip"):
+        LARS([torch.nn.Parameter(torch.ones(2))], trust_clip=True, larc_clip=True)
+
+
+def test_lr_has_a_default_so_horovod_can_rebuild_the_optimizer():
+    """Horovod's DistributedOptimizer calls type(opt)(param_groups): every argument needs a
+    default."""
+    opt = LARS([torch.nn.Parameter(torch.ones(2))], lr=2.0)
+    rebuilt = type(opt)(opt.param_groups)
+    assert rebuilt.param_groups[0]["lr"] == 2.0
+
+
+def test_without_skip_list_every_tensor_is_adapted_and_decayed():
+    """Intel Caffe / NVCaffe: the local rate and decay apply to every learnable blob,
+    biases included (borisgin/nvcaffe's AlexNet-BN has no BN parameters)."""
+    model = create_model("alexnet_bn_small", num_classes=10, width=4)
+    groups = param_groups(model, 5e-4, skip_list=False)
+    assert len(groups) == 1 and groups[0]["lars"] and groups[0]["weight_decay"] == 5e-4
+    assert len(groups[0]["params"]) == len(list(model.parameters()))
+    opt = create_optimizer({"name": "lars", "weight_decay": 5e-4, "skip_list": False,
+                            "trust_ratio_wd": False}, model, lr=1.0)
+    assert [g["lars"] for g in opt.param_groups] == [True]
+    assert opt.param_groups[0]["trust_ratio_wd"] is False
+
+
+def test_sgd_without_bn_weight_decay_leaves_gamma_and_beta_undecayed():
+    """Goyal et al. §5.1: no weight decay on BN's γ and β; conv/fc weights and the fc bias
+    keep it."""
+    model = create_model("resnet_small", num_classes=10, width=4)
+    opt = create_optimizer({"name": "sgd", "weight_decay": 1e-4, "bn_weight_decay": False},
+                           model, lr=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = {names[id(p)]: g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert decay["bn1.weight"] == decay["layer1.0.bn2.bias"] == 0.0
+    assert decay["conv1.weight"] == decay["fc.bias"] == 1e-4
+    assert len(decay) == len(list(model.parameters()))
+    # One step against the float64 formula: a BN γ with zero grad stays where it is.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    before = model.bn1.weight.detach().clone()
+    conv_before = model.conv1.weight.detach().clone().double()
+    opt.step()
+    assert torch.equal(model.bn1.weight.detach(), before)
+    torch.testing.assert_close(model.conv1.weight.detach().double(),
+                               conv_before - 0.1 * 1e-4 * conv_before, rtol=1e-6, atol=1e-9)

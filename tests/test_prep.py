@@ -7,12 +7,12 @@ import os
 import h5py
 import numpy as np
 import pytest
+
+from hpcdl.cli.main import main as hpcdl_main
 from hpcdl.data_prep.shard import InjectedFailure, shard_tree
 from hpcdl.data_prep.stage import stage_node
 from hpcdl.data_prep.synthetic import make_imagenet_tree
 from hpcdl.data_prep.verify import verify_shards
-
-from hpcdl.cli.main import main as hpcdl_main
 
 
 def read_shards(out: str, split: str) -> dict[str, tuple[int, tuple]]:

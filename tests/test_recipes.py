@@ -13,8 +13,19 @@ RECIPE_DIR = os.path.join(os.path.dirname(__file__), "..", "recipes")
 IMAGENET_TRAIN_IMAGES = 1_281_167
 PAPER_RECIPES = {
     "alexnet_bn_lars_8k": 8192, "alexnet_bn_lars_16k": 16384, "alexnet_bn_lars_32k": 32768,
+    "alexnet_bvlc_sgd_256": 256,
     "resnet50_lars_8k": 8192, "resnet50_lars_16k": 16384, "resnet50_lars_32k": 32768,
-    "resnet50_goyal_sgd_8k": 8192,
+    "resnet50_v2_lars_32k": 32768,
+    "resnet50_goyal_sgd_8k": 8192, "resnet50_goyal_sgd_16k": 16384,
+    "resnet50_goyal_sgd_32k": 32768,
+}
+MODERN_RECIPES = ["alexnet_bn_lars_8k_mlperf", "alexnet_bn_lars_16k_mlperf",
+                  "alexnet_bn_lars_32k_mlperf"]
+# borisgin/nvcaffe models/alexnet_bn/solver_*.prototxt, value by value (file:line in the recipe).
+NVCAFFE_SOLVERS = {
+    "alexnet_bn_lars_8k": dict(base_lr=10.0, warmup_steps=600, iter_size=1),
+    "alexnet_bn_lars_16k": dict(base_lr=24.0, warmup_steps=400, iter_size=2),
+    "alexnet_bn_lars_32k": dict(base_lr=32.0, warmup_steps=400, iter_size=4),
 }
 ALL = sorted(glob.glob(os.path.join(RECIPE_DIR, "*.yaml")))
 
@@ -25,7 +36,7 @@ def recipe_path(name):
 
 def test_every_published_run_has_a_recipe():
     present = {os.path.basename(p)[:-5] for p in ALL}
-    assert set(PAPER_RECIPES) <= present
+    assert set(PAPER_RECIPES) | set(MODERN_RECIPES) <= present
 
 
 @pytest.mark.parametrize("path", ALL, ids=os.path.basename)
@@ -40,23 +51,82 @@ def test_recipe_loads_and_builds(path):
                                int(cfg.epochs * steps_per_epoch))
     optimizer = create_optimizer(cfg.optimizer, model, lr=schedule(0))
     assert all(g["lr"] == schedule(0) for g in optimizer.param_groups)
-    assert schedule(schedule.warmup_steps) == pytest.approx(cfg.schedule["base_lr"])
+    peak = cfg.schedule["base_lr"]
+    if cfg.schedule.get("decay_over") == "all_steps":   # Caffe: poly from step 0 over all steps
+        peak *= (1 - schedule.warmup_steps / schedule.total_steps) ** cfg.schedule["power"]
+    assert schedule(schedule.warmup_steps) == pytest.approx(peak)
 
 
 @pytest.mark.parametrize("name, global_batch", sorted(PAPER_RECIPES.items()))
 def test_paper_recipe_batch_layout(name, global_batch):
     cfg = load_recipe(recipe_path(name))
     assert cfg.batch.global_ == global_batch
-    ranks = 256 if "goyal" in name else 2048       # Goyal: 256 GPUs; You et al.: 2,048 ranks
-    assert resolve_batch(cfg.batch, ranks) == (global_batch // ranks, 1)
+    # Goyal: 32 images per GPU; BVLC: one GPU; You et al.: 2,048 ranks.
+    ranks = global_batch // 32 if "goyal" in name else 1 if "bvlc" in name else 2048
+    per_rank, accumulation = resolve_batch(cfg.batch, ranks)
+    assert per_rank * ranks * accumulation == global_batch
+    assert accumulation == cfg.batch.accumulation
 
 
-@pytest.mark.parametrize("name", [n for n in PAPER_RECIPES if "lars" in n])
+@pytest.mark.parametrize("name", sorted(PAPER_RECIPES))
+def test_every_published_recipe_records_the_top1_its_source_reports(name):
+    cfg = load_recipe(recipe_path(name))
+    assert 0.5 < cfg.expected["top1"] < 0.8
+    assert cfg.expected["source"].strip()
+    assert isinstance(cfg.expected["checked"], bool)
+
+
+@pytest.mark.parametrize("name", sorted(NVCAFFE_SOLVERS))
+def test_alexnet_bn_recipes_match_the_nvcaffe_solver_and_net(name):
+    solver = NVCAFFE_SOLVERS[name]
+    cfg = load_recipe(recipe_path(name))
+    assert cfg.model["name"] == "alexnet_bn_nvcaffe"
+    assert cfg.schedule == {"name": "poly", "power": 2.0, "base_lr": solver["base_lr"],
+                            "warmup_start_lr": 1.0, "warmup_steps": solver["warmup_steps"],
+                            "warmup_power": 2.0, "decay_over": "all_steps", "end_lr": 0.0}
+    assert cfg.batch.accumulation == solver["iter_size"] and cfg.epochs == 100
+    o = cfg.optimizer
+    assert (o["trust_coefficient"], o["momentum"], o["weight_decay"]) == (0.001, 0.9, 5e-4)
+    assert o["skip_list"] is False and o["trust_ratio_wd"] is True
+    d = cfg.data
+    assert (d.image_size, d.val_resize, d.crop, d.normalize, d.input_scale) == (
+        227, 256, "caffe_square", "caffe_mean", 0.00390625)
+
+
+def test_a_recipe_file_names_the_line_of_every_solver_value():
+    """Line-by-line: each schedule/optimizer value of a published AlexNet-BN recipe carries
+    its solver line as a comment."""
+    with open(recipe_path("alexnet_bn_lars_32k"), encoding="utf-8") as f:
+        lines = {line.split(":")[0].strip(): line for line in f if "#" in line}
+    for key, cite in [("base_lr", "S:14"), ("warmup_steps", "S:22"), ("warmup_start_lr", "S:21"),
+                      ("trust_coefficient", "S:19"), ("weight_decay", "S:28"),
+                      ("momentum", "S:27"), ("accumulation", "S:10"), ("power", "S:25")]:
+        assert cite in lines[key], key
+
+
+@pytest.mark.parametrize("name", ["resnet50_goyal_sgd_8k", "resnet50_goyal_sgd_16k",
+                                  "resnet50_goyal_sgd_32k"])
+def test_goyal_recipes_keep_bn_out_of_weight_decay(name):
+    cfg = load_recipe(recipe_path(name))
+    assert cfg.optimizer["bn_weight_decay"] is False
+    assert cfg.schedule["base_lr"] == pytest.approx(scaled_lr(0.1, cfg.batch.global_))
+    assert cfg.batch.per_rank == 32
+
+
+def test_expected_section_is_validated(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text(open(recipe_path("alexnet_bvlc_sgd_256"), encoding="utf-8").read()
+                   .replace("top1: 0.571", "top1: 57.1"))
+    with pytest.raises(ValueError, match="expected.top1"):
+        load_recipe(str(bad))
+
+
+@pytest.mark.parametrize("name", [n for n in PAPER_RECIPES if "lars" in n] + MODERN_RECIPES)
 def test_lars_recipes_use_eta_0001_and_poly_power_2(name):
     cfg = load_recipe(recipe_path(name))
     assert cfg.optimizer["name"] == "lars" and cfg.optimizer["trust_coefficient"] == 0.001
     assert cfg.schedule["name"] == "poly" and cfg.schedule["power"] == 2.0
-    assert cfg.schedule["warmup_epochs"] > 0
+    assert (cfg.schedule.get("warmup_epochs") or cfg.schedule.get("warmup_steps")) > 0
     with torch.device("meta"):
         model = create_model(cfg.model["name"])
     assert isinstance(create_optimizer(cfg.optimizer, model), LARS)

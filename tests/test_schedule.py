@@ -91,7 +91,48 @@ def test_momentum_correction_is_rate_ratio():
     ({"name": "poly", "base_lr": 1.0, "warmup_epochs": 50}, "warm-up"),
     ({"name": "poly", "base_lr": 1.0, "power": 0.0}, "power"),
     ({"name": "step", "base_lr": 1.0, "milestones": [60, 30]}, "milestones"),
+    ({"name": "poly", "base_lr": 1.0, "decay_over": "warmup"}, "decay_over"),
+    ({"name": "poly", "base_lr": 1.0, "warmup_power": 0}, "warmup_power"),
 ])
 def test_bad_schedule_config_is_named(cfg, word):
     with pytest.raises(ValueError, match=word):
         create_schedule(cfg, steps_per_epoch=10, total_steps=100)
+
+
+def caffe_poly_lr(it, *, base_lr, max_iter, power, warmup_iter, warmup_start_lr, warmup_power):
+    """Intel Caffe / NVCaffe ``SGDSolver::GetLearningRate`` in float64: the warm-up branch
+    while it < warmup_iter, else lr_policy "poly" over all of max_iter from iteration 0.
+    warmup_power 1: Intel's GetWarmUpLR; 2: NVCaffe's rampup (alpha * alpha)."""
+    if it < warmup_iter:
+        alpha = it / warmup_iter
+        return warmup_start_lr + (base_lr - warmup_start_lr) * alpha ** warmup_power
+    return base_lr * (1.0 - min(it, max_iter) / max_iter) ** power
+
+
+@pytest.mark.parametrize("warmup_power", [1.0, 2.0])
+def test_caffe_poly_from_step_zero_matches_the_solver(warmup_power):
+    """NVCaffe solver_32k.prototxt: base_lr 32, rampup_lr 1 over 400 of max_iter 4000, power 2."""
+    cfg = {"name": "poly", "base_lr": 32.0, "warmup_steps": 400, "warmup_start_lr": 1.0,
+           "power": 2.0, "decay_over": "all_steps", "warmup_power": warmup_power}
+    s = create_schedule(cfg, steps_per_epoch=40, total_steps=4000)
+    for it in (0, 1, 199, 399, 400, 401, 2000, 3999, 4000, 4500):
+        assert s(it) == pytest.approx(caffe_poly_lr(
+            it, base_lr=32.0, max_iter=4000, power=2.0, warmup_iter=400, warmup_start_lr=1.0,
+            warmup_power=warmup_power), rel=1e-12, abs=1e-12)
+    # The Caffe form drops at the end of warm-up: 32·(1 − 400/4000)² = 25.92.
+    assert s(400) == pytest.approx(25.92)
+
+
+def test_default_poly_still_decays_after_warmup_only():
+    s = create_schedule({**POLY, "end_lr": 0.0}, steps_per_epoch=10, total_steps=900)
+    assert s(50) == pytest.approx(29.0)
+    assert s(475) == pytest.approx(29.0 * (1 - 425 / 850) ** 2)
+
+
+def test_step_schedule_is_the_same_either_way_it_counts():
+    """Goyal's milestones count from step 0 already; decay_over changes nothing for them."""
+    step = {"name": "step", "base_lr": 3.2, "warmup_epochs": 5, "warmup_start_lr": 0.1,
+            "milestones": [30, 60, 80]}
+    a = create_schedule(step, 10, 900)
+    b = create_schedule({**step, "decay_over": "all_steps"}, 10, 900)
+    assert [a(i) for i in range(0, 900, 7)] == [b(i) for i in range(0, 900, 7)]

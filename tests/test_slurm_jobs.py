@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from hpcdl.slurm.render import JobSpec, render_job
 
 HERE = Path(__file__).resolve().parent

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hpcdl.slurm.render import (
     CHECKPOINT_EXIT,
     OPENMPI_LAUNCHER,

@@ -46,3 +46,22 @@ def test_torn_last_line_is_skipped_and_resume_truncates_later_steps(tmp_path):
     assert len(read_metrics(str(path))) == 7
     assert truncate_metrics(str(path), after_step=4) == 3
     assert [json.loads(line)["step"] for line in open(path)] == [1, 2, 3, 4]
+
+
+def test_summary_shows_measured_top1_against_the_recipes_expected(tmp_path):
+    from hpcdl.train.config import load_recipe, write_resolved_config
+    from hpcdl.train.report import summarize_run
+
+    fake_run(tmp_path)
+    config = load_recipe("alexnet_bvlc_sgd_256")
+    write_resolved_config(config, str(tmp_path))
+    text = summarize_run(str(tmp_path))
+    assert "expected  top-1 0.5710" in text and "measured 0.8000: +22.90 points" in text
+
+
+def test_summary_without_expected_says_nothing_about_it(tmp_path):
+    from hpcdl.train.report import summarize_run
+
+    fake_run(tmp_path)
+    (tmp_path / "config.yaml").write_text("name: t\n")
+    assert "expected  top-1" not in summarize_run(str(tmp_path))

@@ -11,11 +11,27 @@ way the gradient reducer uses a backend -- so ``shm`` reduces window memory with
 ``shm-copyin`` times the same backend on an ordinary tensor (copy into the window and back).
 ``default`` is whatever ``backend="auto"`` picks, and ``memcpy`` is one core's copy bandwidth
 on this machine (the ceiling a memory-bound reduction is judged against).
+
+The site MPIs as baselines (``--site-mpi NAME=PREFIX``, run *without* mpiexec: the command
+becomes a driver). It launches this bench under the current environment's ``mpiexec`` for
+hpcdl's backends, then under each site MPI's own ``PREFIX/bin/mpiexec`` and
+``PREFIX/bin/python`` (a venv with hpcdl and that MPI, e.g. from ``tests/mpi_env.sh``) for
+``MPI_Allreduce`` alone, once per algorithm the MPI's own documentation offers for one node
+(Intel MPI's ``I_MPI_ADJUST_ALLREDUCE``, Open MPI's ``coll_tuned_allreduce_algorithm``,
+MPICH's ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM``), and merges one JSON: every tuning is a row,
+and ``default_vs_NAME_busbw_100MB`` compares hpcdl's default with that MPI's *best* tuning.
+The baselines vary by ~30% between separate runs, so only one invocation compares them.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -51,7 +67,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated bytes of fp32 data (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs (median; >= 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first")
+    parser.add_argument("--site-mpi", action="append", default=[], metavar="NAME=PREFIX",
+                        help="driver mode: also time MPI_Allreduce under the MPI installed in "
+                             "PREFIX (bin/mpiexec, bin/python with hpcdl), every documented "
+                             f"algorithm; NAME is one of {', '.join(SITE_TUNINGS)} (repeatable)")
+    parser.add_argument("--np", type=int, default=2,
+                        help="driver mode: ranks of every launch (default: %(default)s)")
+    parser.add_argument("--only-listed", action="store_true",
+                        help="time only --backends (no default, shm-copyin, memcpy rows); "
+                             "what the driver asks of a site MPI")
     parser.add_argument("--json", metavar="FILE", help="write the JSON report here")
+
+
+# Each MPI's own one-node allreduce choices, from its documentation: Intel MPI Developer
+# Reference "I_MPI_ADJUST Family Environment Variables" (1-12 on 2021.x), Open MPI's
+# coll/tuned component (0 = its own decision; 1-6 fixed algorithms, dynamic rules on), MPICH's
+# CVAR list (MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM). A baseline gets its best, not its default.
+SITE_TUNINGS: dict[str, list[dict[str, str]]] = {
+    "impi": [{}] + [{"I_MPI_ADJUST_ALLREDUCE": str(k)} for k in range(1, 13)],
+    "ompi": [{}] + [{"OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+                     "OMPI_MCA_coll_tuned_allreduce_algorithm": str(k)} for k in range(1, 7)],
+    "mpich": [{}] + [{"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": name}
+                     for name in ("recursive_doubling", "reduce_scatter_allgather", "ring",
+                                  "k_reduce_scatter_allgather", "recexch")],
+}
+# What each needs to start on one node as a user here would start it.
+SITE_ENV = {"impi": {"I_MPI_FABRICS": "shm"},
+            "ompi": {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
+            "mpich": {}}
+SITE_ARGS = {"impi": [], "ompi": ["--oversubscribe"], "mpich": []}
 
 
 def bandwidth_record(backend: str, algorithm: str, nbytes: int, ranks: int,
@@ -136,27 +180,115 @@ def bandwidth_ratios(records: list[dict], sizes: list[int]) -> dict[str, Any]:
     return ratios
 
 
+def parse_site_mpi(items: list[str]) -> list[tuple[str, str]]:
+    """``["impi=/opt/venvs/impi"]`` -> ``[("impi", "/opt/venvs/impi")]``, checked."""
+    sites = []
+    for item in items:
+        name, sep, prefix = item.partition("=")
+        name = {"openmpi": "ompi", "intel": "impi"}.get(name.strip().lower(), name.strip().lower())
+        if not sep or name not in SITE_TUNINGS:
+            raise SystemExit(f"hpcdl bench allreduce: --site-mpi {item!r}: write NAME=PREFIX with"
+                             f" NAME one of {', '.join(SITE_TUNINGS)}")
+        for tool in ("mpiexec", "python"):
+            if not os.access(os.path.join(prefix, "bin", tool), os.X_OK):
+                raise SystemExit(f"hpcdl bench allreduce: --site-mpi {item!r}: no "
+                                 f"{os.path.join(prefix, 'bin', tool)}; PREFIX is a venv with "
+                                 "hpcdl and that MPI (tests/mpi_env.sh builds one)")
+        sites.append((name, prefix))
+    return sites
+
+
+def launch_bench(mpiexec: list[str], python: str, np: int, bench_args: list[str],
+                 env: dict[str, str], json_path: str) -> dict:
+    """One ``mpiexec -n np python -m hpcdl.cli.main bench allreduce ...``; its JSON report."""
+    command = [*mpiexec, "-n", str(np), python, "-m", "hpcdl.cli.main", "bench", "allreduce",
+               *bench_args, "--json", json_path]
+    proc = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"hpcdl bench allreduce: `{' '.join(command)}` failed (exit "
+                         f"{proc.returncode}):\n{proc.stderr[-2000:]}")
+    with open(json_path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def site_ratios(records: list[dict], names: list[str], sizes: list[int]) -> dict[str, Any]:
+    """``default_vs_NAME_busbw_100MB`` against each site MPI's best tuning at the largest size."""
+    large = max(sizes)
+    ours = {r["bytes"]: r["busbw_GBps"] for r in records if r["backend"] == "default"}
+    ratios: dict[str, Any] = {}
+    for name in names:
+        rows = [r for r in records if r["backend"] == name and r["bytes"] == large]
+        best = max(rows, key=lambda r: r["busbw_GBps"], default=None)
+        if best and best["busbw_GBps"] > 0 and ours.get(large):
+            ratios[f"default_vs_{name}_busbw_{size_label(large)}"] = \
+                ours[large] / best["busbw_GBps"]
+            ratios[f"{name}_best_tuning"] = best["tuning"]
+    return ratios
+
+
+def run_driver(args: argparse.Namespace, sizes: list[int]) -> int:
+    """Launch hpcdl's backends and every site MPI's tunings, then merge one report."""
+    from hpcdl.bench.report import bench_report, emit
+
+    sites = parse_site_mpi(args.site_mpi)
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        raise SystemExit("hpcdl bench allreduce: no mpiexec on PATH for hpcdl's own run")
+    common = ["--sizes", args.sizes, "--repeats", str(args.repeats), "--warmup",
+              str(args.warmup)]
+    with tempfile.TemporaryDirectory(prefix="hpcdl-allreduce-driver-") as work:
+        ours = launch_bench([mpiexec], sys.executable, args.np,
+                            ["--backends", args.backends, *common], {},
+                            os.path.join(work, "hpcdl.json"))
+        records = [dict(r, mpi=ours["machine"]["mpi"]) for r in ours["results"]]
+        for name, prefix in sites:
+            for i, tuning in enumerate(SITE_TUNINGS[name]):
+                print(f"measuring {name} {tuning or '(its default)'}", flush=True)
+                report = launch_bench(
+                    [os.path.join(prefix, "bin", "mpiexec"), *SITE_ARGS[name]],
+                    os.path.join(prefix, "bin", "python"), args.np,
+                    ["--backends", "mpi", "--only-listed", *common],
+                    {**SITE_ENV[name], **tuning}, os.path.join(work, f"{name}-{i}.json"))
+                label = " ".join(f"{k}={v}" for k, v in tuning.items()) or "default"
+                records += [dict(r, backend=name, tuning=label, mpi=report["machine"]["mpi"])
+                            for r in report["results"]]
+    ratios = {**bandwidth_ratios(records, sizes),
+              **site_ratios(records, [name for name, _ in sites], sizes)}
+    report = bench_report("allreduce", records, ratios, ranks=args.np)
+    emit(report, (*COLUMNS, "tuning"), args.json)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    if args.site_mpi:
+        if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ \
+                or "PMI_RANK" in os.environ:
+            raise SystemExit("hpcdl bench allreduce --site-mpi is a driver that launches "
+                             "mpiexec itself: run it without mpiexec, with --np P")
+        return run_driver(args, sizes)
     from mpi4py import MPI
 
     from hpcdl.bench.report import bench_report, emit
 
     world = MPI.COMM_WORLD
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     if args.repeats < 5:
         raise SystemExit(f"hpcdl bench allreduce: --repeats {args.repeats} < 5 (median of >= 5)")
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
-    names += [extra for extra in ("default", "shm-copyin") if extra not in names]
+    if not args.only_listed:
+        names += [extra for extra in ("default", "shm-copyin") if extra not in names]
     records = []
     for name in names:
         records += measure_backend(name, sizes, args.repeats, args.warmup)
         if world.rank == 0:
             print(f"measured {name}", flush=True)
-    if world.rank == 0:
+    if world.rank == 0 and not args.only_listed:
         seconds = time_memcpy(max(sizes), args.repeats)
         records.append(bandwidth_record("memcpy", "torch copy_, 1 core", max(sizes), 1, seconds))
         # memcpy has no peers: its busbw is the copy bandwidth itself, the comparison point
         records[-1]["busbw_GBps"] = records[-1]["algbw_GBps"]
+    if world.rank == 0:
         report = bench_report("allreduce", records, bandwidth_ratios(records, sizes),
                               ranks=world.size)
         emit(report, COLUMNS, args.json)

@@ -22,6 +22,8 @@ accumulates 12 of them per step, as the paper's 32K batch is many workers at a s
 (never the test set): the split the LARS and warm-up settings were chosen on.
 
     mpiexec -n 2 hpcdl bench convergence --json convergence.json
+
+``--study`` runs the accuracy-vs-batch sweep instead (hpcdl/bench/batch_study.py).
 """
 from __future__ import annotations
 
@@ -90,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop every run after this global step (quick checks)")
     parser.add_argument("--backend", default="auto", help="comm backend")
     parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+    from hpcdl.bench.batch_study import add_study_arguments
+
+    add_study_arguments(parser)
 
 
 # -- the experiment's recipes -----------------------------------------------------------------
@@ -267,6 +272,10 @@ def parse_runs(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.study:
+        from hpcdl.bench.batch_study import run_study
+
+        return run_study(args)
     runs = parse_runs(args.runs)
     if args.epochs <= 0 or args.small_batch < 1 or args.large_batch < 1:
         raise SystemExit("hpcdl bench convergence: --epochs, --small-batch and --large-batch "

@@ -5,6 +5,14 @@ one thread, loader ``workers=0``). Both sides end in the same normalised float32
 the loader's uint8 batch goes through ``hpcdl.data.normalize`` as in the trainer. Images per
 core is images per CPU second of the process.
 
+Fair baselines (issue 16): sites that care pre-resize ImageNet too, so the same run also times
+ImageFolder over the *same pre-resized JPEGs* the shards hold (exported byte for byte to a
+tree) and WebDataset (tar shards of those JPEGs, its own ``decode("pil")`` pipeline, then the
+same transform), each ending in the same normalised float32 batch, one core. simplejpeg's own
+decode rate of the stored JPEGs is the floor of any JPEG loader on the same bytes: the report
+gives the HDF5 loader's fraction of it. Goals: ``hdf5_vs_imagefolder_resized`` and
+``hdf5_vs_webdataset`` >= 1.5.
+
 Also measures sharding throughput at 1 and 2 ranks (``--shard-ranks``) by timing
 ``mpiexec -n P hpcdl prep shard`` on the same tree. ``--generate N`` writes a tree of N
 ImageNet-like 500x375 JPEGs first. Goals: ``hdf5_vs_imagefolder`` >= 3,
@@ -40,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-shards", type=int, default=8, help="train shards when sharding")
     parser.add_argument("--shard-ranks", default="1,2",
                         help="rank counts to time `prep shard` at ('' to skip)")
+    parser.add_argument("--no-resized-baselines", action="store_true",
+                        help="skip ImageFolder and WebDataset over the shards' pre-resized JPEGs")
     parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
 
 
@@ -68,8 +78,9 @@ def torchvision_rrc(width: int, height: int, rng: random.Random,
     return left, top, left + side, top + side
 
 
-def time_imagefolder(files, images: int, batch: int, size: int) -> tuple[float, float]:
-    """(images per wall second, images per CPU second) of the ImageFolder pipeline."""
+def pil_train_transform(size: int, rng: random.Random):
+    """torchvision's ImageNet train transform on a PIL image (RandomResizedCrop, flip, ToTensor,
+    Normalize per image, as pytorch/examples' ImageNet script does), without torchvision."""
     import numpy as np
     import torch
     from PIL import Image
@@ -78,24 +89,104 @@ def time_imagefolder(files, images: int, batch: int, size: int) -> tuple[float, 
 
     mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
     std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    rng = random.Random(0)
+
+    def transform(img):
+        img = img.convert("RGB")
+        img = img.crop(torchvision_rrc(*img.size, rng)).resize((size, size),
+                                                               Image.Resampling.BILINEAR)
+        if rng.random() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        chw = torch.from_numpy(np.array(img)).permute(2, 0, 1).to(torch.float32) / 255.0
+        return (chw - mean) / std
+
+    return transform
+
+
+def time_imagefolder(files, images: int, batch: int, size: int) -> tuple[float, float]:
+    """(images per wall second, images per CPU second) of the ImageFolder pipeline."""
+    import torch
+    from PIL import Image
+
+    transform = pil_train_transform(size, random.Random(0))
     done, start, cpu = 0, time.perf_counter(), time.process_time()
     while done < images:
         tensors, labels = [], []
         for path, label in files[done % len(files):][:batch]:
             with open(path, "rb") as f:
-                img = Image.open(f).convert("RGB")
-            img = img.crop(torchvision_rrc(*img.size, rng)).resize((size, size),
-                                                                   Image.Resampling.BILINEAR)
-            if rng.random() < 0.5:
-                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            # ToTensor + Normalize per image, as pytorch/examples' ImageNet script does.
-            chw = torch.from_numpy(np.array(img)).permute(2, 0, 1).to(torch.float32) / 255.0
-            tensors.append((chw - mean) / std)
+                tensors.append(transform(Image.open(f)))
             labels.append(label)
         torch.stack(tensors), torch.tensor(labels)
         done += len(tensors)
     return done / (time.perf_counter() - start), done / (time.process_time() - cpu)
+
+
+def stored_train_jpegs(shard_dir: str):
+    """Yield (key, class name, label, JPEG bytes) of every stored train image, shard by shard."""
+    import h5py
+
+    from hpcdl.data.format import read_manifest, split_shards
+
+    manifest = read_manifest(shard_dir)
+    if manifest.get("image_format") != "jpeg":
+        raise SystemExit(f"hpcdl bench loader: {shard_dir} stores {manifest.get('image_format')}"
+                         " images; the fair baselines need JPEG shards (prep shard's default)")
+    classes = manifest["classes"]
+    for entry in split_shards(manifest, "train"):
+        with h5py.File(os.path.join(shard_dir, entry["name"]), "r") as f:
+            for key, label, data in zip(f["keys"].asstr()[:], f["labels"][:], f["images"],
+                                        strict=True):
+                yield key, classes[int(label)], int(label), data.tobytes()
+
+
+def export_resized_baselines(shard_dir: str, out: str) -> tuple[str, list[str]]:
+    """Write the shards' pre-resized JPEGs, byte for byte, as an ImageFolder tree
+    (``out/tree/train/<class>/``) and as WebDataset tar shards (``out/wds/``, one per HDF5
+    shard-sized group of 1,000), so all three loaders read the same bytes."""
+    import webdataset as wds
+
+    tree, tars = os.path.join(out, "tree"), os.path.join(out, "wds")
+    os.makedirs(tars, exist_ok=True)
+    with wds.ShardWriter(os.path.join(tars, "train-%05d.tar"), maxcount=1000,
+                         verbose=0) as sink:
+        for key, class_name, label, jpeg in stored_train_jpegs(shard_dir):
+            folder = os.path.join(tree, "train", class_name)
+            os.makedirs(folder, exist_ok=True)
+            name = os.path.basename(key).rsplit(".", 1)[0]
+            with open(os.path.join(folder, f"{name}.jpg"), "wb") as f:
+                f.write(jpeg)
+            sink.write({"__key__": f"{class_name}/{name}", "jpg": jpeg, "cls": label})
+    return tree, sorted(os.path.join(tars, t) for t in os.listdir(tars))
+
+
+def time_webdataset(urls: list[str], images: int, batch: int, size: int) -> tuple[float, float]:
+    """(images per wall second, per CPU second) of WebDataset's own pipeline: tar shards read
+    sequentially, ``decode("pil")``, the same train transform, ``batched`` collation."""
+    import webdataset as wds
+
+    transform = pil_train_transform(size, random.Random(0))
+    pipeline = (wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+                .decode("pil").to_tuple("jpg", "cls").map_tuple(transform, int)
+                .batched(batch, partial=True))
+    done, start, cpu = 0, time.perf_counter(), time.process_time()
+    while done < images:
+        for x, _ in pipeline:
+            done += len(x)
+            if done >= images:
+                break
+    return done / (time.perf_counter() - start), done / (time.process_time() - cpu)
+
+
+def time_simplejpeg_decode(shard_dir: str, images: int) -> float:
+    """simplejpeg's decode of the stored JPEGs alone, images per CPU second: the floor."""
+    import simplejpeg
+
+    stored = [jpeg for _, _, _, jpeg in stored_train_jpegs(shard_dir)]
+    done, cpu = 0, time.process_time()
+    while done < images:
+        for jpeg in stored[:images - done]:
+            simplejpeg.decode_jpeg(jpeg, colorspace="RGB")
+            done += 1
+    return done / (time.process_time() - cpu)
 
 
 def time_sharded(shard_dir: str, images: int, batch: int, size: int,
@@ -137,6 +228,28 @@ def time_prep_shard(src: str, ranks: int, num_shards: int) -> float:
         return time.perf_counter() - start
 
 
+def resized_baselines(args: argparse.Namespace) -> list[dict]:
+    """ImageFolder and WebDataset over the shards' own pre-resized JPEGs, and the decode floor."""
+    try:
+        import webdataset  # noqa: F401
+    except ImportError:
+        raise SystemExit("hpcdl bench loader: the WebDataset baseline needs `pip install "
+                         "'hpcdl[bench]'` (or pass --no-resized-baselines)") from None
+    results = []
+    with tempfile.TemporaryDirectory(prefix="hpcdl-loader-baselines-") as work:
+        tree, tars = export_resized_baselines(args.shards, work)
+        wall, per_core = time_imagefolder(imagefolder_files(tree), args.images, args.batch,
+                                          args.image_size)
+        results.append({"name": "imagefolder_pillow_resized", "workers": 0,
+                        "images_per_s": wall, "images_per_s_per_core": per_core})
+        wall, per_core = time_webdataset(tars, args.images, args.batch, args.image_size)
+        results.append({"name": "webdataset_pil_resized", "workers": 0, "images_per_s": wall,
+                        "images_per_s_per_core": per_core})
+    results.append({"name": "simplejpeg_decode_only", "workers": 0,
+                    "images_per_s_per_core": time_simplejpeg_decode(args.shards, args.images)})
+    return results
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -165,6 +278,13 @@ def run(args: argparse.Namespace) -> int:
                     "images_per_s_per_core": per_core})
     ratios = {"hdf5_vs_imagefolder": results[1]["images_per_s_per_core"]
               / results[0]["images_per_s_per_core"]}
+    if not args.no_resized_baselines:
+        results += resized_baselines(args)
+        rate = {r["name"]: r.get("images_per_s_per_core") for r in results}
+        ratios["hdf5_vs_imagefolder_resized"] = (rate["hdf5_sharded"]
+                                                 / rate["imagefolder_pillow_resized"])
+        ratios["hdf5_vs_webdataset"] = rate["hdf5_sharded"] / rate["webdataset_pil_resized"]
+        ratios["hdf5_fraction_of_decode"] = rate["hdf5_sharded"] / rate["simplejpeg_decode_only"]
     if args.threads > 0:
         wall, per_core = time_sharded(args.shards, args.images, args.batch, args.image_size,
                                       args.threads)

@@ -42,6 +42,8 @@ def machine_info(ranks: int = 1) -> dict[str, Any]:
         mpi = f"unavailable ({exc})"
     return {
         "cpu": cpu_model(),
+        # AVX2 vs AVX512 (and bf16) changes every kernel's speed and rounding: always record it.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
         "ranks": ranks,
         "mpi": mpi,

@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                         help="skip profiling one compute-only step into kernel categories "
                              "(where the FLOP fraction goes; on by default)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="every mode in bf16 autocast (torch.autocast('cpu')), the FLOP "
+                             "reference a bf16 matmul; skipped, with a line saying why, on a "
+                             "CPU without native bf16 (AVX512-BF16 or AMX)")
     parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
 
 
@@ -145,7 +149,7 @@ def bench_config(args: argparse.Namespace, ranks: int):
                       "trust_coefficient": 0.001},
         "schedule": {"name": "poly", "base_lr": 0.1, "warmup_epochs": 0, "power": 2.0},
         "train": {"channels_last": args.memory_format == "channels_last",
-                  "log_every_steps": 10 ** 9},
+                  "log_every_steps": 10 ** 9, "bf16": args.bf16},
         "comm": {"backend": args.backend, "bucket_mb": args.bucket_mb},
     }, origin="hpcdl bench train")
 
@@ -252,7 +256,9 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             inputs = normalize(images).contiguous(memory_format=memory_format)
-            criterion(held["ddp"](inputs), labels).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.train.bf16):
+                loss = criterion(held["ddp"](inputs), labels)
+            loss.backward()
             optimizer.step()
             # DDP waits for its allreduces inside backward(): not separable from compute.
             return None
@@ -367,15 +373,16 @@ def retain_freed_memory() -> bool:
         return False
 
 
-def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3) -> float:
-    """FLOP/s of an n×n fp32 matmul on this rank's threads: the reference peak a dense
-    kernel reaches here (2n³ FLOPs per product)."""
+def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3,
+                       dtype: str = "float32") -> float:
+    """FLOP/s of an n×n matmul (fp32, or bf16 for a bf16 step) on this rank's threads: the
+    reference peak a dense kernel reaches here (2n³ FLOPs per product)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=generator)
-    b = torch.randn(n, n, generator=generator)
-    out = torch.empty(n, n)
+    a = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
+    b = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
+    out = torch.empty(n, n, dtype=a.dtype)
     torch.mm(a, b, out=out)
     repeats, start = 0, time.perf_counter()
     while repeats < min_repeats or time.perf_counter() - start < seconds:
@@ -465,11 +472,35 @@ def check_args(args: argparse.Namespace) -> None:
                              f"got {getattr(args, name)}")
 
 
+def bf16_skip_reason() -> str | None:
+    """Why ``--bf16`` cannot be measured here, or None: emulated bf16 would time the emulation."""
+    import torch
+
+    from hpcdl.bench.report import cpu_model
+    from hpcdl.train.trainer import bf16_supported
+
+    if bf16_supported():
+        return None
+    return (f"hpcdl bench train --bf16: skipped: this CPU ({cpu_model()}, torch capability "
+            f"{torch.backends.cpu.get_cpu_capability()}) has no native bf16 (AVX512-BF16 or "
+            "AMX); run it on a Cooper Lake, Sapphire Rapids or Zen 4 node")
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     modes = parse_modes(args)
     import torch
     from mpi4py import MPI
+
+    if args.bf16 and (reason := bf16_skip_reason()) is not None:
+        if MPI.COMM_WORLD.rank == 0:
+            print(reason, flush=True)
+            if args.json:
+                from hpcdl.bench.report import bench_report, write_json
+
+                report = bench_report("train", [], {}, ranks=MPI.COMM_WORLD.size)
+                write_json(args.json, {**report, "skipped": reason})
+        return 0
 
     import hpcdl.comm
     from hpcdl.bench.report import bench_report, emit
@@ -516,14 +547,16 @@ def run(args: argparse.Namespace) -> int:
             per_rank = world.allgather(rank_means(samples[mode]))
             records[mode] = mode_record(mode, per_rank, args.batch, train_flops_per_image)
         world.Barrier()  # every rank multiplies at once, as every rank trained at once
-        matmul = statistics.fmean(world.allgather(matmul_flops_per_s(args.matmul_size)))
+        precision = "bfloat16" if args.bf16 else "float32"
+        matmul = statistics.fmean(world.allgather(
+            matmul_flops_per_s(args.matmul_size, dtype=precision)))
         if comm.rank == 0:
             for record in records.values():
                 record.update(model=args.model, image_size=args.image_size,
                               threads=args.threads,
                               memory_format=effective_memory_format(args.memory_format,
                                                                     args.threads),
-                              malloc=malloc,
+                              malloc=malloc, precision=precision,
                               backend=comm.backend if record["mode"] != "ddp_gloo" else "gloo",
                               input="synthetic" if args.synthetic else args.data)
             report = bench_report("train", list(records.values()),

@@ -4,6 +4,12 @@ Each sub-command is a module of this package that defines ``COMMAND`` (its name)
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only finds and dispatches them,
 so adding a command is adding one file. Modules keep heavy imports (torch, mpi4py) inside
 ``run`` so that ``hpcdl --help`` stays fast and works without MPI.
+
+Bad input (:class:`hpcdl.errors.BadInputError`) that a command lets through ends here as one
+line, ``hpcdl CMD: what is wrong and what to do``, and exit code 2: printed by rank 0 when
+every rank raised it (``agreed``), else by the rank that did, which then aborts the job (the
+others may be waiting for it in a collective). ``--log-level debug`` or ``HPCDL_DEBUG=1`` add
+the traceback.
 """
 from __future__ import annotations
 
@@ -11,11 +17,13 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import traceback
 from collections.abc import Sequence
 from types import ModuleType
 
 import hpcdl
 import hpcdl.cli
+from hpcdl.errors import EXIT_BAD_INPUT, BadInputError
 
 
 def _command_modules(package: ModuleType, skip: Sequence[str] = ()) -> list[ModuleType]:
@@ -56,13 +64,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _mpi_world():
+    """COMM_WORLD when this process has initialised MPI, else None (a command without MPI)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi.COMM_WORLD if mpi is not None and mpi.Is_initialized() else None
+
+
+def report_bad_input(command: str, error: BadInputError, debug: bool = False) -> int:
+    """Print ``hpcdl COMMAND: message`` once and return :data:`EXIT_BAD_INPUT`; when ``error``
+    may be this rank's alone, print it with the rank and abort the whole job instead."""
+    world = _mpi_world()
+    rank, size = (world.Get_rank(), world.Get_size()) if world is not None else (0, 1)
+    alone = size > 1 and not error.agreed
+    if rank == 0 or alone:
+        if debug:
+            traceback.print_exception(error, file=sys.stderr)
+        where = f"rank {rank} of {size}: " if alone and not str(error).startswith("rank ") \
+            else ""
+        print(f"hpcdl {command}: {where}{error}", file=sys.stderr, flush=True)
+    if alone:
+        sys.stdout.flush()
+        world.Abort(EXIT_BAD_INPUT)
+    return EXIT_BAD_INPUT
+
+
+def _debug(args: argparse.Namespace) -> bool:
+    from hpcdl.debug.log import debug_enabled
+
+    return debug_enabled() or str(getattr(args, "log_level", "")).lower() == "debug"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "_run"):
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except BadInputError as error:
+        return report_bad_input(args.command, error, _debug(args))
 
 
 if __name__ == "__main__":

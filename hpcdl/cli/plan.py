@@ -59,6 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--bucket-mb", type=float, help="fusion bucket size in MB (default 25)")
     run.add_argument("--wire-dtype", choices=sorted(WIRE_BYTES),
                      help="gradient dtype on the wire (default float32)")
+    run.add_argument("--local-steps", type=int, default=1, metavar="H",
+                     help="local SGD: average the model every H steps instead of the gradients "
+                          "every step (default 1: synchronous)")
+    run.add_argument("--hierarchical-local", action="store_true",
+                     help="with --local-steps: average gradients inside each node every step "
+                          "(hierarchical local SGD)")
+    run.add_argument("--compression-ratio", type=float, default=1.0, metavar="C",
+                     help="gradient compression: send 1/C of the bytes (PowerSGD's dense/factor "
+                          "bytes; `hpcdl bench relaxed` prints it per model)")
     run.add_argument("--no-overlap", action="store_true",
                      help="cost communication as if none of it hid behind backward")
     run.add_argument("--loader-cores", type=float,
@@ -139,7 +148,9 @@ def predict(args: argparse.Namespace) -> int:
             epochs=float(values["epochs"]), dataset_size=args.dataset_size,
             allreduce=args.allreduce, bucket_mb=float(values["bucket_mb"]),
             wire_bytes=WIRE_BYTES[values["wire_dtype"]], overlap=not args.no_overlap,
-            loader_cores_per_node=args.loader_cores, synthetic_data=args.synthetic)
+            loader_cores_per_node=args.loader_cores, synthetic_data=args.synthetic,
+            local_steps=args.local_steps, hierarchical_local=args.hierarchical_local,
+            compression_ratio=args.compression_ratio)
         result = plan(machine, work, inp)
         procs_list = args.sweep or default_sweep(inp.procs, inp.global_batch)
         rows = sweep(machine, work, inp, [p for p in procs_list if p <= inp.global_batch])

@@ -4,19 +4,29 @@
         [key=value ...]
 
 Rank and size come from MPI (mpiexec, srun, ibrun). RUN_DIR receives config.yaml,
-metrics.jsonl, summary.json, checkpoints/, logs/. Exit codes: 0 done, 2 bad recipe or options,
-3 non-finite loss (last good checkpoint kept), 75 checkpointed and stopped by SIGUSR1/SIGTERM
-(resume with --resume auto). See docs/training.md.
+metrics.jsonl, summary.json, checkpoints/, logs/. Exit codes: 0 done, 2 bad input (recipe,
+options, data, checkpoint, run directory: one line saying what and what to do; the table is in
+docs/debugging.md), 3 non-finite loss (last good checkpoint kept), 75 checkpointed and stopped
+by SIGUSR1/SIGTERM (resume with --resume auto). See docs/training.md.
+
+Every check that may come out differently on different ranks is agreed by all of them before
+the next collective (hpcdl.errors.agreed), so a bad input ends every rank with exit code 2 and
+rank 0 prints the line; an error found by one rank mid-run (a shard that fails to read) aborts
+the job with code 2.
 """
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
+
+from hpcdl.errors import EXIT_BAD_INPUT, BadInputError
 
 COMMAND = "train"
 HELP = "train a recipe with MPI data parallelism (checkpoint/resume, metrics)"
 
-EXIT_BAD_INPUT = 2
+__all__ = ["COMMAND", "EXIT_BAD_INPUT", "HELP", "add_arguments", "run"]
+
+log = logging.getLogger("hpcdl.train")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comm backend (auto, mpi, ring, shm, gloo, ccl); default: the "
                              "recipe's comm.backend")
     parser.add_argument("--resume", default="auto", metavar="auto|PATH|none",
-                        help="auto: newest valid checkpoint in RUN_DIR/checkpoints (default)")
+                        help="auto: newest valid checkpoint in RUN_DIR/checkpoints (default); "
+                             "none: start fresh")
+    parser.add_argument("--verify-shards", action="store_true",
+                        help="check the sha256 of every shard this run reads before training "
+                             "(sizes are always checked); as `hpcdl prep verify`, split over "
+                             "the ranks")
     parser.add_argument("--deterministic", action="store_true",
                         help="bit-for-bit repeatable on the same rank count")
     parser.add_argument("--ipex", action="store_true",
@@ -66,92 +81,106 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "tournaments (default 0.05)")
 
 
-def _fail(rank: int, message: str, code: int = EXIT_BAD_INPUT) -> int:
-    if rank == 0:
-        print(f"hpcdl train: {message}", file=sys.stderr)
-    return code
-
-
-def setup_logging(run_dir: str, rank: int, size: int, level: str, mpi_comm) -> None:
-    """The one place the trainer's logging and failure handling are set up (hpcdl/debug)."""
-    from hpcdl.debug import install_fail_fast, install_stack_dump, setup_rank_logging
-
-    setup_rank_logging(run_dir, rank, size, level)
-    install_stack_dump()
-    if size > 1:
-        install_fail_fast(mpi_comm)  # an uncaught error on one rank ends the job, not hangs it
-
-
-def run(args: argparse.Namespace) -> int:
-    import logging
-
-    from mpi4py import MPI
-
-    from hpcdl.train.checkpoint import CheckpointError
-    from hpcdl.train.config import RecipeError, load_recipe
-    from hpcdl.train.trainer import (
-        EXIT_NONFINITE_LOSS,
-        EXIT_STOPPED_BY_SIGNAL,
-        IpexUnavailableError,
-        NonFiniteLossError,
-        Trainer,
-        TrainOptions,
-        require_ipex,
-    )
-
-    world = MPI.COMM_WORLD
-    try:
-        config = load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
-        return _fail(world.rank, str(exc))
-    if args.ipex:
-        try:
-            require_ipex()
-        except IpexUnavailableError as exc:
-            return _fail(world.rank, str(exc))
+def _check_options(args: argparse.Namespace) -> None:
+    """Flag values (the same on every rank)."""
     for flag in ("max_steps", "checkpoint_every"):
         value = getattr(args, flag)
         if value is not None and value < (1 if flag == "max_steps" else 0):
-            return _fail(world.rank, f"--{flag.replace('_', '-')} {value}: must be positive")
-    if args.algorithm == "ltfb":
-        from hpcdl.train.ltfb import run_command
+            raise BadInputError(f"--{flag.replace('_', '-')} {value}: must be positive")
+    if args.algorithm != "ltfb" and args.trainers != 1:
+        raise BadInputError(f"--trainers {args.trainers} needs --algorithm ltfb")
 
-        return run_command(args, config, world)
-    if args.trainers != 1:
-        return _fail(world.rank, f"--trainers {args.trainers} needs --algorithm ltfb")
 
-    import hpcdl.comm
-    from hpcdl.debug import Timeline, watch_collectives
-    from hpcdl.train.threads import configure_threads
+def _train_options(args: argparse.Namespace):
+    from hpcdl.train.trainer import TrainOptions
+
+    return TrainOptions(deterministic=args.deterministic, no_comm=args.no_comm,
+                        max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
+                        ipex=args.ipex, progress=args.progress, evaluate=not args.no_eval,
+                        verify_shards=args.verify_shards)
+
+
+def _recipe_value_error(recipe: str, exc: Exception) -> BadInputError:
+    """A factory rejecting a recipe value (unknown model, optimizer, schedule; a batch the
+    rank count cannot give), named with the recipe: the same on every rank, since every rank
+    reads the same recipe. Other bad input (data, manifest) already names its file."""
+    from hpcdl.train.config import RecipeError
+
+    if isinstance(exc, BadInputError) and not isinstance(exc, RecipeError):
+        return exc
+    return BadInputError(f"{recipe}: {exc}")
+
+
+def _train_or_abort(train, world):
+    """Run ``train()``; bad input found mid-run by some ranks only (a shard unreadable on
+    one node) aborts the job with exit code 2 at once, since the other ranks may be in a
+    collective. Errors every rank raised together (a checkpoint the disk had no room for) go
+    up to hpcdl/cli/main.py, which prints them once."""
+    from hpcdl.cli.main import report_bad_input
 
     try:
+        return train()
+    except BadInputError as exc:
+        if not exc.agreed and world.Get_size() > 1:
+            report_bad_input(COMMAND, exc)  # MPI_Abort: does not return
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from hpcdl.errors import agreed
+    from hpcdl.train.config import load_recipe
+    from hpcdl.train.launch import check_output_dir
+    from hpcdl.train.trainer import require_ipex
+
+    world = MPI.COMM_WORLD
+    with agreed(world):  # every rank reads the same recipe and flags; --out may differ by node
+        config = load_recipe(args.recipe, args.overrides)
+        _check_options(args)
+        if args.ipex:
+            require_ipex()
+        check_output_dir(args.out)
+    if args.algorithm == "ltfb":
+        return run_ltfb(args, config, world)
+    return run_data_parallel(args, config, world)
+
+
+def run_data_parallel(args: argparse.Namespace, config, world) -> int:
+    """``hpcdl train`` with one data-parallel trainer over every rank."""
+    import hpcdl.comm
+    from hpcdl.debug import Timeline, watch_collectives
+    from hpcdl.errors import agreed
+    from hpcdl.train.launch import setup_run_process
+    from hpcdl.train.threads import configure_threads
+    from hpcdl.train.trainer import (
+        EXIT_NONFINITE_LOSS,
+        EXIT_STOPPED_BY_SIGNAL,
+        NonFiniteLossError,
+        Trainer,
+    )
+
+    with agreed(world):
         comm = hpcdl.comm.init(args.backend or config.comm.backend, world,
                                bucket_bytes=int(config.comm.bucket_mb * 2**20),
                                wire_dtype=config.comm.wire_dtype)
-    except (ValueError, KeyError) as exc:
-        return _fail(world.rank, f"comm: {exc}")
-    setup_logging(args.out, comm.rank, comm.size, args.log_level, world)
-    log = logging.getLogger("hpcdl.train")
+    setup_run_process(args.out, comm.rank, comm.size, args.log_level, world)
     configure_threads(comm)
     timeline = Timeline(args.timeline, comm.rank, world) if args.timeline else None
     # stall reports/abort (HPCDL_STALL_WARN_S/_ABORT_S), HPCDL_DEBUG records, bucket spans
     watch_collectives(comm, args.out, timeline=timeline)
-    options = TrainOptions(deterministic=args.deterministic, no_comm=args.no_comm,
-                           max_steps=args.max_steps, checkpoint_every=args.checkpoint_every,
-                           ipex=args.ipex, progress=args.progress, evaluate=not args.no_eval)
     trainer = None
     try:
-        try:
-            trainer = Trainer(config, args.data, args.out, comm, options=options,
-                              timeline=timeline)
-        except ValueError as exc:  # RecipeError, or a factory rejecting a recipe value
-            return _fail(comm.rank, f"{args.recipe}: {exc}")
-        try:
+        with agreed(world):
+            try:
+                trainer = Trainer(config, args.data, args.out, comm,
+                                  options=_train_options(args), timeline=timeline)
+            except ValueError as exc:
+                raise _recipe_value_error(args.recipe, exc) from exc
+        with agreed(world):
             trainer.resume(args.resume)
-        except CheckpointError as exc:
-            return _fail(comm.rank, f"--resume {args.resume}: {exc}")
         try:
-            summary = trainer.train()
+            summary = _train_or_abort(trainer.train, world)
         except NonFiniteLossError as exc:
             log.error("%s", exc)
             return EXIT_NONFINITE_LOSS
@@ -166,3 +195,63 @@ def run(args: argparse.Namespace) -> int:
         if trainer is not None:
             trainer.close()
         comm.close()
+
+
+def run_ltfb(args: argparse.Namespace, config, world) -> int:
+    """``hpcdl train --algorithm ltfb``: the same set-up, per trainer (hpcdl/train/ltfb.py).
+    A non-finite loss in any trainer aborts the whole job with code 3 (its partners would
+    otherwise wait for it in the next exchange)."""
+    from types import SimpleNamespace
+
+    from hpcdl.debug import Timeline, watch_collectives
+    from hpcdl.errors import agreed
+    from hpcdl.train.launch import setup_run_process
+    from hpcdl.train.ltfb import LTFB, LTFBOptions
+    from hpcdl.train.threads import configure_threads
+    from hpcdl.train.tournament import split_world
+    from hpcdl.train.trainer import EXIT_NONFINITE_LOSS, EXIT_STOPPED_BY_SIGNAL, NonFiniteLossError
+
+    ltfb = LTFBOptions(trainers=args.trainers, interval=args.tournament_interval,
+                       metric=args.tournament_metric, exchange=args.exchange,
+                       holdout_fraction=args.tournament_holdout)
+    with agreed(world):
+        try:
+            ltfb.validate()
+            if world.size % ltfb.trainers:
+                split_world(world, ltfb.trainers)  # raises the message naming both numbers
+        except ValueError as exc:
+            raise BadInputError(str(exc)) from exc
+        if ltfb.trainers > 1 and args.resume not in ("auto", "none"):
+            raise BadInputError(f"--resume {args.resume}: with {ltfb.trainers} LTFB trainers "
+                                f"use auto or none (all trainers resume from one common step)")
+    setup_run_process(args.out, world.rank, world.size, args.log_level, world)
+    # threads per rank from the whole node, not from this rank's trainer alone
+    configure_threads(SimpleNamespace(mpi_comm=world, rank=world.rank, size=world.size))
+    timeline = Timeline(args.timeline, world.rank, world) if args.timeline else None
+    with agreed(world):
+        try:
+            runner = LTFB(config, args.data, args.out, world, ltfb, _train_options(args),
+                          backend=args.backend, timeline=timeline)
+        except (ValueError, KeyError) as exc:
+            raise _recipe_value_error(args.recipe, exc) from exc
+    try:
+        watch_collectives(runner.comm, runner.trainer.run_dir, timeline=timeline)
+        with agreed(world):
+            runner.resume(args.resume)
+        try:
+            summary = _train_or_abort(runner.train, world)
+        except NonFiniteLossError as exc:
+            log.error("%s", exc)
+            if ltfb.trainers > 1:
+                world.Abort(EXIT_NONFINITE_LOSS)
+            return EXIT_NONFINITE_LOSS
+        if world.rank == 0:
+            log.info("done: %s step %d/%d, %d trainer(s), best top-1 %s, %.1f s, params sha256 "
+                     "%s", summary["stopped"], summary["steps"], summary["total_steps"],
+                     ltfb.trainers, summary["top1"], summary["wall_s"],
+                     summary["params_sha256"][:16])
+        return EXIT_STOPPED_BY_SIGNAL if summary["stopped"] == "signal" else 0
+    finally:
+        if timeline is not None:
+            timeline.save()
+        runner.close()

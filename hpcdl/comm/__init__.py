@@ -3,6 +3,10 @@
     comm = hpcdl.comm.init("auto")          # or "mpi", "ring", "shm", "gloo", "ccl"
     comm.allreduce_(grads)                  # averaged in place, fused into flat buckets
 
+``init`` also installs fail-fast (hpcdl/debug/faults.py) unless ``fail_fast=False``: an uncaught
+exception on one rank prints that rank's traceback and aborts the whole job, instead of leaving
+the other ranks blocked in their next allreduce until the scheduler's time limit.
+
 Backends (one algorithm each): ``mpi`` (MPI_Allreduce), ``ring`` (bandwidth-optimal ring,
 Patarasuk & Yuan 2009), ``shm`` (hierarchical: node-shared-memory reduce-scatter, then
 across nodes), ``gloo`` and ``ccl`` (torch.distributed process groups).
@@ -19,8 +23,11 @@ from hpcdl.comm.base import (
     CollectiveMismatchError,
     Communicator,
 )
+from hpcdl.debug.faults import install_fail_fast
+from hpcdl.errors import BadInputError
 
-__all__ = ["BACKENDS", "CollectiveMismatchError", "Communicator", "auto_backend", "init"]
+__all__ = ["BACKENDS", "BackendError", "CollectiveMismatchError", "Communicator",
+           "auto_backend", "init"]
 
 #: name -> "module:class"; imported on demand so e.g. gloo costs nothing unless asked for.
 BACKENDS = {
@@ -30,6 +37,10 @@ BACKENDS = {
     "gloo": "hpcdl.comm.gloo:GlooCommunicator",
     "ccl": "hpcdl.comm.ccl:CCLCommunicator",
 }
+
+
+class BackendError(BadInputError, ValueError):
+    """An unknown backend name or wire dtype (the same on every rank)."""
 
 
 def auto_backend(world: MPI.Intracomm) -> str:
@@ -52,25 +63,32 @@ def auto_backend(world: MPI.Intracomm) -> str:
 def init(backend: str = "auto", world: MPI.Intracomm | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          wire_dtype: torch.dtype | str | None = None,
-         ranks_per_node: int | None = None) -> Communicator:
+         ranks_per_node: int | None = None, fail_fast: bool = True) -> Communicator:
     """Build the communicator for ``world`` (default COMM_WORLD). Collective over ``world``.
 
     ``bucket_bytes`` is the fusion bucket size of :meth:`Communicator.allreduce_`;
     ``wire_dtype=torch.bfloat16`` sends bf16 and sums in fp32 (``ring``, ``shm``).
     ``ranks_per_node=k`` treats groups of k consecutive ranks as nodes (to exercise the
     multi-node paths on one machine); None (the default) asks MPI which ranks share memory.
+    ``fail_fast=False`` leaves ``sys.excepthook``/``threading.excepthook`` alone (a caller that
+    handles a dead rank itself); by default an uncaught exception aborts the whole job.
+    Unknown names raise :class:`BackendError`; a backend whose optional library is missing
+    raises its own :class:`~hpcdl.errors.BadInputError` saying how to get it.
     """
     world = world if world is not None else MPI.COMM_WORLD
+    if fail_fast and MPI.COMM_WORLD.Get_size() > 1:
+        # COMM_WORLD, not ``world``: a sub-communicator's abort must still end every rank.
+        install_fail_fast(MPI.COMM_WORLD)
     name = backend.lower()
     if name == "auto":
         name = auto_backend(world)
     if name not in BACKENDS:
-        raise ValueError(f"unknown comm backend {backend!r}; choose auto or one of "
+        raise BackendError(f"unknown comm backend {backend!r}; choose auto or one of "
                          f"{', '.join(BACKENDS)}")
     if isinstance(wire_dtype, str):
         names = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
         if wire_dtype.lower() not in names:
-            raise ValueError(f"wire_dtype {wire_dtype!r}: use float32 or bfloat16")
+            raise BackendError(f"wire_dtype {wire_dtype!r}: use float32 or bfloat16")
         wire_dtype = names[wire_dtype.lower()]
     module_name, class_name = BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)

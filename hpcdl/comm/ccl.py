@@ -13,6 +13,7 @@ import importlib
 import torch.distributed as dist
 
 from hpcdl.comm.gloo import GlooCommunicator
+from hpcdl.errors import BadInputError
 
 INSTALL_HINT = (
     "the 'ccl' backend needs Intel's oneCCL bindings for PyTorch (import name "
@@ -26,8 +27,8 @@ INSTALL_HINT = (
 )
 
 
-class CCLUnavailableError(ImportError):
-    """The optional oneCCL bindings are missing."""
+class CCLUnavailableError(BadInputError, ImportError):
+    """The optional oneCCL bindings are missing (bad input: ``hpcdl train`` exits 2)."""
 
 
 def load_oneccl() -> None:

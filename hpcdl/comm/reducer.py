@@ -160,7 +160,12 @@ class GradientReducer:
         if bucket_bytes <= 0:
             raise ValueError(f"GradientReducer: bucket_bytes must be > 0, got {bucket_bytes}")
         self.comm = comm
+        #: where gradient buckets are averaged: ``comm``, or a node's sub-communicator
+        #: (hierarchical local SGD, hpcdl/comm/policy.py). Set between steps only.
+        self.gradient_comm = comm
         self.enabled = bool(enabled)
+        #: bytes of gradient buckets this rank passed to allreduce (wire dtype)
+        self.bytes_reduced = 0
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise ValueError("GradientReducer: the model has no parameter that requires grad")
@@ -181,7 +186,7 @@ class GradientReducer:
         self.steps = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                          for _, p in trainable]
-        self._queue: queue.Queue[Bucket | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Bucket, object, bool] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         if self.enabled:
             self._thread = threading.Thread(target=self._communicate, name="hpcdl-reducer",
@@ -221,6 +226,41 @@ class GradientReducer:
             bucket.filled.clear()
             bucket.done.clear()
         self._next_launch = 0
+
+    def average_parameters(self, comm=None) -> int:
+        """Replace every parameter by its average over ``comm`` (default the reducer's):
+        local SGD's model average (Lin et al., ICLR'20, Alg. 1), sent through the gradient
+        fusion buckets on the communication thread, in bucket order. Call between steps.
+        Buckets whose wire dtype is not the parameter's (bf16 on the wire) are averaged in
+        the parameter's dtype instead: rounding the weights themselves would drift the model.
+        Returns the bytes this rank passed to allreduce."""
+        comm = comm if comm is not None else self.comm
+        if self._thread is None:  # built disabled (one rank, --no-comm): nothing to average
+            return 0
+        nbytes = 0
+        wide = [p for b in self.buckets if b.dtype != b.params[0].dtype for p in b.params]
+        same = [b for b in self.buckets if b.dtype == b.params[0].dtype]
+        for bucket in same:
+            for position, p in enumerate(bucket.params):
+                self._pack(bucket, position, p.detach())
+            self._queue.put((bucket, comm, False))
+            nbytes += bucket.buffer.numel() * bucket.buffer.element_size()
+        for bucket in same:
+            bucket.done.wait()
+            bucket.done.clear()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"model average failed on rank {self.comm.rank}: "
+                               f"{error}") from error
+        with torch.no_grad():
+            for bucket in same:
+                for position, p in enumerate(bucket.params):
+                    start = bucket.offsets[position]
+                    p.copy_(bucket.buffer[start:start + p.numel()].view(p.shape))
+            if wide:
+                comm.allreduce_([p.data for p in wide], average=True)
+                nbytes += sum(p.numel() * p.element_size() for p in wide)
+        return nbytes
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -288,18 +328,21 @@ class GradientReducer:
             bucket = self.buckets[self._next_launch]
             if not force and len(bucket.filled) < len(bucket.params):
                 return
-            self._queue.put(bucket)
+            self._queue.put((bucket, self.gradient_comm, True))
             self._next_launch += 1
 
     def _communicate(self) -> None:
         yield_waits_in_this_thread()
         while True:
-            bucket = self._queue.get()
-            if bucket is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            bucket, comm, counted = item
             try:
                 if self._error is None:
-                    self.comm.allreduce_flat_(bucket.buffer, average=True)
+                    comm.allreduce_flat_(bucket.buffer, average=True)
+                    if counted:
+                        self.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
             except BaseException as exc:  # noqa: BLE001 - re-raised in synchronize
                 self._error = exc
             finally:

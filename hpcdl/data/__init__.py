@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from hpcdl.data.format import FORMAT_VERSION, read_manifest
 
-__all__ = ["FORMAT_VERSION", "ShardedImageNet", "normalize", "node_layout", "read_manifest"]
+__all__ = ["FORMAT_VERSION", "ShardedImageNet", "normalize", "input_normalization",
+           "node_layout", "read_manifest"]
 
 
 def __getattr__(name: str):
-    if name in ("ShardedImageNet", "normalize", "IMAGENET_MEAN", "IMAGENET_STD"):
+    if name in ("ShardedImageNet", "normalize", "input_normalization", "IMAGENET_MEAN",
+                "IMAGENET_STD"):
         from hpcdl.data import loader
 
         return getattr(loader, name)

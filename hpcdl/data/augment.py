@@ -9,6 +9,15 @@ and a horizontal flip with probability 1/2. Val: resize the short side to
 image_size*256/224, centre-crop image_size. Crop is a view, resize is one call
 (torch's uint8 antialiased bilinear), and JPEGs are decoded at the smallest DCT scale that still
 gives the crop at least ``image_size`` pixels (simplejpeg's ``min_height/min_width``).
+
+Caffe's input, the one the LARS papers' AlexNets were trained on (BVLC/caffe
+examples/imagenet/create_imagenet.sh: RESIZE_HEIGHT=256, RESIZE_WIDTH=256; train_val
+``crop_size: 227``, ``mirror: true``; borisgin/nvcaffe models/alexnet_bn/train_val2.prototxt
+the same): the image resized to ``resize``×``resize`` (``caffe_square``: aspect not kept, as
+convert_imageset does) or to short side ``resize`` (``caffe_short_side``), then a uniformly
+placed ``image_size`` crop and a flip with probability 1/2; val takes the centre crop. The
+resize and the crop are one box in stored pixels here (:func:`caffe_crop_boxes`), so a stored
+image is resized once, straight to the crop.
 """
 from __future__ import annotations
 
@@ -131,3 +140,30 @@ def crop_resize(data: np.ndarray, shape: tuple[int, int, int], image_format: str
     resize(crop, [image_size, image_size], False, None, None, out=out[None])
     if flip:  # one image's flip is cheap; a masked flip of the whole batch is not
         out.copy_(out.flip(-1))
+
+
+CAFFE_CROPS = ("caffe_square", "caffe_short_side")
+
+
+def caffe_crop_boxes(heights: np.ndarray, widths: np.ndarray, u: np.ndarray | None,
+                     image_size: int, resize: int, square: bool) -> list[tuple[float, ...]]:
+    """(top, left, h, w) in stored pixels of Caffe's crop: resize the stored image to
+    ``resize``² (``square``) or short side ``resize``, take an ``image_size`` crop at an offset
+    drawn uniformly from the integer positions (Caffe's DataTransformer: ``Rand(h - crop + 1)``)
+    from ``u[:, 0]``/``u[:, 1]``, or the centre (val) when ``u`` is None."""
+    if image_size > resize:
+        raise ValueError(f"caffe crop: image_size {image_size} is larger than the resize "
+                         f"{resize}; set data.val_resize >= data.image_size")
+    boxes = []
+    for i, (h, w) in enumerate(zip(np.asarray(heights).tolist(), np.asarray(widths).tolist(),
+                                   strict=True)):
+        sy = resize / h if square else resize / min(h, w)
+        sx = resize / w if square else sy
+        room_y, room_x = round(h * sy) - image_size, round(w * sx) - image_size
+        if u is None:
+            top, left = room_y // 2, room_x // 2
+        else:
+            top = min(int(u[i, 0] * (room_y + 1)), room_y)
+            left = min(int(u[i, 1] * (room_x + 1)), room_x)
+        boxes.append((top / sy, left / sx, image_size / sy, image_size / sx))
+    return boxes

@@ -9,6 +9,11 @@ microseconds against milliseconds of decoding.
 
 Shard files are opened read-only with HDF5 file locking off (``locking=False``), which
 Lustre and NFS need; set ``HDF5_USE_FILE_LOCKING=FALSE`` as well for older h5py/HDF5.
+
+The shards this rank's node reads are checked against the manifest when the loader is built:
+their sizes always (a ``stat`` each), their sha256 with ``verify_shards=True`` (each local rank
+hashes its share of the node's shards). A shard that still fails to open or read later raises
+:class:`~hpcdl.data.format.ShardError` naming it, never a bare HDF5 error.
 """
 from __future__ import annotations
 
@@ -21,17 +26,46 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from hpcdl.data.augment import (
+    CAFFE_CROPS,
     FLIP_DRAW,
+    caffe_crop_boxes,
     centre_crop_box,
     crop_resize,
     random_resized_crop_boxes,
     sample_uniforms,
 )
-from hpcdl.data.format import read_manifest, split_shards
-from hpcdl.data.sampler import epoch_order, shard_offsets, train_num_batches, val_num_batches
+from hpcdl.data.format import ShardError, check_shard_files, read_manifest, split_shards
+from hpcdl.data.sampler import (
+    epoch_order,
+    node_shard_indices,
+    shard_offsets,
+    train_num_batches,
+    val_num_batches,
+)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# BVLC's ImageNet mean (python/caffe/imagenet/ilsvrc_2012_mean.npy averaged over pixels, BGR
+# 104.0, 116.7, 122.7) in RGB and 0..255: Caffe subtracts the per-pixel mean image, which is
+# not shipped; its channel means differ from it by a few grey levels.
+CAFFE_MEAN_RGB = (122.68, 116.67, 104.01)
+NORMALIZATIONS = ("imagenet", "caffe_mean")
+
+
+def input_normalization(kind: str = "imagenet", input_scale: float = 1.0
+                        ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(mean, std) for :func:`normalize`: ``imagenet`` (x/255 − mean)/std (torchvision);
+    ``caffe_mean``: (x − mean)·input_scale in 0..255 units, Caffe's DataTransformer with
+    ``mean_file`` and ``scale`` (BVLC AlexNet: scale 1; NVCaffe AlexNet-BN: 0.00390625)."""
+    if kind == "imagenet":
+        return IMAGENET_MEAN, IMAGENET_STD
+    if kind == "caffe_mean":
+        if input_scale <= 0:
+            raise ValueError(f"data.input_scale must be > 0, got {input_scale}")
+        # (x/255 − m/255)/std = (x − m)·scale  ⇔  std = 1/(255·scale)
+        return (tuple(m / 255.0 for m in CAFFE_MEAN_RGB),
+                (1.0 / (255.0 * input_scale),) * 3)
+    raise ValueError(f"data.normalize={kind!r}: choose one of {NORMALIZATIONS}")
 PREFETCH_PER_WORKER = 2
 
 
@@ -70,7 +104,9 @@ class ShardedImageNet:
     def __init__(self, shard_dir: str, split: str = "train", node_index: int = 0,
                  num_nodes: int = 1, local_rank: int = 0, local_size: int = 1,
                  batch_size: int = 32, image_size: int = 224, seed: int = 0, workers: int = 2,
-                 rotate_shards: bool = False, min_scale: float = 0.08):
+                 rotate_shards: bool = False, min_scale: float = 0.08,
+                 crop: str = "random_resized", resize: int = 256,
+                 verify_shards: bool = False):
         if not 0 <= node_index < num_nodes:
             raise ValueError(f"node_index={node_index} outside 0..{num_nodes - 1}")
         if not 0 <= local_rank < local_size:
@@ -82,12 +118,17 @@ class ShardedImageNet:
         self.local_rank, self.local_size = local_rank, local_size
         self.batch_size, self.image_size, self.seed = batch_size, image_size, seed
         self.workers, self.rotate_shards, self.min_scale = workers, rotate_shards, min_scale
+        if crop not in ("random_resized", *CAFFE_CROPS):
+            raise ValueError(f"data.crop={crop!r}: choose random_resized or one of "
+                             f"{CAFFE_CROPS}")
+        self.crop, self.resize = crop, resize
         self.manifest = read_manifest(shard_dir)
         self.classes = self.manifest["classes"]
         self.image_format = self.manifest["image_format"]
         self.entries = split_shards(self.manifest, split)
         self.counts = [e["num_samples"] for e in self.entries]
         self.offsets = shard_offsets(self.counts)
+        self._check_node_shards(verify_shards)
         self.train = split == "train"
         if self.train:
             self.num_batches = train_num_batches(self.counts, num_nodes, local_size, batch_size)
@@ -105,6 +146,19 @@ class ShardedImageNet:
 
     def __len__(self) -> int:
         return self.num_batches
+
+    def _check_node_shards(self, verify: bool) -> None:
+        """Sizes of every shard this node reads (any epoch); with ``verify`` also the sha256 of
+        this local rank's share of them, so a node's ranks hash in parallel."""
+        mine = node_shard_indices(len(self.entries), self.node_index, self.num_nodes, 0,
+                                  rotate=False)
+        if self.rotate_shards:
+            mine = list(range(len(self.entries)))
+        node_entries = [self.entries[i] for i in mine]
+        check_shard_files(self.shard_dir, node_entries)
+        if verify:
+            check_shard_files(self.shard_dir, node_entries[self.local_rank::self.local_size],
+                              verify=True)
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Order for ``epoch`` (a function of (seed, epoch)); skip the first ``start_batch``."""
@@ -125,10 +179,21 @@ class ShardedImageNet:
             if shard not in self._files:
                 import h5py
 
-                path = os.path.join(self.shard_dir, self.entries[shard]["name"])
-                f = h5py.File(path, "r", locking=False)
-                self._files[shard] = (f, f["images"], f["shapes"][:], f["labels"][:])
+                path = self._shard_path(shard)
+                try:
+                    f = h5py.File(path, "r", locking=False)
+                    self._files[shard] = (f, f["images"], f["shapes"][:], f["labels"][:])
+                except (OSError, KeyError) as exc:
+                    raise self._unreadable(shard, exc) from None
             return self._files[shard]
+
+    def _shard_path(self, shard: int) -> str:
+        return os.path.join(self.shard_dir, self.entries[shard]["name"])
+
+    def _unreadable(self, shard: int, exc: BaseException) -> ShardError:
+        return ShardError(f"shard {self._shard_path(shard)} is unreadable ({type(exc).__name__}: "
+                          f"{exc}); check it with `hpcdl prep verify {self.shard_dir}` (or "
+                          f"train with --verify-shards) and copy it again")
 
     def read_samples(self, indices: np.ndarray) -> tuple[list, np.ndarray, np.ndarray]:
         """Stored bytes, (H, W, C) and label of each global sample index, one HDF5 read per
@@ -141,7 +206,11 @@ class ShardedImageNet:
             _, images, shard_shapes, shard_labels = self._dataset(int(shard))
             where = np.flatnonzero(shards == shard)
             rows = indices[where] - self.offsets[shard]
-            for position, item in zip(where, read_rows(images, rows), strict=True):
+            try:
+                items = read_rows(images, rows)
+            except OSError as exc:  # a corrupted chunk: name the shard, not just HDF5's error
+                raise self._unreadable(int(shard), exc) from None
+            for position, item in zip(where, items, strict=True):
                 data[position] = item
             shapes[where] = shard_shapes[rows]
             labels[where] = shard_labels[rows]
@@ -155,7 +224,13 @@ class ShardedImageNet:
         size = self.image_size
         images = torch.empty((len(indices), 3, size, size), dtype=torch.uint8)
         data, shapes, labels = self.read_samples(indices)
-        if self.train:
+        if self.crop in CAFFE_CROPS:
+            uniforms = sample_uniforms(self.seed, self.epoch, indices) if self.train else None
+            boxes = caffe_crop_boxes(shapes[:, 0], shapes[:, 1], uniforms, size, self.resize,
+                                     square=self.crop == "caffe_square")
+            flips = ((uniforms[:, FLIP_DRAW] < 0.5).tolist() if self.train
+                     else [False] * len(indices))
+        elif self.train:
             uniforms = sample_uniforms(self.seed, self.epoch, indices)
             boxes = random_resized_crop_boxes(shapes[:, 0], shapes[:, 1], uniforms,
                                               scale=(self.min_scale, 1.0)).tolist()

@@ -17,10 +17,11 @@ import platform
 import shutil
 import socket
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hpcdl.cpus import format_cpu_list, parse_cpu_list, threads_per_rank
 from hpcdl.mpi_library import launcher_of
 
 #: File systems where HDF5's POSIX locks fail or serialise readers.
@@ -69,29 +70,6 @@ def online_cpus() -> list[int]:
             return parse_cpu_list(f.read())
     except OSError:
         return list(range(os.cpu_count() or 1))
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's and Slurm's mask syntax)."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def format_cpu_list(cpus: Iterable[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    items, out, i = sorted(set(cpus)), [], 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def mount_of(path: str, mounts_text: str) -> tuple[str, str]:
@@ -201,12 +179,8 @@ def collect_rank_info(mpi_comm: Any, staging_dir: str, data_dir: str | None = No
     return info
 
 
-def _hpcdl_threads(cpus: Sequence[int], node_masks: Sequence[Sequence[int]]) -> int | None:
-    """The thread count ``hpcdl train`` will give torch (hpcdl/train/threads.py's rule)."""
-    try:
-        from hpcdl.train.threads import threads_per_rank
-    except Exception:  # noqa: BLE001 - the trainer may be absent; the doctor still works
-        return None
+def _hpcdl_threads(cpus: Sequence[int], node_masks: Sequence[Sequence[int]]) -> int:
+    """The thread count ``hpcdl train`` will give torch (hpcdl/cpus.py's rule)."""
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     limit = int(env) if env.isdigit() else None
     threads, _ = threads_per_rank(frozenset(cpus), [frozenset(m) for m in node_masks], limit)

@@ -10,35 +10,46 @@ from typing import Any
 
 import torch
 
-from hpcdl.optim.lars import LARS, param_groups
+from hpcdl.optim.lars import LARS, norm_layer_params, param_groups
 
 __all__ = ["create_optimizer", "list_optimizers", "apply_momentum_correction", "OPTIMIZERS"]
 
 
 def _lars(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, momentum: float = 0.9,
           trust_coefficient: float = 0.001, eps: float = 0.0, nesterov: bool = False,
-          trust_clip: bool = False) -> torch.optim.Optimizer:
-    """LARS with the MLPerf skip list (BN and biases: no trust ratio, no weight decay)."""
-    return LARS(param_groups(model, weight_decay), lr=lr, momentum=momentum,
+          trust_clip: bool = False, skip_list: bool = True, trust_ratio_wd: bool = True,
+          larc_clip: bool = False) -> torch.optim.Optimizer:
+    """LARS; ``skip_list`` (default) is MLPerf's (BN and biases: no trust ratio, no weight
+    decay), ``skip_list: false`` adapts and decays every tensor as the Caffe solvers did."""
+    return LARS(param_groups(model, weight_decay, skip_list), lr=lr, momentum=momentum,
                 weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps,
-                nesterov=nesterov, trust_clip=trust_clip)
+                nesterov=nesterov, trust_clip=trust_clip, trust_ratio_wd=trust_ratio_wd,
+                larc_clip=larc_clip)
 
 
 def _sgd(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, momentum: float = 0.9,
-         nesterov: bool = False) -> torch.optim.Optimizer:
-    """Momentum SGD on every parameter, weight decay included (Goyal et al., arXiv:1706.02677).
+         nesterov: bool = False, bn_weight_decay: bool = True) -> torch.optim.Optimizer:
+    """Momentum SGD (Goyal et al., arXiv:1706.02677); weight decay on every parameter, or, with
+    ``bn_weight_decay: false``, not on BN's γ and β (Goyal et al. §5.1).
 
     torch's form v ← m·v + g; w ← w − lr·v keeps lr out of the buffer, which is exactly the
     form that needs no momentum correction when lr jumps (Goyal et al. §2.2)."""
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
+    params: list[Any] = list(model.parameters())
+    if not bn_weight_decay:
+        norm_ids = norm_layer_params(model)
+        params = [{"params": [p for p in params if id(p) not in norm_ids]},
+                  {"params": [p for p in params if id(p) in norm_ids], "weight_decay": 0.0}]
+        params = [g for g in params if g["params"]]
+    return torch.optim.SGD(params, lr=lr, momentum=momentum,
                            weight_decay=weight_decay, nesterov=nesterov, foreach=True)
 
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"lars": _lars, "sgd": _sgd}
 
 _KEYS = {
-    "lars": {"momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip"},
-    "sgd": {"momentum", "weight_decay", "nesterov"},
+    "lars": {"momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip",
+             "skip_list", "trust_ratio_wd", "larc_clip"},
+    "sgd": {"momentum", "weight_decay", "nesterov", "bn_weight_decay"},
 }
 
 

@@ -12,7 +12,17 @@ where η is ``trust_coefficient`` and β ``weight_decay``. λ = 1 when ‖w‖ o
 zero-initialised tensor (the last BN γ of a block with ``zero_init_residual``) still moves.
 Groups with ``lars=False`` (BatchNorm and biases, the MLPerf skip list) take the plain momentum
 step v ← m·v + lr·(g + wd·w). ``trust_clip=True`` clips the local rate at the global one,
-effective rate min(λ·lr, lr) (the clipped form of NVIDIA's LARC).
+effective rate min(λ·lr, lr).
+
+Variants the published runs used, each a param-group key (defaults: the form above):
+- ``trust_ratio_wd=False``: λ = η·‖w‖/(‖g‖ + ε), without β·‖w‖ in the denominator (NVCaffe's
+  later ``GetLocalRate``, borisgin/nvcaffe src/caffe/solvers/sgd_solver.cpp);
+- ``larc_clip=True``: NVIDIA's LARC "clip" policy, effective rate min(λ, lr): the local rate
+  never exceeds the global one (apex LARC; NVCaffe ``larc_policy: "clip"``);
+- ``param_groups(model, wd, skip_list=False)``: every tensor gets the trust ratio and weight
+  decay, biases included, as Intel Caffe's ``SGDSolver::GetLocalRate`` does for every learnable
+  blob with lr_mult > 0 (intel/caffe src/caffe/solvers/sgd_solver.cpp); the default is the
+  MLPerf skip list (BN and biases: plain momentum, no decay).
 
 The step is batched: the norms of every tensor of a group come from two ``torch._foreach_norm``
 calls, the trust ratios are computed on one stacked vector, and the updates are ``_foreach``
@@ -27,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LARS", "param_groups", "trust_ratios"]
+__all__ = ["LARS", "param_groups", "norm_layer_params", "trust_ratios"]
 
 
 def trust_ratios(
@@ -55,19 +65,22 @@ class LARS(torch.optim.Optimizer):
     """Momentum SGD with a per-tensor trust ratio (You et al., arXiv:1708.03888, Alg. 1).
 
     Param-group keys: ``lr``, ``momentum``, ``weight_decay``, ``trust_coefficient``, ``eps``,
-    ``nesterov``, ``trust_clip`` and ``lars`` (False: plain momentum SGD for that group).
+    ``nesterov``, ``trust_clip``, ``trust_ratio_wd``, ``larc_clip`` and ``lars`` (False: plain
+    momentum SGD for that group).
     """
 
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float,
+        lr: float = 0.0,
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         trust_coefficient: float = 0.001,
         eps: float = 0.0,
         nesterov: bool = False,
         trust_clip: bool = False,
+        trust_ratio_wd: bool = True,
+        larc_clip: bool = False,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"LARS: learning rate must be >= 0, got lr={lr}")
@@ -82,9 +95,13 @@ class LARS(torch.optim.Optimizer):
             raise ValueError(f"LARS: eps must be >= 0, got eps={eps}")
         if nesterov and momentum == 0.0:
             raise ValueError("LARS: nesterov=True needs momentum > 0")
+        if trust_clip and larc_clip:
+            raise ValueError("LARS: trust_clip and larc_clip are two clips of the same rate; "
+                             "set one of them")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-                        trust_clip=trust_clip, lars=True)
+                        trust_clip=trust_clip, trust_ratio_wd=trust_ratio_wd,
+                        larc_clip=larc_clip, lars=True)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -140,10 +157,14 @@ class LARS(torch.optim.Optimizer):
         dtype = torch.promote_types(first.dtype, torch.float32)
         weight_norms = torch.stack(torch._foreach_norm(params)).to(dtype)
         grad_norms = torch.stack(torch._foreach_norm(grads)).to(dtype)
+        # .get: param groups of a state_dict saved before these keys existed.
+        denominator_wd = group["weight_decay"] if group.get("trust_ratio_wd", True) else 0.0
         ratio = trust_ratios(weight_norms, grad_norms, group["trust_coefficient"],
-                             group["weight_decay"], group["eps"])
+                             denominator_wd, group["eps"])
         if group["trust_clip"]:
             ratio = ratio.clamp(max=1.0)  # effective rate min(λ·lr, lr)
+        if group.get("larc_clip", False):
+            return ratio.clamp(max=lr)    # LARC clip: effective rate min(λ, lr)
         return lr * ratio
 
     def _momentum_buffers(self, params: list[Tensor]) -> list[Tensor]:
@@ -174,12 +195,14 @@ def _is_norm_layer(module: torch.nn.Module) -> bool:
                                torch.nn.LayerNorm))
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(model: torch.nn.Module, weight_decay: float,
+                 skip_list: bool = True) -> list[dict[str, Any]]:
     """Two groups, the MLPerf skip list: BatchNorm weights/biases and every bias get
     ``lars=False`` and ``weight_decay=0``; all other tensors ``lars=True`` with
-    ``weight_decay``. Empty groups are left out; each parameter appears once."""
+    ``weight_decay``. Empty groups are left out; each parameter appears once.
+    ``skip_list=False``: one group, every tensor adapted and decayed (Intel Caffe / NVCaffe)."""
     skip_ids: set[int] = set()
-    for module in model.modules():
+    for module in model.modules() if skip_list else ():
         for name, p in module.named_parameters(recurse=False):
             if _is_norm_layer(module) or name == "bias":
                 skip_ids.add(id(p))
@@ -193,3 +216,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     if skipped:
         groups.append({"params": skipped, "weight_decay": 0.0, "lars": False})
     return groups
+
+
+def norm_layer_params(model: torch.nn.Module) -> set[int]:
+    """ids of the γ/β of every normalisation layer (Goyal et al. §5.1 leave them undecayed)."""
+    return {id(p) for m in model.modules() if _is_norm_layer(m)
+            for p in m.parameters(recurse=False)}

@@ -9,12 +9,23 @@
 
 Warm-up length is ``warmup_epochs`` (times steps_per_epoch) or ``warmup_steps``; t counts
 steps after warm-up and T = total_steps − warm-up steps.
+
+Two forms of the Caffe solvers the papers ran, as keys (defaults: the forms above):
+- ``decay_over: all_steps``: t = step and T = total_steps, the decay starts at step 0 and the
+  warm-up overrides it (Intel Caffe and NVCaffe ``GetLearningRate``: lr_policy "poly" is
+  base_lr·(1 − iter/max_iter)^power, with the warm-up branch taken first while iter < warm-up),
+  so the rate drops from base_lr to base_lr·(1 − W/T)^power when warm-up ends;
+- ``warmup_power: 2``: NVCaffe's ramp-up, rampup_lr + (base_lr − rampup_lr)·(step/W)²
+  (borisgin/nvcaffe src/caffe/solvers/sgd_solver.cpp, ``alpha * alpha``); 1 is linear
+  (Goyal et al. §2.2; Intel Caffe ``GetWarmUpLR``).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 from typing import Any
+
+DECAY_OVER = ("after_warmup", "all_steps")
 
 __all__ = ["Schedule", "PolySchedule", "StepSchedule", "CosineSchedule", "create_schedule",
            "scaled_lr", "SCHEDULES"]
@@ -32,7 +43,8 @@ class Schedule:
     """lr(step) with linear warm-up; subclasses give the rate after warm-up in ``decay``."""
 
     def __init__(self, base_lr: float, total_steps: int, warmup_steps: int = 0,
-                 warmup_start_lr: float = 0.0, end_lr: float = 0.0) -> None:
+                 warmup_start_lr: float = 0.0, end_lr: float = 0.0,
+                 decay_over: str = "after_warmup", warmup_power: float = 1.0) -> None:
         if total_steps <= 0:
             raise ValueError(f"schedule: total_steps must be > 0, got {total_steps}")
         if not 0 <= warmup_steps <= total_steps:
@@ -41,6 +53,15 @@ class Schedule:
         if base_lr < 0 or end_lr < 0 or warmup_start_lr < 0:
             raise ValueError(f"schedule: rates must be >= 0, got base_lr={base_lr}, "
                              f"end_lr={end_lr}, warmup_start_lr={warmup_start_lr}")
+        if decay_over not in DECAY_OVER:
+            raise ValueError(f"schedule: decay_over must be one of {DECAY_OVER}, got "
+                             f"{decay_over!r}")
+        if warmup_power <= 0:
+            raise ValueError(f"schedule: warmup_power must be > 0, got {warmup_power}")
+        self.decay_over = decay_over
+        self.warmup_power = float(warmup_power)
+        # Step the decay counts from: end of warm-up (hpcdl, MLPerf) or 0 (the Caffe solvers).
+        self.decay_origin = int(warmup_steps) if decay_over == "after_warmup" else 0
         self.base_lr = float(base_lr)
         self.total_steps = int(total_steps)
         self.warmup_steps = int(warmup_steps)
@@ -53,10 +74,10 @@ class Schedule:
         if step < self.warmup_steps:
             # Gradual warm-up (Goyal et al. §2.2): linear from warmup_start_lr, reaching
             # base_lr at step == warmup_steps.
-            frac = step / self.warmup_steps
+            frac = (step / self.warmup_steps) ** self.warmup_power
             return self.warmup_start_lr + (self.base_lr - self.warmup_start_lr) * frac
-        decay_steps = self.total_steps - self.warmup_steps
-        t = min(step - self.warmup_steps, decay_steps)
+        decay_steps = self.total_steps - self.decay_origin
+        t = min(step - self.decay_origin, decay_steps)
         return self.decay(t, decay_steps)
 
     def decay(self, t: int, decay_steps: int) -> float:
@@ -104,7 +125,7 @@ class StepSchedule(Schedule):
         self.gamma = float(gamma)
 
     def decay(self, t: int, decay_steps: int) -> float:
-        step = t + self.warmup_steps
+        step = t + self.decay_origin
         passed = sum(1 for m in self.milestone_steps if step >= m)
         return self.base_lr * self.gamma ** passed
 
@@ -121,7 +142,8 @@ class CosineSchedule(Schedule):
 
 SCHEDULES = {"poly": PolySchedule, "step": StepSchedule, "cosine": CosineSchedule}
 
-_COMMON_KEYS = {"name", "base_lr", "warmup_epochs", "warmup_steps", "warmup_start_lr", "end_lr"}
+_COMMON_KEYS = {"name", "base_lr", "warmup_epochs", "warmup_steps", "warmup_start_lr", "end_lr",
+                "decay_over", "warmup_power"}
 _KEYS = {"poly": _COMMON_KEYS | {"power"},
          "step": _COMMON_KEYS | {"milestones", "gamma"},
          "cosine": _COMMON_KEYS}
@@ -157,7 +179,9 @@ def create_schedule(cfg: Mapping[str, Any], steps_per_epoch: int, total_steps: i
     common = dict(base_lr=float(cfg["base_lr"]), total_steps=int(total_steps),
                   warmup_steps=_warmup_steps(cfg, steps_per_epoch),
                   warmup_start_lr=float(cfg.get("warmup_start_lr", 0.0)),
-                  end_lr=float(cfg.get("end_lr", 0.0)))
+                  end_lr=float(cfg.get("end_lr", 0.0)),
+                  decay_over=str(cfg.get("decay_over", "after_warmup")),
+                  warmup_power=float(cfg.get("warmup_power", 1.0)))
     if name == "poly":
         return PolySchedule(power=float(cfg.get("power", 2.0)), **common)
     if name == "step":

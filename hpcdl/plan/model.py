@@ -28,6 +28,16 @@ An iteration on ``p`` ranks with global batch ``B`` (per-rank batch ``b = B / p`
 
 Epoch = floor(dataset / B) iterations (the loader drops the last partial batch); total =
 epochs × epoch. Evaluation, start-up and checkpointing are not modelled.
+
+Relaxed consistency (hpcdl/comm/policy.py, ``hpcdl plan --local-steps H / --compression-ratio``):
+* **local SGD** (``local_steps`` H > 1): no gradient allreduce; the fp32 model is averaged
+  every H steps after the optimizer step, so 1/H of that allreduce is added per iteration and
+  none of it hides behind backward. **hierarchical** (``hierarchical_local``): in addition,
+  the gradients are averaged inside each node every step (one node's allreduce, shared
+  memory), hidden behind backward as usual. The synchronous warm-up phase is not costed.
+* **compression** (``compression_ratio`` c, e.g. PowerSGD's dense bytes ÷ factor bytes): the
+  allreduce carries 1/c of the gradient bytes; hpcdl's PowerSGD compresses after backward,
+  so none of it hides. The compression's own matmuls (~6·r FLOP per parameter) are not costed.
 """
 from __future__ import annotations
 
@@ -170,6 +180,9 @@ class PlanInputs:
     overlap: bool = True
     loader_cores_per_node: float | None = None   # None: the machine file's figure
     synthetic_data: bool = False     # True: no decoding (hpcdl bench train --synthetic)
+    local_steps: int = 1             # H: local SGD averages the model every H steps
+    hierarchical_local: bool = False  # local SGD: gradients averaged inside the node each step
+    compression_ratio: float = 1.0   # dense gradient bytes / bytes sent (PowerSGD)
 
 
 @dataclass
@@ -205,6 +218,9 @@ class Plan:
     buckets: int
     dominant: str
     notes: list[str] = field(default_factory=list)
+    local_steps: int = 1
+    compression_ratio: float = 1.0
+    model_average_s: float = 0.0     # per iteration: the model average's allreduce / H
 
     def per_iteration(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in (
@@ -258,6 +274,13 @@ def _check(machine: Machine, inp: PlanInputs) -> None:
     if inp.dataset_size < inp.global_batch:
         raise ValueError(f"dataset of {inp.dataset_size} images holds no full batch of "
                          f"{inp.global_batch}")
+    if inp.local_steps < 1:
+        raise ValueError(f"--local-steps must be >= 1, got {inp.local_steps}")
+    if inp.compression_ratio < 1:
+        raise ValueError(f"--compression-ratio must be >= 1 (dense bytes / sent bytes), got "
+                         f"{inp.compression_ratio}")
+    if inp.hierarchical_local and inp.local_steps == 1:
+        raise ValueError("hierarchical local SGD needs --local-steps H > 1")
     if inp.allreduce not in ALLREDUCE_ALGORITHMS:
         raise ValueError(f"unknown allreduce algorithm {inp.allreduce!r}; choose one of "
                          f"{ALLREDUCE_ALGORITHMS}")
@@ -279,17 +302,30 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
     compute = compute_s(machine, work, b, inp.procs_per_node)
     optimizer = optimizer_s(machine, work, inp.procs_per_node)
 
-    grad_bytes = work.parameters * inp.wire_bytes
+    grad_bytes = work.parameters * inp.wire_bytes / inp.compression_ratio
     buckets = bucket_sizes(grad_bytes, inp.bucket_mb * 1e6)
-    bucket_times = [allreduce_s(inp.allreduce, machine, place, n) for n in buckets]
+    local = inp.local_steps > 1
+    # Local SGD: gradients cross no network (hierarchical: one node's allreduce); the model
+    # average is costed separately below.
+    grad_place = Placement(place.local_size, place.local_size) if local else place
+    bucket_times = [allreduce_s(inp.allreduce, machine, grad_place, n) for n in buckets]
+    if local and not inp.hierarchical_local:
+        bucket_times = []
     comm = sum(bucket_times)
     no_free_core = place.nodes == 1 and place.local_size >= machine.cores_per_node
-    overlap = inp.overlap and not no_free_core
+    overlap = inp.overlap and not no_free_core and inp.compression_ratio == 1
     if inp.overlap and no_free_core and comm > 0:
         notes.append("no free core on the node and shared-memory transport: communication "
                      "is not hidden behind backward")
     comm_exposed = exposed_comm_s(comm, bucket_times[-1] if bucket_times else 0.0, compute,
                                   overlap)
+    model_average = 0.0
+    if local:
+        fp32_model = [allreduce_s(inp.allreduce, machine, place, n)
+                      for n in bucket_sizes(work.parameters * 4.0, inp.bucket_mb * 1e6)]
+        model_average = sum(fp32_model) / inp.local_steps
+        comm += model_average
+        comm_exposed += model_average  # after the optimizer step: nothing left to hide behind
 
     node_images = b * place.local_size
     loader_cores = (inp.loader_cores_per_node if inp.loader_cores_per_node is not None
@@ -320,7 +356,9 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
         images_per_s_per_rank=images_per_s / inp.procs, scaling_efficiency=efficiency,
         required_images_per_s_per_node=node_images / iteration,
         decode_images_per_s_per_node=decode_rate, gradient_bytes=float(grad_bytes),
-        buckets=len(buckets), dominant=max(terms, key=terms.__getitem__), notes=notes)
+        buckets=len(buckets), dominant=max(terms, key=terms.__getitem__), notes=notes,
+        local_steps=inp.local_steps, compression_ratio=inp.compression_ratio,
+        model_average_s=model_average)
 
 
 def default_sweep(procs: int, global_batch: int) -> list[int]:

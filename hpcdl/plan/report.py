@@ -73,7 +73,11 @@ def describe(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> str:
         f"{_si(machine['intra_node.bandwidth_Bps'], 'B/s')}), 1/gamma {_si(1 / gamma, 'B/s')}",
         f"    hidden       {_ms(p.comm_hidden_s)}  behind backward ({BACKWARD_SHARE:.2f} of "
         "compute); the last bucket never hides",
-        f"    exposed      {_ms(p.comm_exposed_s)}",
+        f"    exposed      {_ms(p.comm_exposed_s)}"
+        + (f"  incl. model average every {p.local_steps} steps {_ms(p.model_average_s)}"
+           if p.local_steps > 1 else "")
+        + (f"  (gradients compressed {p.compression_ratio:g}x, not overlapped)"
+           if p.compression_ratio > 1 else ""),
         f"  data loading   {_ms(p.data_s)}  node needs "
         f"{p.required_images_per_s_per_node:,.0f} img/s, decodes "
         f"{p.decode_images_per_s_per_node:,.0f} img/s "

@@ -7,7 +7,12 @@ resumed ``--deterministic`` run ends with the same parameters as an uninterrupte
 
 Only tensors and primitive containers are stored, so ``torch.load(weights_only=True)`` reads
 it: a checkpoint cannot run code when loaded. Rank 0 writes: temporary file, fsync, rename
-(hpcdl.io.atomic_write), then deletes all but the newest ``keep``.
+(hpcdl.io.atomic_write), then deletes all but the newest ``keep``. A write that fails (disk
+full, file-size limit) or a job killed mid-write leaves the previous checkpoints as they were.
+
+A checkpoint records the run, not the layout: resuming on another rank count is allowed, but
+one of another recipe, model or global batch is refused by :func:`check_compatible`, naming
+what differs (each is bad input: exit 2, DESIGN.md).
 """
 from __future__ import annotations
 
@@ -21,9 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcdl.errors import BadInputError
 from hpcdl.io import atomic_write
 
-__all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "checkpoint_path", "list_checkpoints",
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "CheckpointMismatchError",
+           "CheckpointWriteError", "checkpoint_path", "check_compatible", "list_checkpoints",
            "save_checkpoint", "load_checkpoint", "latest_valid_checkpoint", "prune_checkpoints",
            "rng_state", "set_rng_state"]
 
@@ -35,8 +42,17 @@ _REQUIRED = ("format", "step", "epoch", "batch_in_epoch", "model", "optimizer", 
              "world_size")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(BadInputError, RuntimeError):
     """A checkpoint file is unreadable, corrupt, or not an hpcdl checkpoint."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A valid checkpoint of another run: another recipe, model or global batch."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint could not be written (disk full, quota, file-size limit); the previous
+    checkpoints are untouched."""
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -86,7 +102,25 @@ def save_checkpoint(path: str, state: Mapping[str, Any]) -> None:
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
         raise ValueError(f"save_checkpoint {path}: state lacks {missing}")
-    atomic_write(path, lambda f: torch.save(dict(state), f))
+    try:
+        atomic_write(path, lambda f: torch.save(dict(state), f))
+    except (OSError, RuntimeError) as exc:
+        # torch.save reports a failed write as RuntimeError("unexpected pos ..."), with the
+        # OSError (ENOSPC, EFBIG) only as its context: name the OSError, the cause a person
+        # can act on.
+        cause = _os_error_of(exc)
+        if cause is None:
+            raise
+        raise CheckpointWriteError(f"could not write checkpoint {path}: {cause}") from exc
+
+
+def _os_error_of(exc: BaseException | None) -> OSError | None:
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
@@ -107,6 +141,52 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {missing}")
     return state
+
+
+def check_compatible(state: Mapping[str, Any], source: str, *, recipe: str | None,
+                     global_batch: int, model_config: Mapping[str, Any] | None,
+                     model_state: Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`CheckpointMismatchError` naming every difference between the run that
+    wrote ``state`` and this one: recipe name, model (its recipe section when recorded, then
+    parameter names and shapes) and global batch. The rank count may differ (elastic resume);
+    keys a checkpoint predates are not compared."""
+    differs = []
+    if state.get("recipe") is not None and recipe is not None and state["recipe"] != recipe:
+        differs.append(f"recipe {state['recipe']!r} (this run: {recipe!r})")
+    saved_model = state.get("model_config")
+    if saved_model is not None and model_config is not None and dict(saved_model) != \
+            dict(model_config):
+        keys = sorted(set(saved_model) | set(model_config), key=str)
+        diff = ", ".join(f"model.{k}={saved_model.get(k)!r} (this run: {model_config.get(k)!r})"
+                         for k in keys if saved_model.get(k) != model_config.get(k))
+        differs.append(diff)
+    else:
+        tensors = _tensor_differences(state["model"], model_state)
+        if tensors:
+            differs.append(f"the model's tensors ({tensors})")
+    if state.get("global_batch", global_batch) != global_batch:
+        differs.append(f"global batch {state['global_batch']} (this run: {global_batch})")
+    if differs:
+        raise CheckpointMismatchError(
+            f"checkpoint {source} is from another run: {'; '.join(differs)}. Resume it with "
+            f"the recipe and batch.global it was written with, or start fresh: --resume none, "
+            f"or better a new --out so its checkpoints stay apart")
+
+
+def _tensor_differences(saved: Mapping[str, Any], mine: Mapping[str, torch.Tensor],
+                        show: int = 3) -> str:
+    """'2 missing (a, b), 1 of another shape (fc.weight (10, 64) vs (3, 64))', or ''."""
+    missing = [k for k in mine if k not in saved]
+    extra = [k for k in saved if k not in mine]
+    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(mine[k].shape)}" for k in mine
+              if k in saved and hasattr(saved[k], "shape") and saved[k].shape != mine[k].shape]
+    parts = []
+    for label, items in (("missing", missing), ("unexpected", extra),
+                         ("of another shape", shapes)):
+        if items:
+            more = f", ... {len(items) - show} more" if len(items) > show else ""
+            parts.append(f"{len(items)} {label} ({', '.join(items[:show])}{more})")
+    return ", ".join(parts)
 
 
 def latest_valid_checkpoint(run_dir: str) -> tuple[str, dict[str, Any]] | None:

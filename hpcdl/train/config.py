@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from hpcdl.errors import BadInputError
 from hpcdl.io import atomic_write_text
 
 __all__ = ["Config", "RecipeError", "load_recipe", "parse_overrides", "resolve_recipe",
@@ -28,7 +29,7 @@ __all__ = ["Config", "RecipeError", "load_recipe", "parse_overrides", "resolve_r
            "write_resolved_config", "config_from_dict"]
 
 
-class RecipeError(ValueError):
+class RecipeError(BadInputError, ValueError):
     """A recipe (or an override of it) does not match the schema."""
 
 
@@ -57,6 +58,13 @@ class DataConfig:
     min_scale: float = 0.08
     workers: int = 4
     rotate_shards: bool = False
+    # Train crop: random_resized (Inception/torchvision, min_scale..1), or Caffe's fixed-size
+    # crop after resizing to val_resize² (caffe_square) or short side val_resize
+    # (caffe_short_side), hpcdl.data.augment.caffe_crop_boxes.
+    crop: str = "random_resized"
+    # imagenet: (x/255 - mean)/std; caffe_mean: (x - mean) * input_scale (Caffe's transform).
+    normalize: str = "imagenet"
+    input_scale: float = 1.0
 
 
 @dataclass
@@ -82,11 +90,31 @@ class TrainConfig:
     momentum_correction: bool = False
 
 
+#: hpcdl.comm.policy.ALGORITHMS, spelled here so reading a recipe does not initialise MPI
+CONSISTENCY_ALGORITHMS = ("sync", "local_sgd", "hierarchical_local_sgd", "powersgd")
+
+
 @dataclass
 class CommConfig:
     backend: str = "auto"
     bucket_mb: float = 25.0
     wire_dtype: str = "float32"
+    # How replicas stay consistent (hpcdl/comm/policy.py, docs/comm.md): sync,
+    # local_sgd, hierarchical_local_sgd or powersgd.
+    algorithm: str = "sync"
+    local_steps: int = 1          # H: steps between model averages (local SGD)
+    sync_warmup_steps: int = 0    # synchronous steps first (post-local SGD; PowerSGD's start)
+    powersgd_rank: int = 4        # r of the PowerSGD factors
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in CONSISTENCY_ALGORITHMS:
+            raise RecipeError(f"comm.algorithm={self.algorithm!r}: choose one of "
+                              f"{', '.join(CONSISTENCY_ALGORITHMS)}")
+        for key in ("local_steps", "powersgd_rank"):
+            if getattr(self, key) < 1:
+                raise RecipeError(f"comm.{key}={getattr(self, key)}: must be >= 1")
+        if self.sync_warmup_steps < 0:
+            raise RecipeError(f"comm.sync_warmup_steps={self.sync_warmup_steps}: must be >= 0")
 
 
 @dataclass
@@ -103,6 +131,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    # What the source reports: {top1: 0..1, source: citation, checked: bool}; hpcdl report
+    # prints the measured top-1 against it.
+    expected: dict[str, Any] = field(default_factory=dict)
     path: str = ""  # the file it came from (not part of the schema; for messages)
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,6 +149,7 @@ class Config:
             "schedule": dict(self.schedule),
             "train": _section_to_dict(self.train),
             "comm": _section_to_dict(self.comm),
+            **({"expected": dict(self.expected)} if self.expected else {}),
         }
 
 
@@ -125,7 +157,7 @@ class Config:
 _SECTIONS = {"data": DataConfig, "batch": BatchConfig, "train": TrainConfig, "comm": CommConfig}
 _NAMED_SECTIONS = ("model", "optimizer", "schedule")
 _TOP_LEVEL = ("name", "source", "model", "data", "batch", "epochs", "optimizer", "schedule",
-              "train", "comm")
+              "train", "comm", "expected")
 _REQUIRED_TOP = ("name", "model", "batch", "epochs", "optimizer", "schedule")
 
 
@@ -210,9 +242,30 @@ def config_from_dict(raw: Mapping[str, Any], origin: str = "<recipe>") -> Config
     named = {s: _named_section(raw[s], s, origin) for s in _NAMED_SECTIONS}
     sections = {s: _build_section(cls, raw.get(s), s, origin) for s, cls in _SECTIONS.items()}
     config = Config(name=name, source=_coerce(raw.get("source") or "", "str", f"{origin}: source"),
-                    epochs=epochs, path=origin, **named, **sections)
+                    epochs=epochs, path=origin, expected=_expected(raw.get("expected"), origin),
+                    **named, **sections)
     _check_values(config, origin)
     return config
+
+
+def _expected(raw: Any, origin: str) -> dict[str, Any]:
+    """The ``expected`` section: the top-1 the recipe's source reports, with its citation."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{origin}: 'expected' must be a mapping {{top1, source, checked}}")
+    unknown = sorted(set(raw) - {"top1", "source", "checked"})
+    if unknown:
+        raise RecipeError(f"{origin}: unknown key(s) {', '.join(f'expected.{k}' for k in unknown)}"
+                          f"; known: expected.top1, expected.source, expected.checked")
+    top1 = _coerce(raw.get("top1"), "float", f"{origin}: expected.top1")
+    if not 0.0 < top1 <= 1.0:
+        raise RecipeError(f"{origin}: expected.top1 is a fraction in (0, 1], got {top1}")
+    source = _coerce(raw.get("source"), "str", f"{origin}: expected.source")
+    if not source.strip():
+        raise RecipeError(f"{origin}: expected.source must cite where top1 comes from")
+    checked = _coerce(raw.get("checked", False), "bool", f"{origin}: expected.checked")
+    return {"top1": top1, "source": source, "checked": checked}
 
 
 def _check_values(config: Config, origin: str) -> None:
@@ -233,6 +286,13 @@ def _check_values(config: Config, origin: str) -> None:
                           f"{t.keep_checkpoints}")
     if t.log_every_steps < 1:
         raise RecipeError(f"{origin}: train.log_every_steps must be >= 1, got {t.log_every_steps}")
+    if config.data.crop not in ("random_resized", "caffe_square", "caffe_short_side"):
+        raise RecipeError(f"{origin}: data.crop must be random_resized, caffe_square or "
+                          f"caffe_short_side, got {config.data.crop!r}")
+    if config.data.normalize not in ("imagenet", "caffe_mean") or config.data.input_scale <= 0:
+        raise RecipeError(f"{origin}: data.normalize must be imagenet or caffe_mean and "
+                          f"data.input_scale > 0, got {config.data.normalize!r}, "
+                          f"{config.data.input_scale}")
     if config.comm.bucket_mb <= 0:
         raise RecipeError(f"{origin}: comm.bucket_mb must be > 0, got {config.comm.bucket_mb}")
     if config.comm.wire_dtype not in ("float32", "bfloat16"):

@@ -12,7 +12,7 @@ from typing import Any
 
 from hpcdl.train.metrics import read_metrics, read_summary
 
-__all__ = ["plot_run", "summarize_run"]
+__all__ = ["plot_run", "summarize_run", "expected_vs_measured"]
 
 
 def _latest_per_step(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -126,4 +126,25 @@ def summarize_run(run_dir: str) -> str:
         f"wall {fmt(s.get('wall_s'), '.1f')} s, "
         f"comm wait {fmt(s.get('comm_wait_s'), '.1f')} s",
         f"params    sha256 {s.get('params_sha256')}",
+        *expected_vs_measured(run_dir, s.get("top1")),
     ])
+
+
+def expected_vs_measured(run_dir: str, top1: float | None) -> list[str]:
+    """The recipe's ``expected.top1`` (what its source reports) against the measured top-1,
+    read from RUN_DIR/config.yaml; nothing when the recipe records no expectation."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return []
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        expected = (yaml.safe_load(f) or {}).get("expected") or {}
+    if "top1" not in expected:
+        return []
+    note = "" if expected.get("checked") else " [value not re-checked against the source]"
+    line = f"expected  top-1 {expected['top1']:.4f} ({expected.get('source')}){note}"
+    if top1 is None:
+        return [line, "vs        no measured top-1 yet"]
+    diff = 100.0 * (top1 - expected["top1"])
+    return [line, f"vs        measured {top1:.4f}: {diff:+.2f} points"]

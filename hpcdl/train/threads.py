@@ -10,38 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 
-from hpcdl.debug.doctor import format_cpu_list
+from hpcdl.cpus import affinity_cores, format_cpu_list, threads_per_rank
 
 __all__ = ["affinity_cores", "threads_per_rank", "configure_threads"]
 
 log = logging.getLogger("hpcdl.train")
-
-
-def affinity_cores() -> frozenset[int]:
-    """The cores this process may run on (its MPI binding), or all when unknown."""
-    try:
-        return frozenset(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return frozenset(range(os.cpu_count() or 1))
-
-
-def threads_per_rank(mine: frozenset[int], node_masks: Sequence[frozenset[int]],
-                     env_limit: int | None = None) -> tuple[int, bool]:
-    """(threads for this rank, whether the node is oversubscribed).
-
-    ``node_masks`` are the affinity masks of every rank on this node (this rank's included).
-    ``env_limit`` (OMP_NUM_THREADS when the user set it) can only lower the count.
-    """
-    sharing = sum(1 for mask in node_masks if mask == mine) or 1
-    threads = max(1, len(mine) // sharing)
-    if env_limit is not None and env_limit >= 1:
-        threads = min(threads, env_limit)
-    node_cores = frozenset().union(*node_masks) if node_masks else mine
-    # Every rank takes the same rule, so the node's total is len(node_masks) * threads at most.
-    oversubscribed = len(node_masks) * threads > len(node_cores) or len(mine) < sharing
-    return threads, oversubscribed
 
 
 def _env_threads() -> int | None:

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcdl.comm.reducer import GradientReducer
+from hpcdl.comm.policy import create_policy
+from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import Config, resolve_batch, write_resolved_config
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
@@ -76,7 +77,7 @@ class NonFiniteLossError(RuntimeError):
         self.step, self.loss = step, loss
 
 
-class IpexUnavailableError(RuntimeError):
+class IpexUnavailableError(BadInputError, RuntimeError):
     """--ipex was asked for but intel_extension_for_pytorch is not importable."""
 
 
@@ -93,6 +94,7 @@ class TrainOptions:
     handle_signals: bool = True          # SIGUSR1/SIGTERM -> checkpoint and stop
     write_files: bool = True             # metrics.jsonl, summary.json, config.yaml, checkpoints
     evaluate: bool = True                # eval at epoch ends and at the end
+    verify_shards: bool = False          # sha256 of every shard read, before training
 
 
 def derive_seed(seed: int, epoch: int, rank: int) -> int:
@@ -177,9 +179,14 @@ class Trainer:
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
         self.broadcast_model()
         # On one rank the world's average is the rank's own gradient: nothing to reduce.
-        self.reducer = GradientReducer(comm, list(self.model.named_parameters()),
-                                       bucket_bytes=int(config.comm.bucket_mb * 2**20),
-                                       enabled=not self.options.no_comm and comm.size > 1)
+        # How replicas stay consistent (every step, every H steps, compressed) is the
+        # policy's business (hpcdl/comm/policy.py); the loop only asks it.
+        self.policy = create_policy(
+            comm, list(self.model.named_parameters()), algorithm=config.comm.algorithm,
+            local_steps=config.comm.local_steps, sync_warmup_steps=config.comm.sync_warmup_steps,
+            powersgd_rank=config.comm.powersgd_rank,
+            bucket_bytes=int(config.comm.bucket_mb * 2**20),
+            enabled=not self.options.no_comm and comm.size > 1, seed=config.train.seed)
         self.step = 0                 # optimizer steps completed (the schedule's argument)
         self.resumed_from: str | None = None
         self.last_eval: dict[str, Any] | None = None
@@ -196,6 +203,11 @@ class Trainer:
         #: and stop decisions of that step (LTFB's tournaments, hpcdl/train/ltfb.py)
         self.after_step_hooks: list = []
 
+    @property
+    def reducer(self):
+        """What backward feeds this step: the policy's current gradient reducer."""
+        return self.policy.reducer
+
     # -- building from the recipe ------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
         from hpcdl.models import create_model
@@ -209,12 +221,18 @@ class Trainer:
         if self.data_dir is None:
             raise ValueError("Trainer: data_dir is needed to build the loaders (--data SHARDS)")
         data = self.config.data
-        return ShardedImageNet(self.data_dir, split=split, node_index=self.comm.node_index,
-                               num_nodes=self.comm.num_nodes, local_rank=self.comm.local_rank,
-                               local_size=self.comm.local_size, batch_size=batch_size,
-                               image_size=data.image_size, seed=self.config.train.seed,
-                               workers=data.workers, rotate_shards=data.rotate_shards,
-                               min_scale=data.min_scale)
+        # Collective: ranks of different nodes check different shards, and all must stop
+        # together if any found a bad one (hpcdl/errors.py).
+        with agreed(self.comm.mpi_comm):
+            return ShardedImageNet(self.data_dir, split=split, node_index=self.comm.node_index,
+                                   num_nodes=self.comm.num_nodes,
+                                   local_rank=self.comm.local_rank,
+                                   local_size=self.comm.local_size, batch_size=batch_size,
+                                   image_size=data.image_size, seed=self.config.train.seed,
+                                   workers=data.workers, rotate_shards=data.rotate_shards,
+                                   min_scale=data.min_scale, crop=data.crop,
+                                   resize=data.val_resize,
+                                   verify_shards=self.options.verify_shards)
 
     def _build_schedule(self):
         from hpcdl.optim import create_schedule
@@ -287,7 +305,8 @@ class Trainer:
         Raises :class:`NonFiniteLossError` on every rank at the same step.
         """
         start = time.perf_counter()
-        self.check_replicas()
+        if self.policy.replicas_equal:  # (local SGD resumed between two averages: not yet)
+            self.check_replicas()
         self._open_outputs()
         stopped = "completed"
         with stop_signals_as_flag(self.request_stop, self.options.handle_signals):
@@ -360,6 +379,7 @@ class Trainer:
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.policy.before_step(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = 0.0
         n = len(micro_batches)
@@ -385,6 +405,8 @@ class Trainer:
         with self._span("optimizer", "compute"):
             self.optimizer.step()
         self.step += 1
+        with self._span("model average", "comm"):
+            self.policy.after_step(self.step, last=self.step >= self._last_step())
         self._images_this_run += self.global_batch
         return loss_sum / self.size
 
@@ -404,9 +426,10 @@ class Trainer:
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8:
-            from hpcdl.data import normalize
+            from hpcdl.data import input_normalization, normalize
 
-            images = normalize(images)
+            data = self.config.data
+            images = normalize(images, *input_normalization(data.normalize, data.input_scale))
         return images.contiguous(memory_format=self.memory_format)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -445,7 +468,7 @@ class Trainer:
                 self.comm.allreduce_(stats, average=True)
         self.model.eval()
         sums = np.zeros(4, dtype=np.float64)  # loss·n, top-1 correct, top-5 correct, n
-        with torch.no_grad(), self._span("evaluate", "eval"):
+        with torch.no_grad(), self._span("evaluate", "eval"), self.policy.averaged():
             if hasattr(self.val_loader, "set_epoch"):
                 self.val_loader.set_epoch(0)
             for images, labels in self.val_loader:
@@ -484,9 +507,11 @@ class Trainer:
             "global_batch": self.global_batch,
             "world_size": self.size,
             "recipe": self.config.name,
+            "model_config": dict(self.config.model),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "train_s_total": self.train_s_total,
+            "consistency": self.policy.state_dict(),
         }
 
     @property
@@ -496,12 +521,13 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any], source: str = "<state>") -> None:
         """Restore model, optimizer, step and (same world size) this rank's RNG states."""
-        if state.get("global_batch", self.global_batch) != self.global_batch:
-            raise ValueError(f"{source}: saved with global batch {state['global_batch']}, this "
-                             f"run has {self.global_batch}; resume with the same batch.global")
+        ckpt.check_compatible(state, source, recipe=self.config.name,
+                              global_batch=self.global_batch, model_config=self.config.model,
+                              model_state=self.model.state_dict())
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+        self.policy.load_state_dict(state.get("consistency"), source)
         self._train_time_before_s = float(state.get("train_s_total", 0.0))
         rngs = state.get("rng")
         if state.get("world_size") == self.size and rngs:
@@ -515,7 +541,8 @@ class Trainer:
     def _rank_state(self) -> dict[str, Any]:
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()
                    if b.is_floating_point()}
-        return {**ckpt.rng_state(), "buffers": buffers}
+        return {**ckpt.rng_state(), "buffers": buffers,
+                "consistency": self.policy.rank_state(self.step, self.model, self.optimizer)}
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         ckpt.set_rng_state(state)
@@ -524,6 +551,7 @@ class Trainer:
             for name, value in state.get("buffers", {}).items():
                 if name in own:
                     own[name].copy_(value)
+        self.policy.load_rank_state(state.get("consistency"), self.model, self.optimizer)
 
     def save_checkpoint(self) -> str | None:
         """Collective: gather every rank's RNG state; rank 0 writes atomically and keeps the
@@ -541,11 +569,15 @@ class Trainer:
                     ckpt.save_checkpoint(path, state)
                     ckpt.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints)
                 log.info("checkpoint %s", path)
-            except OSError as exc:
-                error = f"rank 0 could not write checkpoint {path}: {exc}"
+            except OSError as exc:  # CheckpointWriteError: disk full, quota, file-size limit
+                what = str(exc) if isinstance(exc, ckpt.CheckpointWriteError) else \
+                    f"could not write checkpoint {path}: {exc}"
+                error = f"rank 0 {what}; {_previous_checkpoint(self.run_dir, path)}: free " \
+                        f"space there (or lower train.keep_checkpoints), then resume with " \
+                        f"--resume auto"
         error = self.comm.mpi_comm.bcast(error, root=0)
         if error:
-            raise RuntimeError(error)
+            raise mark_agreed(ckpt.CheckpointWriteError(error))
         self._last_checkpoint_step = self.step
         return path if self.options.write_files else None
 
@@ -680,16 +712,22 @@ class Trainer:
             "images_per_s": self._images_this_run / self._train_time_s
             if self._train_time_s > 0 else None,
             "comm_wait_s": self.reducer.total_comm_wait_s,
+            "traffic": self.policy.traffic(),
             "resumed_from": self.resumed_from,
             "params_sha256": self.params_sha256(),
         }
 
     def close(self) -> None:
         """Stop the reducer's thread and remove its hooks."""
-        self.reducer.close()
+        self.policy.close()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+def _previous_checkpoint(run_dir: str, failed: str) -> str:
+    kept = [p for p in ckpt.list_checkpoints(run_dir) if p != failed]
+    return f"the previous checkpoint {kept[-1]} is intact" if kept else "no checkpoint was kept"
 
 
 class _Window:

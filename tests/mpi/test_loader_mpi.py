@@ -7,12 +7,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from hpcdl.data_prep.shard import shard_tree
-from hpcdl.data_prep.synthetic import make_imagenet_tree
 from mpi4py import MPI
 
 from hpcdl.data import ShardedImageNet, read_manifest
 from hpcdl.data.nodes import node_layout
+from hpcdl.data_prep.shard import shard_tree
+from hpcdl.data_prep.synthetic import make_imagenet_tree
 
 
 @pytest.fixture(scope="module")

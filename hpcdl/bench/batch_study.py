@@ -1,0 +1,340 @@
+"""The papers' central figure in miniature: top-1 against global batch, LARS against linear
+scaling + warm-up (``hpcdl bench convergence --study``).
+
+You, Gitman & Ginsburg (arXiv:1708.03888, Fig. 1 / Tab. 3) and You et al. (ICPP'18) show
+accuracy holding with LARS at batches where Goyal et al.'s linear scaling rule with warm-up
+(arXiv:1706.02677, Fig. 1) falls off. The ImageNet batches 8K and 32K are 1/160 and 1/40 of its
+1.28 M images; on Fashion-MNIST's 60,000 that is ≈ 375 and 1,536, so the sweep is
+{128, 384, 768, 1,536, 3,072} by default, the same epochs for every run (the papers' fixed-epoch
+budget: a larger batch takes fewer steps).
+
+How the comparison is kept fair, choice by choice:
+
+- **Equal tuning.** Each (optimizer, batch) tries the same number of learning rates, a
+  geometric grid ``centre × --grid`` (default ×0.5, ×1, ×2). The centre is each method's own
+  rule: linear scaling for SGD (Goyal et al. §2.1, lr = sgd_lr·B/128), square-root scaling for
+  LARS's global rate (lr = lars_lr·√(B/1536); LARS's η fixed, as in the papers' tables that tune
+  only the base rate per batch). Warm-up, poly(2) decay, weight decay, epochs, model, data and
+  the per-forward batch are the same for both.
+- **Holdout, then test once.** Tuning runs train on the first 50,000 training images and
+  evaluate on the last 10,000 (``--holdout`` of the three-run bench); the lr with the best
+  holdout top-1 (ties: the smaller) is then trained on all 60,000 with ``--seeds`` seeds and
+  evaluated on the test split: the only runs that see it.
+- **Same batch-norm batch.** Every forward pass is ``--micro-batch`` images per rank (default
+  the smallest batch over the ranks); larger batches accumulate, as the papers' 32K is many
+  workers at a small batch each (ghost batch norm, Hoffer et al., arXiv:1705.08741).
+- **Resumable.** Each run has its own directory under ``--out`` (trainer checkpoints at epoch
+  ends) and writes ``record.json`` when done; the same command again skips finished runs and
+  resumes a stopped one. SIGTERM/SIGUSR1 stops the study with exit 75.
+
+Output: a table (mean, sample standard deviation, min and max of the seeds' top-1 for each
+optimizer and batch), the bench JSON, and a PNG of top-1 against batch with the seeds' spread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hpcdl.io import atomic_write_text
+
+__all__ = ["StudyRun", "OPTIMIZERS", "centre_lr", "tuning_runs", "select_lr", "final_runs",
+           "study_recipe", "aggregate", "execute_study", "plot_study", "STUDY_COLUMNS"]
+
+OPTIMIZERS = ("lars", "sgd")
+RECORD = "record.json"
+STUDY_COLUMNS = ["optimizer", "global_batch", "lr", "holdout_top1", "top1_mean", "top1_std",
+                 "top1_min", "top1_max", "seeds", "train_s_mean"]
+# The batch the LARS centre is anchored at: the three-run bench tuned lr 2 / η 0.02 there.
+LARS_ANCHOR_BATCH = 1536
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    """One training run of the study: ``phase`` is ``tune`` (holdout split) or ``final``
+    (test split)."""
+
+    phase: str
+    optimizer: str
+    batch: int
+    lr: float
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.phase}-{self.optimizer}-b{self.batch}-lr{self.lr:.6g}-s{self.seed}"
+
+
+def parse_list(text: str, kind: Callable[[str], Any], flag: str) -> list[Any]:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"hpcdl bench convergence: {flag} {text!r} is not a comma-separated "
+                         f"list of numbers") from None
+    if not values or any(v <= 0 for v in values):
+        raise SystemExit(f"hpcdl bench convergence: {flag} {text!r} needs positive values")
+    return values
+
+
+def centre_lr(optimizer: str, batch: int, args: argparse.Namespace) -> float:
+    """The middle of the lr grid: linear scaling for SGD (Goyal et al. §2.1), square-root
+    scaling for LARS's global rate."""
+    if optimizer == "sgd":
+        return args.sgd_lr * batch / args.small_batch
+    return args.lars_lr * math.sqrt(batch / LARS_ANCHOR_BATCH)
+
+
+def tuning_runs(args: argparse.Namespace) -> list[StudyRun]:
+    """Every (optimizer, batch, lr) of the grid, seed 0, on the holdout split: the same number
+    of values for each optimizer at each batch."""
+    return [StudyRun("tune", opt, batch, round(centre_lr(opt, batch, args) * factor, 6), 0)
+            for batch in args.batch_list for opt in OPTIMIZERS for factor in args.grid_list]
+
+
+def _score(record: dict[str, Any] | None) -> float:
+    top1 = None if record is None else record.get("top1")
+    return -1.0 if top1 is None or not math.isfinite(top1) else float(top1)
+
+
+def select_lr(records: dict[str, dict[str, Any]], runs: Sequence[StudyRun], optimizer: str,
+              batch: int) -> tuple[float, float]:
+    """(lr, holdout top-1) of the best tuning run of (optimizer, batch); a tie goes to the
+    smaller lr, a diverged run (top-1 None/NaN) scores -1."""
+    candidates = [r for r in runs if r.phase == "tune" and r.optimizer == optimizer
+                  and r.batch == batch]
+    if not candidates:
+        raise ValueError(f"no tuning runs for {optimizer} at batch {batch}")
+    best = max(candidates, key=lambda r: (_score(records.get(r.key)), -r.lr))
+    return best.lr, _score(records.get(best.key))
+
+
+def final_runs(args: argparse.Namespace, chosen: dict[tuple[str, int], float]) -> list[StudyRun]:
+    return [StudyRun("final", opt, batch, chosen[(opt, batch)], seed)
+            for batch in args.batch_list for opt in OPTIMIZERS for seed in range(args.seeds)]
+
+
+def study_recipe(run: StudyRun, args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+    """The run as a recipe dict (hpcdl.train.config schema)."""
+    from hpcdl.bench.convergence import micro_batching
+
+    micro = args.micro_batch or min(args.batch_list) // ranks
+    model = {"name": args.model, "num_classes": 10}
+    if args.model == "resnet_small":
+        model["width"] = args.width
+    if run.optimizer == "lars":
+        optimizer = {"name": "lars", "momentum": 0.9, "weight_decay": args.weight_decay,
+                     "trust_coefficient": args.trust_coefficient}
+    else:
+        optimizer = {"name": "sgd", "momentum": 0.9, "weight_decay": args.weight_decay}
+    return {
+        "name": f"fmnist_study_{run.key}",
+        "source": "hpcdl bench convergence --study (You et al. arXiv:1708.03888 Fig. 1 in "
+                  "miniature)",
+        "model": model,
+        "data": {"image_size": 28, "val_resize": 28, "min_scale": args.min_scale, "workers": 2},
+        "epochs": args.epochs,
+        "batch": micro_batching(run.batch, micro, ranks),
+        "optimizer": optimizer,
+        "schedule": {"name": "poly", "base_lr": run.lr, "warmup_epochs": args.warmup_epochs,
+                     "power": 2.0},
+        "train": {"seed": run.seed, "eval_every_epochs": 0, "keep_checkpoints": 1,
+                  "log_every_steps": 20, "channels_last": True},
+        "comm": {"backend": args.backend, "bucket_mb": 1},
+    }
+
+
+def aggregate(records: dict[str, dict[str, Any]], finals: Sequence[StudyRun],
+              holdout: dict[tuple[str, int], float]) -> list[dict[str, Any]]:
+    """One row per (optimizer, batch): the seeds' top-1 mean, sample std, min and max."""
+    rows = []
+    groups: dict[tuple[str, int], list[StudyRun]] = {}
+    for run in finals:
+        groups.setdefault((run.optimizer, run.batch), []).append(run)
+    for (opt, batch), runs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        done = [records[r.key] for r in runs if r.key in records]
+        top1 = [_score(r) for r in done]
+        rows.append({
+            "optimizer": opt, "global_batch": batch, "lr": runs[0].lr,
+            "holdout_top1": holdout.get((opt, batch)),
+            "top1_mean": statistics.fmean(top1) if top1 else None,
+            "top1_std": statistics.stdev(top1) if len(top1) > 1 else 0.0 if top1 else None,
+            "top1_min": min(top1) if top1 else None, "top1_max": max(top1) if top1 else None,
+            "seeds": len(top1),
+            "train_s_mean": statistics.fmean(r.get("train_s", 0.0) for r in done) if done
+            else None,
+        })
+    return rows
+
+
+def study_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """LARS minus SGD at each batch, and each optimizer's drop from its smallest batch, in
+    top-1 percentage points."""
+    by = {(r["optimizer"], r["global_batch"]): r["top1_mean"] for r in rows
+          if r["top1_mean"] is not None}
+    batches = sorted({b for _, b in by})
+    ratios: dict[str, float] = {}
+    for b in batches:
+        if ("lars", b) in by and ("sgd", b) in by:
+            ratios[f"lars_minus_sgd_top1_b{b}"] = 100.0 * (by[("lars", b)] - by[("sgd", b)])
+    for opt in OPTIMIZERS:
+        mine = [b for b in batches if (opt, b) in by]
+        if len(mine) > 1:
+            ratios[f"{opt}_drop_top1_b{mine[0]}_to_b{mine[-1]}"] = \
+                100.0 * (by[(opt, mine[0])] - by[(opt, mine[-1])])
+    return ratios
+
+
+def plot_study(rows: Sequence[dict[str, Any]], path: str) -> str:
+    """Top-1 (seed mean, bar from min to max) against global batch, one line per optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"lars": "LARS", "sgd": "SGD, linear scaling + warm-up (Goyal et al.)"}
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for opt in OPTIMIZERS:
+        mine = [r for r in rows if r["optimizer"] == opt and r["top1_mean"] is not None]
+        if not mine:
+            continue
+        x = [r["global_batch"] for r in mine]
+        y = [100 * r["top1_mean"] for r in mine]
+        low = [100 * (r["top1_mean"] - r["top1_min"]) for r in mine]
+        high = [100 * (r["top1_max"] - r["top1_mean"]) for r in mine]
+        ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=labels[opt])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch (Fashion-MNIST, 60,000 images)")
+    ax.set_ylabel("test top-1 (%), seed mean, min-max")
+    ax.set_title("Accuracy against batch size at a fixed epoch budget")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+Runner = Callable[[StudyRun, str], "dict[str, Any] | None"]
+
+
+def _do_runs(runs: Iterable[StudyRun], runner: Runner, out: str, records: dict[str, Any],
+             write: bool, barrier: Callable[[], None]) -> bool:
+    """Run what has no record.json yet; False when a run stopped on a signal."""
+    for run in runs:
+        run_dir = os.path.join(out, run.key)
+        path = os.path.join(run_dir, RECORD)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                records[run.key] = json.load(f)
+            continue
+        record = runner(run, run_dir)
+        if record is None:
+            return False
+        record = {**asdict(run), **record}
+        if write:
+            os.makedirs(run_dir, exist_ok=True)
+            atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+        barrier()  # every rank sees the record before anyone reads it back
+        records[run.key] = record
+    return True
+
+
+def execute_study(args: argparse.Namespace, runner: Runner, out: str, write: bool = True,
+                  barrier: Callable[[], None] = lambda: None) -> dict[str, Any] | None:
+    """Tune on the holdout split, pick each (optimizer, batch)'s lr, train the finals with
+    ``args.seeds`` seeds on the test split; ``runner(run, run_dir)`` trains one run and
+    returns its record (``top1``, ``train_s``, ...) or None when stopped by a signal (then
+    this returns None too). Runs with a record.json under ``out`` are not run again."""
+    records: dict[str, dict[str, Any]] = {}
+    tune = tuning_runs(args)
+    if not _do_runs(tune, runner, out, records, write, barrier):
+        return None
+    chosen, holdout = {}, {}
+    for batch in args.batch_list:
+        for opt in OPTIMIZERS:
+            chosen[(opt, batch)], holdout[(opt, batch)] = select_lr(records, tune, opt, batch)
+    finals = final_runs(args, chosen)
+    if not _do_runs(finals, runner, out, records, write, barrier):
+        return None
+    rows = aggregate(records, finals, holdout)
+    return {"rows": rows, "ratios": study_ratios(rows),
+            "runs": [records[r.key] for r in (*tune, *finals)]}
+
+
+def add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--study", action="store_true",
+                        help="the accuracy-vs-batch sweep (LARS vs linear scaling + warm-up), "
+                             "tuned on a holdout split, 3 seeds per final point")
+    parser.add_argument("--batches", default="128,384,768,1536,3072",
+                        help="--study: global batches (default 128,384,768,1536,3072)")
+    parser.add_argument("--grid", default="0.5,1,2",
+                        help="--study: lr multipliers of each method's centre lr, the same "
+                             "count for both (default 0.5,1,2)")
+    parser.add_argument("--seeds", type=int, default=3, help="--study: seeds per final point")
+    parser.add_argument("--plot", metavar="PNG", default=None,
+                        help="--study: write the top-1 vs batch plot here (default "
+                             "OUT/study.png)")
+
+
+def run_study(args: argparse.Namespace) -> int:
+    """The MPI side: shards for both splits, one Trainer per run, rank 0 reports."""
+    import logging
+    import sys
+    import time
+
+    from mpi4py import MPI
+
+    import hpcdl.comm
+    from hpcdl.bench.convergence import bench_workdir, prepare_shards, run_record, train_run
+    from hpcdl.bench.report import bench_report, emit
+    from hpcdl.train.threads import configure_threads
+    from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
+
+    args.batch_list = parse_list(args.batches, int, "--batches")
+    args.grid_list = parse_list(args.grid, float, "--grid")
+    if args.seeds < 1:
+        raise SystemExit("hpcdl bench convergence: --seeds must be >= 1")
+    world = MPI.COMM_WORLD
+    log = logging.getLogger("hpcdl.bench")
+    with bench_workdir(world, args.out, "hpcdl-study-") as out:
+        start = time.perf_counter()
+        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
+        shards = {"tune": prepare_shards(world, data_dir, args.source, holdout=True),
+                  "final": prepare_shards(world, data_dir, args.source, holdout=False)}
+        comm = hpcdl.comm.init(args.backend, world)
+
+        def runner(run: StudyRun, run_dir: str) -> dict[str, Any] | None:
+            recipe = study_recipe(run, args, world.size)
+            log.info("study run %s (%s split)", run.key, run.phase)
+            summary = train_run(comm, recipe, shards[run.phase], run_dir, args.max_steps)
+            if summary["stopped"] == "signal":
+                log.warning("run %s stopped by a signal: rerun the same command to resume",
+                            run.key)
+                return None
+            return run_record(run.key, recipe, summary)
+
+        try:
+            configure_threads(comm)
+            result = execute_study(args, runner, out, write=world.rank == 0,
+                                   barrier=world.Barrier)
+        finally:
+            comm.close()
+        if result is None:
+            return EXIT_STOPPED_BY_SIGNAL
+        if world.rank == 0:
+            report = bench_report("convergence-study", result["rows"], result["ratios"],
+                                  ranks=world.size)
+            report["runs"] = result["runs"]
+            report["split"] = "tuned on the last 10,000 training images; finals on the test set"
+            report["total_s"] = time.perf_counter() - start
+            emit(report, STUDY_COLUMNS, args.json)
+            default_plot = (os.path.join(out, "study.png") if args.out
+                            else "convergence-study.png")
+            print(f"wrote {plot_study(result['rows'], args.plot or default_plot)}")
+            sys.stdout.flush()
+    return 0

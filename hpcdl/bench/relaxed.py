@@ -1,0 +1,405 @@
+"""Relaxed consistency against synchronous LARS and PyTorch's own, on Fashion-MNIST.
+
+Ben-Nun & Hoefler (ACM CSUR 2019, §6) list two levers past synchronous SGD: relax model
+consistency (local SGD, Lin et al. ICLR'20) and compress what is sent (PowerSGD, Vogels et al.
+NeurIPS'19). Every run here trains the zoo's ``resnet_small`` with LARS at the same global
+batch, epochs, schedule and data (Debian's full Fashion-MNIST, 60,000 / 10,000) through the real
+pipeline; only the consistency policy differs:
+
+=========================  ===================================================================
+run                        what keeps replicas consistent
+=========================  ===================================================================
+``sync``                   hpcdl: gradients averaged every step (the baseline)
+``local_sgd``              hpcdl: post-local SGD, synchronous warm-up, then H local steps
+``hierarchical``           hpcdl: gradients inside a node every step, models across nodes
+                           every H (``--ranks-per-node`` virtual nodes)
+``powersgd``               hpcdl: rank-r PowerSGD with error feedback, after the warm-up
+``ddp_post_local_sgd``     PyTorch DDP + gloo, ``post_localSGD_hook`` + ``PostLocalSGDOptimizer``
+                           (``PeriodicModelAverager``), subgroups of one rank: the same H
+``ddp_powersgd``           PyTorch DDP + gloo, ``powerSGD_hook`` at the same rank and warm-up
+=========================  ===================================================================
+
+Per run: final top-1 on the test set, bytes each rank passed to allreduce (counted where they
+are sent; PyTorch's from its own ``PowerSGDState`` statistics and the averager's period),
+training wall time, and ``hpcdl plan``'s predicted run time for AlexNet-BN and ResNet-50 at
+2,048 sockets (``skx``, 32K batch) with the same H or compression ratio. Goal: ≥ 4× fewer bytes
+per step at ≤ 0.5 points of top-1 below ``sync``.
+
+    mpiexec -n 4 hpcdl bench relaxed --json relaxed.json --plot relaxed.png
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Any
+
+COMMAND = "relaxed"
+HELP = "local SGD, hierarchical local SGD, PowerSGD vs synchronous LARS and PyTorch DDP's"
+
+OURS = ("sync", "local_sgd", "hierarchical", "powersgd")
+ANCHORS = ("ddp_post_local_sgd", "ddp_powersgd")
+RUNS = OURS + ANCHORS
+ALGORITHM = {"sync": "sync", "local_sgd": "local_sgd", "hierarchical": "hierarchical_local_sgd",
+             "powersgd": "powersgd"}
+COLUMNS = ["run", "top1", "top1_minus_sync", "bytes_per_step", "bytes_reduction", "train_s",
+           "plan_alexnet_bn_min", "plan_resnet50_min"]
+PLAN_MODELS = {"alexnet_bn": "alexnet_bn_lars_32k", "resnet50": "resnet50_lars_32k"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=float, default=2, help="epochs of every run (2)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
+    parser.add_argument("--global-batch", type=int, default=256, help="images per step (256)")
+    parser.add_argument("--local-steps", type=int, default=8, help="H of local SGD (8)")
+    parser.add_argument("--powersgd-rank", type=int, default=2, help="PowerSGD rank r (2)")
+    parser.add_argument("--sync-warmup-epochs", type=float, default=0.25,
+                        help="synchronous epochs before local SGD / PowerSGD start (0.25, the "
+                             "learning-rate warm-up)")
+    parser.add_argument("--ranks-per-node", type=int, default=2,
+                        help="virtual node size of the hierarchical run (2)")
+    parser.add_argument("--lr", type=float, default=2.0, help="LARS base lr (2.0)")
+    parser.add_argument("--trust-coefficient", type=float, default=0.02, help="LARS eta (0.02)")
+    parser.add_argument("--width", type=int, default=8, help="resnet_small width (8)")
+    parser.add_argument("--source", default="debian", help="debian (default), demo or a folder")
+    parser.add_argument("--data", metavar="DIR", default=None, help="keep/reuse shards here")
+    parser.add_argument("--out", metavar="DIR", default=None, help="keep run directories here")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop runs early (checks)")
+    parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+    parser.add_argument("--plot", metavar="FILE", help="write top-1 vs bytes per step as PNG")
+
+
+# -- recipes -------------------------------------------------------------------------------
+def recipe(args: argparse.Namespace, run: str, ranks: int, steps_per_epoch: int) -> dict:
+    """The run's recipe (hpcdl.train.config schema): every run the same but ``comm``."""
+    per_rank, rest = divmod(args.global_batch, ranks)
+    if rest:
+        raise SystemExit(f"hpcdl bench relaxed: --global-batch {args.global_batch} is not a "
+                         f"multiple of {ranks} ranks")
+    comm: dict[str, Any] = {"backend": "mpi", "bucket_mb": 1}
+    if run in ALGORITHM and run != "sync":
+        comm.update(algorithm=ALGORITHM[run], local_steps=args.local_steps,
+                    sync_warmup_steps=warmup_steps(args, steps_per_epoch),
+                    powersgd_rank=args.powersgd_rank)
+    return {
+        "name": f"fmnist_{run}", "source": "hpcdl bench relaxed",
+        "model": {"name": "resnet_small", "num_classes": 10, "width": args.width},
+        "data": {"image_size": 28, "val_resize": 28, "min_scale": 0.7, "workers": 1},
+        "batch": {"global": args.global_batch, "per_rank": per_rank},
+        "epochs": args.epochs,
+        "optimizer": {"name": "lars", "momentum": 0.9, "weight_decay": 5e-4,
+                      "trust_coefficient": args.trust_coefficient},
+        "schedule": {"name": "poly", "base_lr": args.lr,
+                     "warmup_epochs": args.sync_warmup_epochs, "power": 2.0},
+        "train": {"seed": 0, "eval_every_epochs": 0, "keep_checkpoints": 1,
+                  "log_every_steps": 50},
+        "comm": comm,
+    }
+
+
+def warmup_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
+    return max(2, round(args.sync_warmup_epochs * steps_per_epoch))  # DDP's PowerSGD needs > 1
+
+
+# -- ours ----------------------------------------------------------------------------------
+def train_ours(world, args, run: str, shard_dir: str, out: str) -> dict[str, Any]:
+    import hpcdl.comm
+    from hpcdl.train.config import config_from_dict
+    from hpcdl.train.trainer import Trainer, TrainOptions
+
+    per_node = args.ranks_per_node if run == "hierarchical" else None
+    comm = hpcdl.comm.init("mpi", world, ranks_per_node=per_node)
+    try:
+        steps_per_epoch = train_steps_per_epoch(comm, shard_dir, args, world.size)
+        config = config_from_dict(recipe(args, run, world.size, steps_per_epoch),
+                                  origin=f"hpcdl bench relaxed: {run}")
+        trainer = Trainer(config, shard_dir, os.path.join(out, run), comm,
+                          options=TrainOptions(max_steps=args.max_steps, progress=False))
+        try:
+            trainer.resume("auto")
+            summary = trainer.train()
+        finally:
+            trainer.close()
+    finally:
+        comm.close()
+    traffic = summary["traffic"]
+    return {"run": run, "top1": summary["top1"], "steps": summary["steps"],
+            "bytes_per_rank": traffic["bytes_world"], "bytes_node_per_rank": traffic["bytes_node"],
+            "train_s": summary["train_s_total"], "traffic": traffic}
+
+
+def train_steps_per_epoch(comm, shard_dir: str, args, ranks: int) -> int:
+    from hpcdl.data import ShardedImageNet
+
+    loader = ShardedImageNet(shard_dir, split="train", node_index=comm.node_index,
+                             num_nodes=comm.num_nodes, local_rank=comm.local_rank,
+                             local_size=comm.local_size, batch_size=args.global_batch // ranks,
+                             image_size=28, workers=0)
+    return len(loader)
+
+
+# -- PyTorch's anchors -----------------------------------------------------------------------
+def init_torch_distributed(world) -> None:
+    """The default gloo group, rendezvous over MPI (as hpcdl.comm.gloo does)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hpcdl.comm.gloo import rendezvous_host
+
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(minutes=10)
+    if world.rank == 0:
+        store = dist.TCPStore(rendezvous_host(), 0, world.size, True, timeout=timeout,
+                              wait_for_workers=False)
+        address = (rendezvous_host(), store.port)
+    address = world.bcast(address if world.rank == 0 else None, root=0)
+    if world.rank != 0:
+        store = dist.TCPStore(address[0], address[1], world.size, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=world.rank, world_size=world.size,
+                            timeout=timeout)
+
+
+def train_anchor(world, args, run: str, shard_dir: str) -> dict[str, Any]:
+    """DDP + gloo with PyTorch's hook for ``run``, the same model, data, LARS and schedule."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook, powerSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hpcdl.data import ShardedImageNet, normalize
+    from hpcdl.models import create_model
+    from hpcdl.optim import create_optimizer, create_schedule
+    from hpcdl.train.config import config_from_dict
+
+    init_torch_distributed(world)
+    per_rank = args.global_batch // world.size
+    loader = ShardedImageNet(shard_dir, split="train", node_index=0, num_nodes=1,
+                             local_rank=world.rank, local_size=world.size, batch_size=per_rank,
+                             image_size=28, seed=0, workers=1, min_scale=0.7)
+    steps_per_epoch = len(loader)
+    config = config_from_dict(recipe(args, "sync", world.size, steps_per_epoch))
+    total = max(1, math.ceil(args.epochs * steps_per_epoch))
+    last = min(total, args.max_steps or total)
+    warmup = warmup_steps(args, steps_per_epoch)
+    torch.manual_seed(0)
+    model = create_model("resnet_small", num_classes=10, width=args.width)
+    ddp = DDP(model, bucket_cap_mb=1, broadcast_buffers=False)  # BN statistics per rank, as ours
+    schedule = create_schedule(config.schedule, steps_per_epoch, total)
+    optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    if run == "ddp_post_local_sgd":
+        # Subgroups of one rank: after the warm-up no gradient leaves its rank (plain local
+        # SGD, like ours); the averager averages the models every H steps.
+        subgroup, _ = dist.new_subgroups(group_size=1)
+        state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=subgroup,
+                                                     start_localSGD_iter=warmup)
+        ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+        optimizer = PostLocalSGDOptimizer(
+            optim=optimizer, averager=PeriodicModelAverager(period=args.local_steps,
+                                                            warmup_steps=warmup))
+    else:
+        state = powerSGD_hook.PowerSGDState(process_group=None,
+                                            matrix_approximation_rank=args.powersgd_rank,
+                                            start_powerSGD_iter=warmup)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    criterion = torch.nn.CrossEntropyLoss()
+    step, start = 0, time.perf_counter()
+    while step < last:
+        loader.set_epoch(step // steps_per_epoch)
+        for images, labels in loader:
+            lr = schedule(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            criterion(ddp(normalize(images)), labels).backward()
+            optimizer.step()
+            step += 1
+            if step >= last or step % steps_per_epoch == 0:
+                break
+    train_s = time.perf_counter() - start
+    if run == "ddp_post_local_sgd":
+        averages = len(range(warmup, step, args.local_steps))  # PeriodicModelAverager's
+        sent = min(warmup, step) * dense + averages * dense
+    else:
+        # PowerSGD's own statistics: elements sent after compression (and before, during
+        # the hook's vanilla-allreduce warm-up, which they do not count).
+        sent = min(warmup, step) * dense + 4 * state.total_numel_after_compression
+    top1 = evaluate_anchor(world, model, shard_dir, per_rank)
+    dist.barrier()
+    return {"run": run, "top1": top1, "steps": step, "bytes_per_rank": int(sent),
+            "bytes_node_per_rank": 0, "train_s": train_s}
+
+
+def evaluate_anchor(world, model, shard_dir: str, per_rank: int) -> float:
+    """Top-1 of the world's average model (parameters and BN statistics), as ours evaluate."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from hpcdl.data import ShardedImageNet, normalize
+
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                dist.all_reduce(t)
+                t.div_(world.size)
+    loader = ShardedImageNet(shard_dir, split="val", node_index=0, num_nodes=1,
+                             local_rank=world.rank, local_size=world.size, batch_size=per_rank,
+                             image_size=28, workers=1)
+    loader.set_epoch(0)
+    model.eval()
+    counts = np.zeros(2)
+    with torch.no_grad():
+        for images, labels in loader:
+            counts += [float((model(normalize(images)).argmax(1) == labels).sum()), len(labels)]
+    total = world.allreduce(counts)
+    return float(total[0] / total[1])
+
+
+# -- the planner -----------------------------------------------------------------------------
+def compression_ratio(model_name: str, rank: int, min_rate: float = 1.0) -> float:
+    """Dense bytes / PowerSGD bytes of ``model_name``'s parameters at ``rank`` (``min_rate``:
+    PyTorch's ``min_compression_rate``, a matrix is compressed only above it)."""
+    import torch
+
+    from hpcdl.comm.powersgd import compressed_bytes, matrix_shape
+    from hpcdl.models import create_model
+
+    with torch.device("meta"):
+        model = create_model(model_name, num_classes=1000)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    dense = sum(math.prod(s) for s in shapes) * 4
+    if min_rate <= 1.0:
+        return dense / compressed_bytes(shapes, rank)
+    sent = 0
+    for s in shapes:
+        n, m = matrix_shape(s) if len(s) > 1 else (s[0], 1)
+        sent += rank * (n + m) if len(s) > 1 and rank * (n + m) * min_rate < n * m else n * m
+    return dense / (4 * sent)
+
+
+def planned_minutes(run: str, args: argparse.Namespace) -> dict[str, float]:
+    """``hpcdl plan``'s total for each paper model's 32K recipe at 2,048 skx sockets."""
+    from hpcdl.plan.machine import load_machine
+    from hpcdl.plan.model import PlanInputs, plan
+    from hpcdl.plan.workload import workload
+
+    machine = load_machine("skx")
+    out = {}
+    for model_name in PLAN_MODELS:
+        extra: dict[str, Any] = {}
+        if run in ("local_sgd", "ddp_post_local_sgd"):
+            extra["local_steps"] = args.local_steps
+        elif run == "hierarchical":
+            extra.update(local_steps=args.local_steps, hierarchical_local=True)
+        elif run in ("powersgd", "ddp_powersgd"):
+            extra["compression_ratio"] = compression_ratio(
+                model_name, args.powersgd_rank, 2.0 if run == "ddp_powersgd" else 1.0)
+        inputs = PlanInputs(global_batch=32768, procs=2048,
+                            procs_per_node=machine.ranks_per_node,
+                            epochs=100 if model_name == "alexnet_bn" else 90, **extra)
+        out[f"plan_{model_name}_min"] = plan(machine, workload(model_name), inputs).total_s / 60
+    return out
+
+
+# -- the report ------------------------------------------------------------------------------
+def finish(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Per-step bytes, the reduction against ``sync`` and the top-1 difference, in place;
+    returns the ratios (goal per run: reduction ≥ 4 at top1_minus_sync ≥ −0.5)."""
+    by_run = {r["run"]: r for r in records}
+    for r in records:
+        r["bytes_per_step"] = r["bytes_per_rank"] / max(1, r["steps"])
+        r.update(planned_minutes(r["run"], args))
+    ratios: dict[str, Any] = {}
+    sync = by_run.get("sync")
+    for r in records:
+        if sync is None or r is sync:
+            continue
+        r["bytes_reduction"] = sync["bytes_per_step"] / max(r["bytes_per_step"], 1e-9)
+        r["top1_minus_sync"] = 100.0 * (r["top1"] - sync["top1"])
+        ratios[f"{r['run']}_bytes_reduction"] = r["bytes_reduction"]
+        ratios[f"{r['run']}_top1_minus_sync"] = r["top1_minus_sync"]
+        ratios[f"{r['run']}_goal_met"] = bool(r["bytes_reduction"] >= 4
+                                              and r["top1_minus_sync"] >= -0.5)
+    return ratios
+
+
+def plot(path: str, records: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpcdl.io import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in records:
+        marker = "s" if r["run"].startswith("ddp") else "o"
+        ax.scatter(r["bytes_per_step"] / 1e6, 100 * r["top1"], marker=marker, s=50)
+        ax.annotate(r["run"], (r["bytes_per_step"] / 1e6, 100 * r["top1"]), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("MB passed to allreduce per rank per step (log)")
+    ax.set_ylabel("Fashion-MNIST test top-1 (%)")
+    ax.set_title("Relaxed consistency vs synchronous LARS (o: hpcdl, s: PyTorch DDP)",
+                 fontsize=9)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def parse_runs(text: str) -> list[str]:
+    runs = [r.strip() for r in text.split(",") if r.strip()]
+    if not runs or any(r not in RUNS for r in runs):
+        raise SystemExit(f"hpcdl bench relaxed: --runs {text!r}: choose from {','.join(RUNS)}")
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = parse_runs(args.runs)
+    from mpi4py import MPI
+
+    from hpcdl.bench.convergence import bench_workdir, prepare_shards
+    from hpcdl.bench.report import bench_report, emit
+
+    world = MPI.COMM_WORLD
+    if "hierarchical" in runs and world.size % args.ranks_per_node:
+        raise SystemExit(f"hpcdl bench relaxed: {world.size} ranks do not make nodes of "
+                         f"--ranks-per-node {args.ranks_per_node}")
+    with bench_workdir(world, args.out, "hpcdl-relaxed-") as out:
+        start = time.perf_counter()
+        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
+        shard_dir = prepare_shards(world, data_dir, args.source, holdout=False)
+        records = []
+        for name in runs:
+            trainer = train_anchor if name in ANCHORS else train_ours
+            extra = (out,) if name in OURS else ()
+            records.append(trainer(world, args, name, shard_dir, *extra))
+            if world.rank == 0:
+                print(f"{name}: top-1 {records[-1]['top1']:.4f}, "
+                      f"{records[-1]['bytes_per_rank'] / 1e6:.1f} MB, "
+                      f"{records[-1]['train_s']:.0f} s", file=sys.stderr, flush=True)
+        if world.rank == 0:
+            ratios = finish(records, args)
+            report = bench_report("relaxed", records, ratios, ranks=world.size)
+            report["settings"] = {k: getattr(args, k) for k in (
+                "epochs", "global_batch", "local_steps", "powersgd_rank", "sync_warmup_epochs",
+                "ranks_per_node", "lr", "trust_coefficient", "width", "source")}
+            report["total_s"] = time.perf_counter() - start
+            emit(report, COLUMNS, args.json)
+            if args.plot:
+                plot(args.plot, records)
+                print(f"wrote {args.plot}")
+            sys.stdout.flush()
+    return 0

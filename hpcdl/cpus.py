@@ -1,0 +1,60 @@
+"""A node's CPUs as the kernel and Slurm write them, and how many threads a rank takes.
+
+The ground floor under both ``hpcdl doctor`` (hpcdl/debug) and the trainer's thread set-up
+(hpcdl/train/threads.py): the doctor predicts the thread count the trainer will use, so the
+rule lives here, below both, and neither imports the other.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+__all__ = ["affinity_cores", "format_cpu_list", "parse_cpu_list", "threads_per_rank"]
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's and Slurm's mask syntax)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    items, out, i = sorted(set(cpus)), [], 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def affinity_cores() -> frozenset[int]:
+    """The cores this process may run on (its MPI binding), or all when unknown."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def threads_per_rank(mine: frozenset[int], node_masks: Sequence[frozenset[int]],
+                     env_limit: int | None = None) -> tuple[int, bool]:
+    """(threads for this rank, whether the node is oversubscribed).
+
+    ``node_masks`` are the affinity masks of every rank on this node (this rank's included).
+    ``env_limit`` (OMP_NUM_THREADS when the user set it) can only lower the count.
+    """
+    sharing = sum(1 for mask in node_masks if mask == mine) or 1
+    threads = max(1, len(mine) // sharing)
+    if env_limit is not None and env_limit >= 1:
+        threads = min(threads, env_limit)
+    node_cores = frozenset().union(*node_masks) if node_masks else mine
+    # Every rank takes the same rule, so the node's total is len(node_masks) * threads at most.
+    oversubscribed = len(node_masks) * threads > len(node_cores) or len(mine) < sharing
+    return threads, oversubscribed

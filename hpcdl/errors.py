@@ -1,0 +1,80 @@
+"""Bad input: errors a person fixes by changing what they passed, and how every rank agrees.
+
+A run started wrong (no shards at ``--data``, a truncated shard, a checkpoint of another model,
+an accelerator that is not installed) must end with one line that names the file, rank or value
+and says what to do -- not a traceback, and not a hang. Two rules give that:
+
+- every such error is a :class:`BadInputError` (the library's own kinds derive from it as well
+  as from the builtin they always were, so ``except ValueError`` callers keep working), and a
+  command prints it as ``hpcdl CMD: message`` and exits :data:`EXIT_BAD_INPUT`;
+- where ranks may see different things (node-local shards, a directory one node cannot write),
+  :func:`agreed` is a collective after which every rank holds the same outcome: if any rank
+  failed, every rank raises the lowest failing rank's error. A rank that exited alone would
+  leave the others blocked in their next collective (MPI has no timeout).
+
+This module is the ground floor (like ``hpcdl.io``): it imports nothing of hpcdl.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["EXIT_BAD_INPUT", "BadInputError", "agreed", "agree_on", "mark_agreed"]
+
+#: Exit code of a command that was given bad input (argparse's own code for bad usage).
+EXIT_BAD_INPUT = 2
+
+
+class BadInputError(Exception):
+    """Input a person can fix: the message names what is wrong and what to do.
+
+    ``agreed`` is True once every rank is known to raise it (after :func:`agree_on`, or a
+    broadcast decision): a command may then exit cleanly on every rank, rank 0 printing the
+    line. An error that is not agreed may be this rank's alone, so the command must abort the
+    job instead (the other ranks could be waiting in a collective).
+    """
+
+    agreed: bool = False
+
+
+def mark_agreed(error: BadInputError) -> BadInputError:
+    """``error``, marked as raised on every rank (see :attr:`BadInputError.agreed`)."""
+    error.agreed = True
+    return error
+
+
+def agree_on(mpi_comm: Any, error: BaseException | None) -> None:
+    """Collective over ``mpi_comm``: raise on every rank if ``error`` is set on any rank.
+
+    The raised error is this rank's own when it failed, else a :class:`BadInputError` carrying
+    the lowest failing rank's message prefixed with that rank (``rank 3 of 8: ...``), so the
+    one line rank 0 prints names the rank that saw the problem.
+    """
+    size = mpi_comm.Get_size() if mpi_comm is not None else 1
+    if size == 1:
+        if error is not None:
+            raise mark_agreed(error) if isinstance(error, BadInputError) else error
+        return
+    messages = mpi_comm.allgather(None if error is None else str(error))
+    failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
+    if not failed:
+        return
+    if isinstance(error, BadInputError) and failed[0][0] == mpi_comm.Get_rank():
+        raise mark_agreed(error)
+    rank, text = failed[0]
+    where = "" if len(failed) == size else f"rank {rank} of {size}: "
+    raise mark_agreed(BadInputError(f"{where}{text}")) from error
+
+
+@contextlib.contextmanager
+def agreed(mpi_comm: Any) -> Iterator[None]:
+    """``with agreed(comm): build()`` -- a :class:`BadInputError` raised in the block on any
+    rank is raised on every rank at the end of the block (collective; see :func:`agree_on`).
+    Other exceptions pass through untouched (fail-fast ends the job on those)."""
+    error: BadInputError | None = None
+    try:
+        yield
+    except BadInputError as exc:
+        error = exc
+    agree_on(mpi_comm, error)

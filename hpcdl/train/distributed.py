@@ -1,0 +1,250 @@
+"""Your own training loop on hpcdl's pieces: Horovod's three calls, on the overlapped reducer.
+
+    comm = hpcdl.comm.init()                                  # hvd.init()
+    log = hpcdl.setup_logging(comm)                           # rank-aware: rank 0 talks
+    optimizer = hpcdl.DistributedOptimizer(optimizer, model, comm)
+    hpcdl.broadcast_parameters(model, comm)                   # every rank starts from rank 0
+    hpcdl.broadcast_optimizer_state(optimizer, comm)
+    for images, labels in my_batches:                         # this rank's share of the batch
+        optimizer.zero_grad()
+        loss_fn(model(images), labels).backward()             # buckets reduced during backward
+        optimizer.step()                                      # wait, then the wrapped step
+
+The design is Horovod's PyTorch binding (Sergeev & Del Balso, arXiv:1802.05799,
+``horovod/torch/optimizer.py``): a hook per gradient launches the reduction as soon as the
+gradient is ready, and ``step()`` first waits for the world's average, then lets the user's
+optimizer step. What differs, and why:
+
+- **Composition, not re-creation.** Horovod builds a subclass of the optimizer's class and
+  re-creates it from ``param_groups``, which needs every constructor argument to have a default
+  (hpcdl's LARS has none for ``lr``) and drops state already loaded. Here the wrapper holds the
+  user's optimizer and shares its ``param_groups`` and ``state``; it is still a
+  ``torch.optim.Optimizer``, so torch's LR schedulers accept it.
+- **The reducer is hpcdl's** (:class:`hpcdl.comm.reducer.GradientReducer`): fusion buckets in
+  reverse registration order, launched in bucket order on one communication thread (DESIGN.md:
+  who calls MPI), averaged gradients written back as views of the buckets. LARS needs exactly
+  this: its trust ratio is computed on the averaged gradient (DESIGN.md: LARS after the
+  allreduce; You et al., ICPP'18).
+- **Accumulation is DDP's** ``no_sync()`` (Li et al., VLDB 2020, §3.2.4): backward passes inside
+  it only accumulate locally; the next backward outside it reduces the sum once. A second
+  backward outside ``no_sync`` before ``step()`` raises instead of racing the communication
+  thread over the same buckets (Horovod raises for the same reason).
+
+BatchNorm statistics stay per rank (as with DDP and Horovod without SyncBN); parameters stay
+identical on every rank because every rank steps on the same averaged gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from hpcdl.comm.reducer import GradientReducer
+
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters",
+           "setup_logging"]
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+def _named_parameters(model: torch.nn.Module | NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(model, torch.nn.Module):
+        return list(model.named_parameters())
+    named = list(model)
+    if not all(isinstance(item, tuple) and len(item) == 2 for item in named):
+        raise TypeError("DistributedOptimizer: pass the model, or model.named_parameters() "
+                        "((name, tensor) pairs); a bare parameter list has no names to lay "
+                        "out the buckets identically on every rank")
+    return named
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that ``step()`` applies the world's average gradient.
+
+    ``model`` is the module (or its ``named_parameters()``) whose gradients are averaged over
+    ``comm``; every parameter of ``optimizer`` must be among them. ``bucket_bytes`` is the fusion
+    bucket size (default: the communicator's), ``wire_dtype`` the buckets' dtype
+    (``torch.bfloat16`` halves the bytes sent; default: the parameters' dtype). Any
+    ``torch.optim.Optimizer`` works, hpcdl's LARS included; attributes the wrapper does not
+    define (``scale_momentum_`` of LARS, for example) are the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | NamedTensors,
+                 comm, *, bucket_bytes: int | None = None,
+                 wire_dtype: torch.dtype | None = None) -> None:
+        # No super().__init__: the groups, state and defaults are the wrapped optimizer's own
+        # (the properties below), and the base constructor would overwrite them.
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("DistributedOptimizer: the optimizer is already wrapped")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer: expected a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        named = _named_parameters(model)
+        _check_covered(optimizer, named)
+        self.optimizer = optimizer
+        self.comm = comm
+        # Registered before the reducer's hooks, so a second backward is refused before the
+        # reducer packs anything into buckets that may still be on the wire.
+        self._seen: set[int] = set()
+        self._guards = [p.register_post_accumulate_grad_hook(self._one_backward_per_step)
+                        for _, p in named if p.requires_grad]
+        # One rank: the average is the rank's own gradient, nothing to communicate.
+        self.reducer = GradientReducer(comm, named,
+                                       bucket_bytes=bucket_bytes or comm.bucket_bytes,
+                                       wire_dtype=wire_dtype, enabled=comm.size > 1)
+        self._syncing = True
+        self.reducer.arm(last=True)
+
+    # -- the wrapped optimizer's data, shared rather than copied ---------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the wrapper lacks: the wrapped optimizer's extras and
+        # torch's hook dictionaries (so hooks registered here run on the wrapped step).
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None:
+            raise AttributeError(name)
+        return getattr(optimizer, name)
+
+    # -- what the training loop calls ----------------------------------------------------
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Wait for the averaged gradients, then step the wrapped optimizer."""
+        if closure is not None:
+            # A closure runs forward and backward again inside step: its gradients would be
+            # reduced after the step that needs them.
+            raise ValueError("DistributedOptimizer.step: closures are not supported; run "
+                             "forward and backward before step()")
+        self.reducer.synchronize()
+        self._seen.clear()
+        loss = self.optimizer.step()
+        self.reducer.arm(last=self._syncing)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate into ``p.grad`` on this rank; the first
+        backward after it reduces the accumulated sum (DDP's ``no_sync``)."""
+        self._syncing = False
+        self.reducer.arm(last=False)
+        try:
+            yield
+        finally:
+            self._syncing = True
+            self.reducer.arm(last=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("DistributedOptimizer: the fusion buckets are laid out once; "
+                           "add the parameters to the optimizer before wrapping it")
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread (idempotent)."""
+        for handle in self._guards:
+            handle.remove()
+        self._guards = []
+        self.reducer.close()
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    def _one_backward_per_step(self, p: torch.Tensor) -> None:
+        if not self._syncing:
+            return
+        if id(p) in self._seen:
+            raise RuntimeError(
+                f"DistributedOptimizer on rank {self.comm.rank}: a second backward() before "
+                f"step(); for gradient accumulation run every backward but the last inside "
+                f"`with optimizer.no_sync():`")
+        self._seen.add(id(p))
+
+
+def _check_covered(optimizer: torch.optim.Optimizer,
+                   named: list[tuple[str, torch.Tensor]]) -> None:
+    """Every parameter the optimizer steps must have its gradient averaged: one left out
+    would drift apart on each rank, silently."""
+    reduced = {id(p) for _, p in named}
+    missing = sum(1 for group in optimizer.param_groups for p in group["params"]
+                  if id(p) not in reduced)
+    if missing:
+        raise ValueError(f"DistributedOptimizer: {missing} parameter(s) of the optimizer are "
+                         f"not parameters of the model passed; pass the model they belong to")
+
+
+def _state_tensors(state: torch.nn.Module | Mapping[str, torch.Tensor] | NamedTensors,
+                   ) -> list[torch.Tensor]:
+    if isinstance(state, torch.nn.Module):
+        items = state.state_dict().items()
+    elif isinstance(state, Mapping):
+        items = state.items()
+    else:
+        items = list(state)
+    return [t for _, t in items if isinstance(t, torch.Tensor) and t.numel() > 0]
+
+
+def broadcast_parameters(model: torch.nn.Module | Mapping[str, torch.Tensor] | NamedTensors,
+                         comm, root: int = 0) -> None:
+    """Copy ``root``'s parameters and buffers into every rank's model, in place and bit-exact
+    (Horovod's ``broadcast_parameters(model.state_dict(), root_rank=0)``). Accepts a module,
+    a ``state_dict()`` or ``named_parameters()``. Collective over ``comm``; models whose
+    shapes differ between ranks raise on every rank instead of hanging."""
+    comm.broadcast_(_state_tensors(model), root=root)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm, root: int = 0) -> None:
+    """Give every rank ``root``'s optimizer state and hyperparameters (momentum buffers after
+    a resume, the learning rate of each group). Collective over ``comm``; sent pickled, once
+    per run, so no effort goes into speed."""
+    state = optimizer.state_dict() if comm.rank == root else None
+    state = comm.mpi_comm.bcast(state, root=root)
+    if comm.rank != root:
+        optimizer.load_state_dict(state)
+
+
+def setup_logging(comm, run_dir: str | None = None, level: int | str = "info",
+                  name: str = "main") -> logging.Logger:
+    """A logger whose lines say ``[rank r/size host]``: rank 0's reach the terminal, the
+    other ranks' only when they are errors, and with ``run_dir`` every rank also writes
+    ``run_dir/logs/rank-XXXX.log`` (hpcdl/debug/log.py). Returns ``hpcdl.<name>``."""
+    from hpcdl.debug import setup_rank_logging
+
+    setup_rank_logging(run_dir, comm.rank, comm.size, level)
+    return logging.getLogger(f"hpcdl.{name}")
