@@ -56,6 +56,7 @@ class MpiLibrary:
 def identify(library_version: str) -> MpiLibrary:
     """Parse ``MPI.Get_library_version()`` ('Intel(R) MPI Library 2021.13 for Linux* OS',
     'Open MPI v5.0.11, package: ...', 'MPICH Version:      5.0.2 ...')."""
+    library_version = library_version.replace("\x00", "")  # Open MPI's ends in a NUL
     text = " ".join(library_version.split())
     first = " ".join(library_version.strip().splitlines()[0].split()) if text else ""
     for flavor, pattern in _PATTERNS:

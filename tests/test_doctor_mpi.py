@@ -28,7 +28,7 @@ LIBRARY_STRINGS = {
 def test_library_is_named_from_its_own_version_string(text):
     library = identify(text)
     assert (library.flavor, library.version, str(library)) == LIBRARY_STRINGS[text]
-    assert "\n" not in library.text
+    assert "\n" not in library.text and "\x00" not in library.text
 
 
 @pytest.mark.parametrize("env, launcher", [
