@@ -2,10 +2,11 @@
 
 Run with one rank per node (``srun --ntasks-per-node=1`` or ``mpiexec -ppn 1``); extra ranks
 on a node are tolerated and only its first rank copies. The node index is the order of the
-nodes' lowest world ranks, from ``Split_type(COMM_TYPE_SHARED)`` -- the same numbering the
-loader uses (hpcdl.data.node_layout), so node k stages exactly the shards k, k+K, ... it
-will read. Copies are atomic (temporary name, rename after the sha256 matched the manifest)
-and files already present with the right sha256 are skipped, so a re-run is cheap.
+nodes' lowest world ranks, by the communicator's rule (hpcdl.data.nodes: ranks that share
+memory, or HPCDL_RANKS_PER_NODE pretend nodes) -- the same numbering the loader uses, so node
+k stages exactly the shards k, k+K, ... it will read. Copies are atomic (temporary name,
+rename after the sha256 matched the manifest) and files already present with the right sha256
+are skipped, so a re-run is cheap.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def stage_node(shard_dir: str, local_dir: str, node_index: int, num_nodes: int,
                       os.path.join(local_dir, entry["name"]), entry["sha256"])
         copied.append(entry["name"])
     atomic_write_text(os.path.join(local_dir, MANIFEST), json.dumps(manifest, indent=1) + "\n")
-    return {"node_index": node_index, "num_nodes": num_nodes, "copied": copied,
+    return {"node_index": node_index, "num_nodes": num_nodes, "local_dir": local_dir,
+            "copied": copied,
             "present": present,
             "bytes": sum(os.path.getsize(os.path.join(local_dir, n)) for n in copied + present)}
 

@@ -12,6 +12,9 @@ if [ -n "$SETUP" ]; then
     source "$SETUP" || { log "setup file $SETUP failed"; exit 1; }
 fi
 
+# Read at every start, never rendered in: a job requeued onto fewer or more nodes (drained
+# nodes, `scontrol update JobId=... NumNodes=...`, `sbatch --nodes=MIN-MAX`) launches that many
+# ranks, and `hpcdl train --resume auto` adapts the per-rank batch (docs/training.md).
 NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 
 # The MPI decides the launcher (docs/mpi.md): srun with PMI-2 for MPICH and Intel MPI (which
@@ -46,6 +49,14 @@ fi
 log "MPI $MPI, launcher $LAUNCHER${I_MPI_PMI_LIBRARY:+, I_MPI_PMI_LIBRARY=$I_MPI_PMI_LIBRARY}"
 log "restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-$(hostname)}: $NNODES node(s) x" \
     "$RANKS_PER_NODE rank(s), $THREADS_PER_RANK thread(s) per rank, launcher $LAUNCHER"
+# Pretend nodes (HPCDL_RANKS_PER_NODE=k, a testing aid, docs/slurm.md): every k ranks act as one
+# node, so each stages into its own directory ({node} is filled in by stage and train) and
+# staging runs as many ranks per node as training, giving every pretend node its first rank.
+LOCAL_ROOT=$LOCAL_DATA
+if [ -n "${HPCDL_RANKS_PER_NODE:-}" ]; then
+    LOCAL_DATA="$LOCAL_ROOT/node-{node}"
+    log "pretend nodes: HPCDL_RANKS_PER_NODE=$HPCDL_RANKS_PER_NODE, staging into $LOCAL_DATA"
+fi
 
 # launcher_command PER_NODE CPUS CMD...: sets LAUNCH to the command that starts CMD as
 # PER_NODE ranks on each node. An array, not a function, so that `"${LAUNCH[@]}" &` gives the
@@ -100,7 +111,7 @@ fi
 TRAIN_DATA=$DATA
 if [ "${HPCDL_STAGE:-1}" = 1 ]; then
     stage_per_node=1
-    [ "$LAUNCHER" = ibrun ] && stage_per_node=$RANKS_PER_NODE
+    [ "$LAUNCHER" = ibrun ] || [ -n "${HPCDL_RANKS_PER_NODE:-}" ] && stage_per_node=$RANKS_PER_NODE
     run_step stage "$stage_per_node" 1 hpcdl prep stage --shards "$DATA" --to "$LOCAL_DATA" \
         "${STAGE_ARGS[@]}"
     TRAIN_DATA=$LOCAL_DATA
@@ -145,7 +156,7 @@ trap - USR1
 log "training finished with exit code $rc"
 if [ "$rc" -eq 0 ] && [ "$TRAIN_DATA" = "$LOCAL_DATA" ] && [ "${HPCDL_KEEP_LOCAL:-0}" != 1 ]; then
     # The run is over: free the node-local disk (a requeued run keeps it, to skip the copy).
-    launcher_command 1 1 rm -rf "$LOCAL_DATA"
-    "${LAUNCH[@]}" || log "could not remove $LOCAL_DATA on every node"
+    launcher_command 1 1 rm -rf "$LOCAL_ROOT"
+    "${LAUNCH[@]}" || log "could not remove $LOCAL_ROOT on every node"
 fi
 exit "$rc"

@@ -99,6 +99,13 @@ def test_an_interrupted_study_resumes_without_redoing_finished_runs(tmp_path):
     assert study.execute_study(study_args(), third, str(tmp_path))["rows"] == result["rows"]
 
 
+def test_a_study_with_other_settings_on_the_same_out_is_refused(tmp_path):
+    study.execute_study(study_args(batch_list=[128], seeds=1), FakeTrainer(), str(tmp_path))
+    with pytest.raises(SystemExit, match="epochs"):
+        study.execute_study(study_args(batch_list=[128], seeds=1, epochs=3), FakeTrainer(),
+                            str(tmp_path))
+
+
 def test_study_recipes_differ_only_in_batch_lr_optimizer_and_seed():
     args = study_args(epochs=4, width=8, warmup_epochs=0.5)
     a = study.study_recipe(study.StudyRun("final", "lars", 3072, 3.0, 2), args, ranks=2)

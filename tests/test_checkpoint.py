@@ -100,3 +100,18 @@ def test_steps_sort_numerically_not_by_name(tmp_path):
     for step in (999, 1000):
         ckpt.save_checkpoint(ckpt.checkpoint_path(run, step), make_state(step))
     assert ckpt.latest_valid_checkpoint(run)[1]["step"] == 1000
+
+
+def test_elastic_resume_starts_every_rank_from_the_mean_bn_statistics():
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpcdl.train.trainer import Trainer
+
+    model = torch.nn.BatchNorm1d(3)
+    saved = [{"running_mean": torch.full((3,), float(r)), "running_var": torch.full((3,), 2.0 * r)}
+             for r in range(4)]
+    Trainer._load_mean_buffers(SimpleNamespace(model=model), saved)
+    assert torch.equal(model.running_mean, torch.full((3,), 1.5))
+    assert torch.equal(model.running_var, torch.full((3,), 3.0))

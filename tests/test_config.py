@@ -133,3 +133,21 @@ def test_resolved_config_round_trips(recipe, tmp_path):
     again = load_recipe(path)
     assert again.to_dict() == config.to_dict()
     assert yaml.safe_load(open(path))["train"]["seed"] == 7
+
+
+def test_elastic_batch_keeps_the_global_batch_at_a_new_rank_count():
+    from hpcdl.train.config import elastic_batch
+
+    assert elastic_batch(BatchConfig(global_=256, per_rank=None), 2) == (128, 1)
+    # a fixed per-rank batch is what fitted in memory: accumulate instead of growing it
+    assert elastic_batch(BatchConfig(global_=256, per_rank=64), 2) == (64, 2)
+    assert elastic_batch(BatchConfig(global_=256, per_rank=64), 8) == (32, 1)
+    assert elastic_batch(BatchConfig(global_=256, per_rank=None), 2, saved_per_rank=64) \
+        == (128, 1)
+
+
+def test_elastic_batch_refuses_a_rank_count_that_cannot_split_it_naming_those_that_can():
+    from hpcdl.train.config import elastic_batch
+
+    with pytest.raises(RecipeError, match=r"over 3 ranks.*1, 2, 4, 8, 16, 32, 64, 128, 256"):
+        elastic_batch(BatchConfig(global_=256, per_rank=64), 3)

@@ -198,3 +198,11 @@ def test_caffe_alexnets_take_227_px_and_count_bvlc_flops(name):
     model = create_model(name)
     assert model(torch.zeros(2, 3, 227, 227)).shape == (2, 1000)
     assert flops(model, 227) == 724_406_816
+
+
+def test_the_planner_counts_the_caffe_alexnets(tmp_path):
+    """`hpcdl plan --model alexnet_bn_nvcaffe` takes its cost from the registry like any model."""
+    from hpcdl.plan.workload import workload
+
+    w = workload("alexnet_bn_nvcaffe", 227, cache_path=str(tmp_path / "flops.json"))
+    assert w.forward_macs == 724_406_816 and w.parameters == 60_965_224

@@ -139,3 +139,11 @@ def test_goyal_baseline_is_linear_scaling_with_step_decay():
     assert cfg.schedule["warmup_epochs"] == 5 and cfg.schedule["milestones"] == [30, 60, 80]
     schedule = create_schedule(cfg.schedule, 100, 9000)
     assert schedule(2999) == pytest.approx(3.2) and schedule(3000) == pytest.approx(0.32)
+
+
+@pytest.mark.parametrize("override, word", [("data.crop=inception", "data.crop"),
+                                            ("data.normalize=bgr", "data.normalize"),
+                                            ("data.input_scale=0", "data.input_scale")])
+def test_data_input_options_are_validated(override, word):
+    with pytest.raises(ValueError, match=word):
+        load_recipe(recipe_path("alexnet_bn_lars_32k"), [override])

@@ -48,6 +48,11 @@ __all__ = ["StudyRun", "OPTIMIZERS", "centre_lr", "tuning_runs", "select_lr", "f
 
 OPTIMIZERS = ("lars", "sgd")
 RECORD = "record.json"
+SIGNATURE = "study.json"
+# What every run of one study shares; a second invocation on the same --out must match it.
+SIGNATURE_KEYS = ("epochs", "model", "width", "micro_batch", "warmup_epochs", "weight_decay",
+                  "trust_coefficient", "min_scale", "source", "sgd_lr", "small_batch",
+                  "lars_lr", "max_steps")
 STUDY_COLUMNS = ["optimizer", "global_batch", "lr", "holdout_top1", "top1_mean", "top1_std",
                  "top1_min", "top1_max", "seeds", "train_s_mean"]
 # The batch the LARS centre is anchored at: the three-run bench tuned lr 2 / η 0.02 there.
@@ -244,12 +249,33 @@ def _do_runs(runs: Iterable[StudyRun], runner: Runner, out: str, records: dict[s
     return True
 
 
+def check_signature(args: argparse.Namespace, out: str, write: bool) -> None:
+    """Refuse to mix runs of different settings in one --out: record.json files are reused by
+    run name (optimizer, batch, lr, seed), which does not name epochs, width and the rest."""
+    signature = {k: getattr(args, k) for k in SIGNATURE_KEYS}
+    path = os.path.join(out, SIGNATURE)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if saved != signature:
+            diff = {k: (saved.get(k), signature[k]) for k in signature if saved.get(k) !=
+                    signature[k]}
+            raise SystemExit(f"hpcdl bench convergence --study: {path} was written by a study "
+                             f"with other settings (saved, now): {diff}; use another --out or "
+                             f"the same settings")
+    elif write:
+        os.makedirs(out, exist_ok=True)
+        atomic_write_text(path, json.dumps(signature, indent=1) + "\n")
+
+
 def execute_study(args: argparse.Namespace, runner: Runner, out: str, write: bool = True,
                   barrier: Callable[[], None] = lambda: None) -> dict[str, Any] | None:
     """Tune on the holdout split, pick each (optimizer, batch)'s lr, train the finals with
     ``args.seeds`` seeds on the test split; ``runner(run, run_dir)`` trains one run and
     returns its record (``top1``, ``train_s``, ...) or None when stopped by a signal (then
     this returns None too). Runs with a record.json under ``out`` are not run again."""
+    check_signature(args, out, write)
+    barrier()
     records: dict[str, dict[str, Any]] = {}
     tune = tuning_runs(args)
     if not _do_runs(tune, runner, out, records, write, barrier):

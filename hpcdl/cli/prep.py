@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stage = sub.add_parser("stage", help="copy the shards this node reads to local disk "
                            "(one rank per node)")
     stage.add_argument("--shards", required=True, help="shard directory on the shared file system")
-    stage.add_argument("--to", required=True, help="node-local directory")
+    stage.add_argument("--to", required=True,
+                       help="node-local directory; {node} in it is replaced by the node index "
+                            "(pretend nodes on one machine, HPCDL_RANKS_PER_NODE)")
     stage.add_argument("--splits", default="train,val", help="comma-separated splits to stage")
     stage.add_argument("--all", action="store_true",
                        help="copy every shard (for rotate_shards, which reads all of them)")
@@ -103,15 +105,18 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_stage(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from hpcdl.data.nodes import node_layout
+    from hpcdl.data.nodes import node_layout, node_path
     from hpcdl.data_prep.stage import stage_node
 
     comm = MPI.COMM_WORLD
+    # The communicator's node rule (HPCDL_RANKS_PER_NODE included), so node k stages exactly
+    # what node k's loader reads; {node} in --to gives pretend nodes a directory each.
     node_index, num_nodes, local_rank, _ = node_layout(comm)
+    local_dir = node_path(args.to, node_index)
     result, error = None, None
     if local_rank == 0:  # one copier per node even if launched with more ranks
         try:
-            result = stage_node(args.shards, args.to, node_index, num_nodes,
+            result = stage_node(args.shards, local_dir, node_index, num_nodes,
                                 tuple(args.splits.split(",")), everything=args.all)
         except (OSError, ValueError) as exc:
             error = f"node {node_index} (rank {comm.rank}): {exc}"
@@ -124,7 +129,7 @@ def run_stage(args: argparse.Namespace) -> int:
             elif result:
                 print(f"node {result['node_index']}/{result['num_nodes']}: copied "
                       f"{len(result['copied'])}, already present {len(result['present'])}, "
-                      f"{result['bytes'] / 2**30:.2f} GiB in {args.to}")
+                      f"{result['bytes'] / 2**30:.2f} GiB in {result['local_dir']}")
     return 1 if failed else 0
 
 

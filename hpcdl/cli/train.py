@@ -151,6 +151,7 @@ def run_data_parallel(args: argparse.Namespace, config, world) -> int:
     import hpcdl.comm
     from hpcdl.debug import Timeline, watch_collectives
     from hpcdl.errors import agreed
+    from hpcdl.train.checkpoint import resume_layout
     from hpcdl.train.launch import setup_run_process
     from hpcdl.train.threads import configure_threads
     from hpcdl.train.trainer import (
@@ -171,11 +172,20 @@ def run_data_parallel(args: argparse.Namespace, config, world) -> int:
     watch_collectives(comm, args.out, timeline=timeline)
     trainer = None
     try:
+        # The checkpoint's rank count, batch and epoch length, read first: a resume on another
+        # rank count (requeued onto other nodes) adapts the per-rank batch, or is refused here
+        # naming the rank counts that would work, before any rank loads data.
+        layout = resume_layout(args.resume, args.out, world)
         with agreed(world):
             try:
                 trainer = Trainer(config, args.data, args.out, comm,
-                                  options=_train_options(args), timeline=timeline)
+                                  options=_train_options(args), timeline=timeline,
+                                  resume_layout=layout)
             except ValueError as exc:
+                if layout and layout.get("world_size") != comm.size:
+                    raise BadInputError(
+                        f"--resume {args.resume}: the checkpoint in {args.out} was written by "
+                        f"{layout.get('world_size')} ranks: {exc}") from exc
                 raise _recipe_value_error(args.recipe, exc) from exc
         with agreed(world):
             trainer.resume(args.resume)

@@ -23,6 +23,7 @@ from hpcdl.comm.base import (
     CollectiveMismatchError,
     Communicator,
 )
+from hpcdl.data.nodes import split_nodes
 from hpcdl.debug.faults import install_fail_fast
 from hpcdl.errors import BadInputError
 
@@ -52,7 +53,7 @@ def auto_backend(world: MPI.Intracomm) -> str:
     (or one rank) ``mpi``: the vendor's allreduce is tuned for the interconnect.
     Collective over ``world``.
     """
-    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    node = split_nodes(world)  # honours HPCDL_RANKS_PER_NODE, like the topology
     try:
         most = world.allreduce(node.size, op=MPI.MAX)
     finally:
@@ -68,8 +69,9 @@ def init(backend: str = "auto", world: MPI.Intracomm | None = None,
 
     ``bucket_bytes`` is the fusion bucket size of :meth:`Communicator.allreduce_`;
     ``wire_dtype=torch.bfloat16`` sends bf16 and sums in fp32 (``ring``, ``shm``).
-    ``ranks_per_node=k`` treats groups of k consecutive ranks as nodes (to exercise the
-    multi-node paths on one machine); None (the default) asks MPI which ranks share memory.
+    ``ranks_per_node=k`` treats groups of k consecutive world ranks as nodes (to exercise the
+    multi-node paths on one machine); None (the default) reads the testing switch
+    ``HPCDL_RANKS_PER_NODE``, and without it asks MPI which ranks share memory.
     ``fail_fast=False`` leaves ``sys.excepthook``/``threading.excepthook`` alone (a caller that
     handles a dead rank itself); by default an uncaught exception aborts the whole job.
     Unknown names raise :class:`BackendError`; a backend whose optional library is missing

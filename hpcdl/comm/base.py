@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcdl.data.nodes import ranks_per_node_from_env, split_nodes
 from hpcdl.debug.monitor import NULL_MONITOR
 
 #: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
@@ -159,8 +160,13 @@ class Communicator:
         self._comm = self.mpi_comm.Dup()          # our collectives and point-to-point
         self._check_comm = self.mpi_comm.Dup()    # signature checks only
         self._init_topology()
-        #: wait with Test+sleep instead of MPI's busy-polling Wait (ring, shm)
-        self.yield_while_waiting = oversubscribed(self.local_size)
+        #: wait with Test+sleep instead of MPI's busy-polling Wait (ring, shm). Agreed by all
+        #: ranks: shm issues Iallreduce when yielding and Allreduce otherwise, and a blocking
+        #: and a non-blocking collective never match (MPI-3.1 §5.12) -- with nodes of 3 and 1
+        #: ranks on 2 cores, one leader yielded and the other blocked: a hang (tests/mpi/
+        #: test_nodes.py).
+        self.yield_while_waiting = bool(self._comm.allreduce(
+            oversubscribed(self.local_size), op=MPI.LOR))
         self._checked: set[int] = set()
         self._staging: dict[torch.dtype, torch.Tensor] = {}
         self._closed = False
@@ -169,12 +175,12 @@ class Communicator:
     def _init_topology(self) -> None:
         """Nodes are the groups of ranks that can share memory (MPI_COMM_TYPE_SHARED).
 
-        ``ranks_per_node=k`` pretends consecutive groups of k ranks are nodes: it exercises
-        the multi-node paths on one machine (tests, benchmarks); leave it None in training."""
-        if self.ranks_per_node:
-            self.node_comm = self._comm.Split(self.rank // self.ranks_per_node, self.rank)
-        else:
-            self.node_comm = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        ``ranks_per_node=k`` (or ``HPCDL_RANKS_PER_NODE=k`` when it is None) pretends that
+        consecutive groups of k world ranks are nodes: it exercises the multi-node paths on one
+        machine (tests, benchmarks). hpcdl.data.nodes holds the rule, shared with staging."""
+        if self.ranks_per_node is None:
+            self.ranks_per_node = ranks_per_node_from_env()
+        self.node_comm = split_nodes(self._comm, self.ranks_per_node)
         self.local_rank = self.node_comm.rank
         self.local_size = self.node_comm.size
         is_leader = self.local_rank == 0

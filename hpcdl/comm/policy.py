@@ -72,6 +72,8 @@ class ConsistencyPolicy:
     def __init__(self, comm, reducer) -> None:
         self.comm = comm
         self.reducer = reducer
+        #: whether this policy communicates at all (False: one rank, or --no-comm)
+        self.communicates = reducer.buckets[0].buffer is not None  # (built enabled)
         self.bytes_world = 0
         self.bytes_node = 0
         self._seen = 0       # reducer.bytes_reduced already attributed

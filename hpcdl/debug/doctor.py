@@ -136,16 +136,18 @@ def collect_rank_info(mpi_comm: Any, staging_dir: str, data_dir: str | None = No
     """Everything the checks need about this rank (collective over ``mpi_comm``)."""
     from mpi4py import MPI
 
-    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.rank)
-    leader = mpi_comm.Split(0 if node.rank == 0 else MPI.UNDEFINED, mpi_comm.rank)
-    node_index = node.bcast(leader.rank if node.rank == 0 else None, root=0)
+    from hpcdl.data.nodes import node_layout, node_path, ranks_per_node_from_env
+
+    # "Which node": the communicator's rule (honours HPCDL_RANKS_PER_NODE), so the table shows
+    # the nodes the loader and staging will use. Cores are another question: the ranks that
+    # compete for them are those that really share the machine, pretend nodes or not.
+    node_index, num_nodes, local_rank, local_size = node_layout(mpi_comm)
+    machine = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.rank)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else list(range(os.cpu_count() or 1))
-    node_masks = node.allgather(cpus)
-    local_rank, local_size = node.rank, node.size
-    if leader != MPI.COMM_NULL:
-        leader.Free()
-    node.Free()
+    node_masks = machine.allgather(cpus)
+    machine.Free()
+    staging_dir = node_path(staging_dir, node_index)  # --staging /tmp/stage-{node}
     node_cpus = online_cpus()
     mounts = _read_mounts()
     staging_mount, staging_fs = mount_of(staging_dir, mounts)
@@ -155,7 +157,8 @@ def collect_rank_info(mpi_comm: Any, staging_dir: str, data_dir: str | None = No
         free = None
     info = {
         "rank": mpi_comm.rank, "size": mpi_comm.size, "host": socket.gethostname(),
-        "node_index": node_index, "local_rank": local_rank, "local_size": local_size,
+        "node_index": node_index, "num_nodes": num_nodes, "local_rank": local_rank,
+        "local_size": local_size, "ranks_per_node_switch": ranks_per_node_from_env(),
         "pid": os.getpid(), "cpus": cpus, "sockets": sorted({cpu_socket(c) for c in cpus}),
         # Cores the job may use on this node: the union of its ranks' masks (a Slurm job with
         # part of a node sees only its cgroup's cores), not every core the kernel lists.
@@ -439,9 +442,28 @@ def check_accelerators(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
                     f"{info['torch']} (pip install '.[intel]' where wheels exist)")]
 
 
-CHECKS = (check_launcher_mismatch, check_oversubscription, check_shared_cores,
-          check_socket_span, check_narrow_binding, check_mpi_pinning_env, check_hdf5_locking,
-          check_staging_space, check_accelerators)
+def check_pretend_nodes(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+    """HPCDL_RANKS_PER_NODE is a testing aid: say that it is on, and refuse it across hosts
+    (ranks of two machines would be one "node" and share memory that is not shared)."""
+    k = ranks[0].get("ranks_per_node_switch")
+    if not k:
+        return []
+    hosts = sorted(_by_host(ranks))
+    nodes = max(i["node_index"] for i in ranks) + 1
+    if len(hosts) > 1:
+        return [Finding("error", "pretend-nodes",
+                        f"HPCDL_RANKS_PER_NODE={k} is set but the ranks run on {len(hosts)} "
+                        f"hosts ({', '.join(hosts[:4])}): pretend nodes would span machines",
+                        "unset HPCDL_RANKS_PER_NODE on a real cluster (it is a testing aid)")]
+    return [Finding("info", "pretend-nodes",
+                    f"HPCDL_RANKS_PER_NODE={k}: {len(ranks)} ranks on {hosts[0]} act as {nodes} "
+                    f"nodes (consecutive ranks fill nodes of {k})",
+                    "a testing aid; unset it to use the real node layout")]
+
+
+CHECKS = (check_pretend_nodes, check_launcher_mismatch, check_oversubscription,
+          check_shared_cores, check_socket_span, check_narrow_binding, check_mpi_pinning_env,
+          check_hdf5_locking, check_staging_space, check_accelerators)
 
 
 def diagnose(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:

@@ -32,7 +32,7 @@ from hpcdl.io import atomic_write
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "CheckpointMismatchError",
            "CheckpointWriteError", "checkpoint_path", "check_compatible", "list_checkpoints",
            "save_checkpoint", "load_checkpoint", "latest_valid_checkpoint", "prune_checkpoints",
-           "rng_state", "set_rng_state"]
+           "rng_state", "set_rng_state", "resume_layout", "LAYOUT_KEYS"]
 
 log = logging.getLogger("hpcdl.train")
 
@@ -123,10 +123,11 @@ def _os_error_of(exc: BaseException | None) -> OSError | None:
     return None
 
 
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """Read a checkpoint with ``weights_only=True``; a clear error when it is not one."""
+def load_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint with ``weights_only=True``; a clear error when it is not one.
+    ``mmap=True`` maps tensors instead of reading them (cheap, to look at the scalars)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path}: no such file") from None
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
@@ -189,15 +190,41 @@ def _tensor_differences(saved: Mapping[str, Any], mine: Mapping[str, torch.Tenso
     return ", ".join(parts)
 
 
-def latest_valid_checkpoint(run_dir: str) -> tuple[str, dict[str, Any]] | None:
+def latest_valid_checkpoint(run_dir: str,
+                            mmap: bool = False) -> tuple[str, dict[str, Any]] | None:
     """The newest checkpoint of ``run_dir`` that loads; a bad one is logged (with its name)
     and the previous one is tried. None when there is none."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            return path, load_checkpoint(path)
+            return path, load_checkpoint(path, mmap=mmap)
         except CheckpointError as exc:
             log.error("%s; trying the previous checkpoint", exc)
     return None
+
+
+#: What a checkpoint says about the layout that wrote it (hpcdl.train.trainer, elastic resume).
+LAYOUT_KEYS = ("world_size", "global_batch", "per_rank", "accumulation", "step",
+               "steps_per_epoch")
+
+
+def resume_layout(spec: str | None, run_dir: str, mpi_comm) -> dict[str, int] | None:
+    """The layout (:data:`LAYOUT_KEYS`) of the checkpoint ``--resume spec`` will load, or None
+    (fresh start, or a checkpoint that does not load: the resume itself reports that).
+
+    Read before the trainer is built, so that the per-rank batch at a new rank count is
+    chosen, or refused, before any rank loads data. Rank 0 maps the file (no tensor is
+    read) and broadcasts. Collective over ``mpi_comm``."""
+    layout = None
+    if mpi_comm.rank == 0 and spec not in (None, "", "none"):
+        try:
+            found = latest_valid_checkpoint(run_dir, mmap=True) if spec == "auto" \
+                else (spec, load_checkpoint(spec, mmap=True))
+        except CheckpointError:
+            found = None
+        if found is not None:
+            state = found[1]
+            layout = {k: int(state[k]) for k in LAYOUT_KEYS if k in state}
+    return mpi_comm.bcast(layout, root=0)
 
 
 def prune_checkpoints(run_dir: str, keep: int) -> list[str]:

@@ -25,7 +25,7 @@ from hpcdl.errors import BadInputError
 from hpcdl.io import atomic_write_text
 
 __all__ = ["Config", "RecipeError", "load_recipe", "parse_overrides", "resolve_recipe",
-           "shipped_recipes", "resolve_batch",
+           "shipped_recipes", "resolve_batch", "elastic_batch", "rank_counts",
            "write_resolved_config", "config_from_dict"]
 
 
@@ -388,9 +388,11 @@ def resolve_batch(batch: BatchConfig, ranks: int) -> tuple[int, int]:
         if rest or per_rank == 0:
             raise RecipeError(
                 f"batch.global={batch.global_} is not divisible by {ranks} ranks × accumulation "
-                f"{accumulation}; run on a rank count that divides it, or set batch.per_rank "
-                f"and batch.accumulation so that per_rank × ranks × accumulation = "
-                f"{batch.global_}")
+                f"{accumulation}; run on a rank count that divides it "
+                f"({format_counts(rank_counts(batch.global_ // accumulation))}"
+                f"{' with this accumulation' if accumulation > 1 else ''}), or set "
+                f"batch.per_rank and batch.accumulation so that per_rank × ranks × accumulation "
+                f"= {batch.global_}")
         return per_rank, accumulation
     actual = batch.per_rank * ranks * accumulation
     if actual != batch.global_:
@@ -403,6 +405,54 @@ def resolve_batch(batch: BatchConfig, ranks: int) -> tuple[int, int]:
             f"batch.global={batch.global_} but batch.per_rank={batch.per_rank} × {ranks} ranks × "
             f"accumulation {accumulation} = {actual}{hint} (or batch.per_rank=null to derive it)")
     return batch.per_rank, accumulation
+
+
+def rank_counts(global_batch: int) -> list[int]:
+    """Rank counts over which ``global_batch`` splits into equal per-rank micro-batches: its
+    divisors (per_rank × ranks × accumulation = global has an integer solution iff ranks
+    divides global)."""
+    return [p for p in range(1, global_batch + 1) if global_batch % p == 0]
+
+
+def format_counts(counts: list[int], most: int = 14) -> str:
+    shown = ", ".join(map(str, counts[:most]))
+    return shown + (f", ... ({len(counts)} in all)" if len(counts) > most else "")
+
+
+def elastic_batch(batch: BatchConfig, ranks: int,
+                  saved_per_rank: int | None = None) -> tuple[int, int]:
+    """(per_rank, accumulation) for resuming at ``ranks`` a run written at another rank count,
+    with the same global batch (docs/training.md, "Resuming on another rank count").
+
+    The recipe's own rule first (:func:`resolve_batch`: ``per_rank: null`` derives the per-rank
+    batch). Where it has no solution, ``batch.per_rank`` (or the checkpoint's per-rank batch)
+    is an upper bound -- what fitted a rank's memory -- and the fewest accumulation steps that
+    keep per_rank × ranks × accumulation = global under it are taken (Goyal et al.,
+    arXiv:1706.02677 §2.2: accumulating k micro-batches is one batch of k× the size, BN aside).
+    A rank count that does not divide the global batch is an error naming those that do.
+    """
+    global_ = batch.global_
+    if ranks < 1 or global_ % ranks:
+        raise RecipeError(
+            f"batch.global={global_} cannot be split over {ranks} ranks: no per-rank batch × "
+            f"accumulation gives {global_} / {ranks} = {global_ / max(ranks, 1):.2f} images per "
+            f"rank per step. Rank counts that keep the global batch: "
+            f"{format_counts(rank_counts(global_))}; relaunch on one of them (e.g. "
+            f"{', '.join(str(p) for p in _nearest(rank_counts(global_), ranks))} ranks)")
+    try:
+        return resolve_batch(batch, ranks)
+    except RecipeError:
+        pass
+    bound = batch.per_rank or saved_per_rank or global_ // ranks
+    share = global_ // ranks
+    accumulation = next(a for a in range(1, share + 1) if share % a == 0 and share // a <= bound)
+    return share // accumulation, accumulation
+
+
+def _nearest(counts: list[int], ranks: int) -> list[int]:
+    below = [p for p in counts if p < ranks][-1:]
+    above = [p for p in counts if p > ranks][:1]
+    return below + above
 
 
 def write_resolved_config(config: Config, run_dir: str) -> str:

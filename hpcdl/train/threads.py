@@ -36,6 +36,8 @@ def configure_threads(comm) -> int:
     import torch
     from mpi4py import MPI
 
+    # The machine, not the communicator's node: threads compete for the cores of the ranks
+    # that really share the machine, also when HPCDL_RANKS_PER_NODE makes them pretend nodes.
     node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.mpi_comm.rank)
     try:
         mine = affinity_cores()

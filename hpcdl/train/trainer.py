@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from hpcdl.comm.policy import create_policy
+from hpcdl.data.nodes import node_path
 from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.train import checkpoint as ckpt
-from hpcdl.train.config import Config, resolve_batch, write_resolved_config
+from hpcdl.train.config import Config, elastic_batch, resolve_batch, write_resolved_config
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
 
 __all__ = ["Trainer", "TrainOptions", "NonFiniteLossError", "IpexUnavailableError",
@@ -104,6 +105,13 @@ def derive_seed(seed: int, epoch: int, rank: int) -> int:
     return int(mixed & 0x7FFF_FFFF_FFFF_FFFF)
 
 
+def resume_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """The seed of rank ``rank`` when a run resumes at ``step`` on another rank count: a
+    function of the run's position, so an elastic resume is itself repeatable."""
+    mixed = np.random.SeedSequence([seed, epoch, step, rank]).generate_state(1, dtype=np.uint64)
+    return int(mixed[0] & 0x7FFF_FFFF_FFFF_FFFF)
+
+
 def seed_everything(seed: int) -> None:
     import random
 
@@ -145,12 +153,23 @@ class Trainer:
     def __init__(self, config: Config, data_dir: str | None, run_dir: str, comm, *,
                  options: TrainOptions | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, schedule=None,
-                 train_loader=None, val_loader=None, timeline=None) -> None:
-        self.config, self.data_dir, self.run_dir, self.comm = config, data_dir, run_dir, comm
+                 train_loader=None, val_loader=None, timeline=None,
+                 resume_layout: dict[str, int] | None = None) -> None:
+        self.config, self.run_dir, self.comm = config, run_dir, comm
+        # "{node}" in --data: this node's staging directory (hpcdl prep stage --to ...-{node})
+        self.data_dir = node_path(data_dir, comm.node_index) if data_dir is not None else None
         self.options = options or TrainOptions()
         self.rank, self.size = comm.rank, comm.size
         self.timeline = timeline
-        self.per_rank, self.accumulation = resolve_batch(config.batch, self.size)
+        # A checkpoint of another rank count (a requeue onto other nodes) is resumed with the
+        # same global batch: the per-rank batch and accumulation adapt, or this raises naming
+        # the rank counts that would work -- before any loader exists.
+        self.resume_layout = resume_layout
+        if resume_layout and resume_layout.get("world_size", self.size) != self.size:
+            self.per_rank, self.accumulation = elastic_batch(config.batch, self.size,
+                                                             resume_layout.get("per_rank"))
+        else:
+            self.per_rank, self.accumulation = resolve_batch(config.batch, self.size)
         self.global_batch = self.per_rank * self.size * self.accumulation
         if self.options.deterministic:
             # Bit-for-bit repeatable on the same rank count: deterministic kernels, seeds from
@@ -171,6 +190,7 @@ class Trainer:
                              f"batches of {self.per_rank} per rank, fewer than accumulation="
                              f"{self.accumulation}: use more data or a smaller batch")
         self.total_steps = max(1, math.ceil(config.epochs * self.steps_per_epoch))
+        self._schedule_from_recipe = schedule is None
         self.schedule = schedule if schedule is not None else self._build_schedule()
         self.optimizer = optimizer if optimizer is not None else self._build_optimizer()
         self.autocast_dtype = self._autocast_dtype()
@@ -506,6 +526,10 @@ class Trainer:
             "steps_per_epoch": self.steps_per_epoch,
             "global_batch": self.global_batch,
             "world_size": self.size,
+            "per_rank": self.per_rank,
+            "accumulation": self.accumulation,
+            "images_seen": self.images_seen,
+            "images_in_epoch": self.images_in_epoch,
             "recipe": self.config.name,
             "model_config": dict(self.config.model),
             "model": self.model.state_dict(),
@@ -513,6 +537,17 @@ class Trainer:
             "train_s_total": self.train_s_total,
             "consistency": self.policy.state_dict(),
         }
+
+    @property
+    def images_seen(self) -> int:
+        """Training images consumed by the run (every rank, every invocation)."""
+        return self.step * self.global_batch
+
+    @property
+    def images_in_epoch(self) -> int:
+        """Images consumed in the current epoch: the loader's position, independent of the
+        rank count (docs/training.md)."""
+        return (self.step % self.steps_per_epoch) * self.global_batch
 
     @property
     def train_s_total(self) -> float:
@@ -533,10 +568,54 @@ class Trainer:
         if state.get("world_size") == self.size and rngs:
             self._load_rank_state(rngs[self.rank])
         elif rngs:
-            log.warning("%s was written by %s ranks, this run has %d: RNG states are reseeded, so "
-                        "the run continues but is not bit-identical to an uninterrupted one",
-                        source, state.get("world_size"), self.size)
+            self._adopt_other_layout(state, rngs, source)
         self._last_checkpoint_step = self.step
+
+    def _adopt_other_layout(self, state: dict[str, Any], rngs: list, source: str) -> None:
+        """Elastic resume: a checkpoint of P ranks continued on P' != P (docs/training.md).
+
+        - epoch length: the run's, from the checkpoint (same global batch, so the same images
+          per epoch); the schedule, a function of the step, continues where it stopped;
+        - BN running statistics: every rank starts from their average over the P saved ranks
+          (what evaluation uses, :meth:`evaluate`), not from one rank's;
+        - RNG states: reseeded on every rank from (seed, epoch, step, rank) -- a P-rank stream
+          has no P'-rank counterpart; the loader's order and augmentation draws are functions
+          of (seed, epoch, sample), so they need no RNG state.
+        """
+        saved_spe = int(state.get("steps_per_epoch", self.steps_per_epoch))
+        if saved_spe != self.steps_per_epoch:
+            self._set_steps_per_epoch(saved_spe, source)
+        self._load_mean_buffers([r.get("buffers", {}) for r in rngs])
+        epoch = self.step // self.steps_per_epoch
+        seed_everything(resume_seed(self.config.train.seed, epoch, self.step, self.rank))
+        log.warning("%s was written by %d ranks (%s per rank × accumulation %s), this run has %d "
+                    "(%d × %d), global batch %d: BN statistics averaged over the %d saved ranks, "
+                    "RNG reseeded from (seed, epoch, step, rank); the run continues at step %d, "
+                    "%d images into epoch %d", source, len(rngs), state.get("per_rank", "?"),
+                    state.get("accumulation", "?"), self.size, self.per_rank,
+                    self.accumulation, self.global_batch, len(rngs), self.step,
+                    self.images_in_epoch, epoch)
+
+    def _set_steps_per_epoch(self, steps: int, source: str) -> None:
+        """Keep the run's epoch length (multi-node layouts can differ by a step or two)."""
+        available = len(self.train_loader) // self.accumulation
+        if steps > available:
+            raise ckpt.CheckpointError(
+                f"{source}: the run has {steps} steps per epoch but this layout ({self.size} "
+                f"ranks on {self.comm.num_nodes} node(s)) gives only {available}: some node "
+                f"holds too few images of its shards; resume on the previous node count")
+        self.steps_per_epoch = steps
+        self.total_steps = max(1, math.ceil(self.config.epochs * steps))
+        if self._schedule_from_recipe:
+            self.schedule = self._build_schedule()
+
+    def _load_mean_buffers(self, per_rank: list[dict[str, torch.Tensor]]) -> None:
+        own = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name in per_rank[0] if per_rank else ():
+                if name in own and all(name in b for b in per_rank):
+                    mean = torch.stack([b[name].double() for b in per_rank]).mean(0)
+                    own[name].copy_(mean.to(own[name].dtype))
 
     def _rank_state(self) -> dict[str, Any]:
         buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()
@@ -699,11 +778,14 @@ class Trainer:
             "steps": self.step,
             "total_steps": self.total_steps,
             "global_batch": self.global_batch,
+            "images_seen": self.images_seen,
+            "images_in_epoch": self.images_in_epoch,
             "per_rank_batch": self.per_rank,
             "accumulation": self.accumulation,
             "ranks": self.size,
+            "nodes": getattr(self.comm, "num_nodes", 1),
             "backend": getattr(self.comm, "backend", "?"),
-            "reducer": ("enabled" if self.reducer.enabled else "disabled (no_comm)"
+            "reducer": ("enabled" if self.policy.communicates else "disabled (no_comm)"
                         if self.options.no_comm else "not needed (1 rank)"),
             "threads": torch.get_num_threads(),
             "wall_s": wall_s,

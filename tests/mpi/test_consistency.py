@@ -266,4 +266,5 @@ def test_resume_mid_interval_ends_with_the_uninterrupted_replicas(
     assert world.allgather(resumed["params_sha256"]) == \
         world.allgather(reference["params_sha256"])
     assert resumed["traffic"] == reference["traffic"]
+    assert resumed["reducer"] == "enabled"
     assert len(set(world.allgather(resumed["params_sha256"]))) == 1  # last step averaged

@@ -1,0 +1,368 @@
+"""The bad-input matrix of docs/debugging.md, one test per case: ``hpcdl train`` given bad input
+prints one line ``hpcdl train: what is wrong ... what to do``, exits 2, shows no traceback, and
+leaves what was already written in place.
+
+Single-rank cases call the command in this process (MPI as a singleton: no launcher start-up
+per case); the cases where ranks matter launch a real ``mpiexec -n 2`` from this serial test
+(never nested inside an MPI-launched pytest). tests/mpi/test_bad_input.py checks that ranks
+that see different things still take one decision."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcdl.cli.main import main
+from hpcdl.errors import EXIT_BAD_INPUT
+from hpcdl.train.checkpoint import (
+    CheckpointMismatchError,
+    check_compatible,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
+
+needs_mpiexec = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+ONE_RANK = ["batch.per_rank=4"]  # the tiny recipe's global batch 4 on one rank
+FIRST_CHECKPOINT = "ckpt-000000002.pt"
+
+
+def train(capsys, recipe, data, out, *extra, overrides=ONE_RANK):
+    """``hpcdl train`` in this process: (exit code, stderr)."""
+    code = main(["train", "--recipe", recipe, "--data", str(data), "--out", str(out),
+                 "--no-eval", "--no-progress", *extra, *overrides])
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(code, err, *needles):
+    lines = [line for line in err.splitlines() if line.startswith("hpcdl train: ")]
+    assert code == EXIT_BAD_INPUT, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def shards(tmp_path, tiny_shards):
+    """A copy of the tiny shards this test may damage."""
+    return shutil.copytree(tiny_shards, tmp_path / "shards")
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, tiny_shards, tiny_recipe):
+    """A one-rank run stopped at step 2 with its checkpoint (read-only: copy it to resume)."""
+    out = tmp_path_factory.mktemp("first") / "run"
+    code = main(["train", "--recipe", tiny_recipe, "--data", tiny_shards, "--out", str(out),
+                 "--no-eval", "--no-progress", "--max-steps", "2", "--checkpoint-every", "2",
+                 *ONE_RANK])
+    assert code == 0
+    assert [os.path.basename(p) for p in list_checkpoints(str(out))] == [FIRST_CHECKPOINT]
+    return out
+
+
+@pytest.fixture
+def resumable(tmp_path, first_run):
+    return shutil.copytree(first_run, tmp_path / "run")
+
+
+# -- --data ------------------------------------------------------------------------------------
+def test_missing_data_directory(capsys, tmp_path, tiny_recipe):
+    code, err = train(capsys, tiny_recipe, tmp_path / "nowhere", tmp_path / "out")
+    assert_one_line(code, err, f"--data {tmp_path / 'nowhere'}: no such directory",
+                    "hpcdl prep shard")
+
+
+def test_empty_data_directory(capsys, tmp_path, tiny_recipe):
+    (tmp_path / "empty").mkdir()
+    code, err = train(capsys, tiny_recipe, tmp_path / "empty", tmp_path / "out")
+    assert_one_line(code, err, "the directory is empty", "hpcdl prep shard")
+
+
+# -- the manifest ------------------------------------------------------------------------------
+def test_corrupt_manifest_is_named_as_the_manifest_not_the_recipe(capsys, tmp_path, shards,
+                                                                  tiny_recipe):
+    (shards / "manifest.json").write_text('{"format_version": 1, "shards": [')
+    code, err = train(capsys, tiny_recipe, shards, tmp_path / "out")
+    line = assert_one_line(code, err, f"manifest {shards / 'manifest.json'} is unreadable or "
+                                      f"corrupt", "re-shard")
+    assert tiny_recipe not in line
+
+
+def test_too_new_manifest_says_to_upgrade(capsys, tmp_path, shards, tiny_recipe):
+    manifest = json.loads((shards / "manifest.json").read_text())
+    (shards / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    code, err = train(capsys, tiny_recipe, shards, tmp_path / "out")
+    assert_one_line(code, err, "shard format 99, this hpcdl reads format 1", "upgrade hpcdl")
+
+
+# -- shards ------------------------------------------------------------------------------------
+def test_truncated_shard_is_caught_at_open_by_its_size(capsys, tmp_path, shards, tiny_recipe):
+    shard = shards / "train-00001-of-00002.h5"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    code, err = train(capsys, tiny_recipe, shards, tmp_path / "out")
+    assert_one_line(code, err, f"shard {shard} is {size // 2} bytes, the manifest records "
+                               f"{size}", f"hpcdl prep verify {shards}")
+    assert not (tmp_path / "out" / "checkpoints").exists()  # stopped before training
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_bit_flipped_shard_is_caught_by_verify_shards(capsys, tmp_path, shards, tiny_recipe):
+    shard = shards / "train-00000-of-00002.h5"
+    flip_byte(shard, shard.stat().st_size // 2)  # same size: only the checksum can tell
+    code, err = train(capsys, tiny_recipe, shards, tmp_path / "out", "--verify-shards")
+    assert_one_line(code, err, f"shard {shard}: sha256", "differs from the manifest",
+                    f"hpcdl prep verify {shards}")
+
+
+def test_shard_unreadable_when_read_is_named_not_a_bare_hdf5_error(shards):
+    from hpcdl.data import ShardedImageNet
+    from hpcdl.data.format import ShardError
+
+    shard = shards / "train-00000-of-00002.h5"
+    flip_byte(shard, 0)  # the HDF5 signature: the size check passes, opening fails
+    loader = ShardedImageNet(str(shards), batch_size=2, image_size=16, workers=1)
+    with pytest.raises(ShardError, match=f"shard {shard} is unreadable.*hpcdl prep verify"):
+        next(iter(loader))
+    loader.close()
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, differs", [
+    ("model.width=8", "model.width=4 (this run: 8)"),
+    ("name=another", "recipe 'tiny' (this run: 'another')"),
+])
+def test_checkpoint_of_another_model_or_recipe_is_refused(capsys, resumable, tiny_shards,
+                                                          tiny_recipe, override, differs):
+    code, err = train(capsys, tiny_recipe, tiny_shards, resumable, "--max-steps", "4",
+                      overrides=[*ONE_RANK, override])
+    line = assert_one_line(code, err, f"checkpoint {resumable / 'checkpoints' / FIRST_CHECKPOINT}"
+                           , "is from another run", differs, "--resume none")
+    assert "global batch" not in line
+    assert load_checkpoint(str(resumable / "checkpoints" / FIRST_CHECKPOINT))["step"] == 2
+
+
+def test_checkpoint_of_another_global_batch_is_refused(capsys, resumable, tiny_shards,
+                                                       tiny_recipe):
+    code, err = train(capsys, tiny_recipe, tiny_shards, resumable, "--max-steps", "4",
+                      overrides=["batch.global=8", "batch.per_rank=8"])
+    assert_one_line(code, err, "global batch 4 (this run: 8)", "--resume none")
+
+
+def test_resume_none_starts_fresh_beside_a_foreign_checkpoint(capsys, resumable, tiny_shards,
+                                                              tiny_recipe):
+    code, err = train(capsys, tiny_recipe, tiny_shards, resumable, "--max-steps", "1",
+                      "--resume", "none", overrides=[*ONE_RANK, "model.width=8"])
+    assert code == 0, err
+
+
+def test_another_rank_count_is_compatible_but_not_another_model():
+    import torch
+
+    state = {"recipe": "r", "global_batch": 64, "world_size": 8,
+             "model_config": {"name": "m", "width": 4}, "model": {"w": torch.zeros(2, 3)}}
+    check_compatible(state, "c.pt", recipe="r", global_batch=64,
+                     model_config={"name": "m", "width": 4}, model_state={"w": torch.ones(2, 3)})
+    older = {k: v for k, v in state.items() if k != "model_config"}  # predates model_config
+    with pytest.raises(CheckpointMismatchError, match=r"1 of another shape \(w \(2, 3\) vs "
+                                                      r"\(3, 3\)\)"):
+        check_compatible(older, "c.pt", recipe="r", global_batch=64, model_config=None,
+                         model_state={"w": torch.ones(3, 3)})
+
+
+# -- names, accelerators, the run directory ------------------------------------------------------
+def test_unknown_model(capsys, tmp_path, tiny_shards, tiny_recipe):
+    code, err = train(capsys, tiny_recipe, tiny_shards, tmp_path / "out",
+                      overrides=[*ONE_RANK, "model.name=resnet_nope"])
+    assert_one_line(code, err, tiny_recipe, "model.name='resnet_nope' is not a known model",
+                    "known:")
+
+
+def test_unknown_backend(capsys, tmp_path, tiny_shards, tiny_recipe):
+    code, err = train(capsys, tiny_recipe, tiny_shards, tmp_path / "out", "--backend", "nccl")
+    assert_one_line(code, err, "unknown comm backend 'nccl'", "choose auto or one of")
+
+
+def test_ccl_backend_without_oneccl_says_how_to_get_it(capsys, tmp_path, tiny_shards,
+                                                       tiny_recipe):
+    if _importable("oneccl_bindings_for_pytorch"):
+        pytest.skip("oneCCL bindings are installed here")
+    code, err = train(capsys, tiny_recipe, tiny_shards, tmp_path / "out", "--backend", "ccl")
+    assert_one_line(code, err, "oneccl_bindings_for_pytorch", "torch-ccl")
+
+
+def test_ipex_without_ipex_says_how_to_get_it(capsys, tmp_path, tiny_shards, tiny_recipe):
+    if _importable("intel_extension_for_pytorch"):
+        pytest.skip("IPEX is installed here")
+    code, err = train(capsys, tiny_recipe, tiny_shards, tmp_path / "out", "--ipex")
+    assert_one_line(code, err, "--ipex: intel_extension_for_pytorch is not importable",
+                    "without --ipex")
+
+
+def _importable(name):
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def test_unwritable_out(capsys, tmp_path, tiny_shards, tiny_recipe):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")  # (permissions would not stop root; this does)
+    code, err = train(capsys, tiny_recipe, tiny_shards, blocker / "run")
+    assert_one_line(code, err, f"--out {blocker / 'run'}: cannot write there",
+                    "choose a directory you can write")
+    assert blocker.read_text() == "not a directory"
+
+
+def test_debug_log_level_adds_the_traceback(capsys, tmp_path, tiny_recipe):
+    code, err = train(capsys, tiny_recipe, tmp_path / "nowhere", tmp_path / "out",
+                      "--log-level", "debug")
+    assert code == EXIT_BAD_INPUT
+    assert "Traceback" in err and "ManifestMissingError" in err
+
+
+# -- several ranks -----------------------------------------------------------------------------
+def mpiexec_train(recipe, data, out, *extra, ranks=2, script=None, timeout=240, env=None):
+    entry = [script] if script else ["-m", "hpcdl.cli.main"]
+    cmd = ["mpiexec", "-n", str(ranks), sys.executable, *entry, "train", "--recipe", recipe,
+           "--data", str(data), "--out", str(out), "--no-eval", "--no-progress", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": str(timeout), **(env or {})}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def finish(proc, timeout=240):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+@needs_mpiexec
+def test_every_rank_stops_on_bad_input_and_rank_0_prints_one_line(tmp_path, shards,
+                                                                  tiny_recipe):
+    (shards / "manifest.json").write_text("garbage")
+    code, out = finish(mpiexec_train(tiny_recipe, shards, tmp_path / "out"))
+    assert_one_line(code, out, "manifest", "is unreadable or corrupt")
+    assert "MPI_Abort" not in out and "BAD TERMINATION" not in out  # a clean exit, every rank
+
+
+@needs_mpiexec
+def test_a_shard_unreadable_mid_run_aborts_the_job_with_exit_2_naming_it(tmp_path, shards,
+                                                                         tiny_recipe):
+    shard = shards / "train-00000-of-00002.h5"
+    flip_byte(shard, 0)  # passes the size check at open; the first read of it fails
+    code, out = finish(mpiexec_train(tiny_recipe, shards, tmp_path / "out", "--max-steps", "4"))
+    lines = [line for line in out.splitlines() if line.startswith("hpcdl train: rank ")]
+    assert code == EXIT_BAD_INPUT, out
+    assert lines and all(f"shard {shard} is unreadable" in line for line in lines), out
+    assert "hpcdl prep verify" in lines[0] and "Traceback" not in out
+
+
+@needs_mpiexec
+def test_ltfb_resume_of_another_global_batch_is_refused_on_every_rank(tmp_path, first_run,
+                                                                      tiny_shards, tiny_recipe):
+    run = tmp_path / "ltfb"
+    for trainer in ("trainer-00", "trainer-01"):  # both trainers hold a step-2 checkpoint
+        shutil.copytree(first_run / "checkpoints", run / trainer / "checkpoints")
+    code, out = finish(mpiexec_train(tiny_recipe, tiny_shards, run, "--algorithm", "ltfb",
+                                     "--trainers", "2", "--max-steps", "4",
+                                     "batch.global=2", "batch.per_rank=2"))
+    assert_one_line(code, out, "LTFB resume from step 2", "global batch 4 (this run: 2)",
+                    "--resume none")
+
+
+#: ``hpcdl train`` with a file-size limit (``ulimit -f``) on rank 0, the checkpoint writer,
+#: set once MPI is up (MPI's own shared-memory files must not meet it).
+SIZE_LIMITED = """
+import os, resource, sys
+from mpi4py import MPI
+from hpcdl.cli.main import main
+
+if MPI.COMM_WORLD.rank == 0:
+    limit = int(os.environ["FILE_SIZE_LIMIT"])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@needs_mpiexec
+def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, resumable,
+                                                                    tiny_shards, tiny_recipe):
+    script = tmp_path / "size_limited.py"
+    script.write_text(SIZE_LIMITED)
+    size = (resumable / "checkpoints" / FIRST_CHECKPOINT).stat().st_size
+    # Every file may grow to half a checkpoint: logs and metrics fit, the next checkpoint not.
+    code, out = finish(mpiexec_train(tiny_recipe, tiny_shards, resumable, "--max-steps", "4",
+                                     "--checkpoint-every", "2", script=str(script),
+                                     env={"FILE_SIZE_LIMIT": str(size // 2)}))
+    line = assert_one_line(code, out, "rank 0 could not write checkpoint",
+                           "ckpt-000000004.pt: [Errno 27] File too large",
+                           f"the previous checkpoint {resumable / 'checkpoints' / FIRST_CHECKPOINT}"
+                           f" is intact", "--resume auto")
+    assert "rank 1" not in line
+    assert sorted(os.listdir(resumable / "checkpoints")) == [FIRST_CHECKPOINT]  # no temp file
+    assert load_checkpoint(str(resumable / "checkpoints" / FIRST_CHECKPOINT))["step"] == 2
+
+
+#: ``hpcdl train``, with rank 0 pausing inside the write of the step-4 checkpoint (the bytes
+#: are in the temporary file, not yet renamed) so that the test can kill a rank right then.
+SLOW_WRITER = """
+import os, sys, time
+from mpi4py import MPI
+import hpcdl.train.checkpoint as ckpt
+from hpcdl.cli.main import main
+
+real_atomic_write = ckpt.atomic_write
+marker = os.environ["WRITING_MARKER"]
+with open(f"{marker}.pid{MPI.COMM_WORLD.rank}", "w") as f:
+    f.write(str(os.getpid()))
+
+def atomic_write(path, write):
+    def write_then_pause(f):
+        write(f)
+        if path.endswith("ckpt-000000004.pt"):
+            f.flush()
+            open(marker, "w").close()
+            time.sleep(120)
+    real_atomic_write(path, write_then_pause)
+
+ckpt.atomic_write = atomic_write
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@needs_mpiexec
+def test_rank_killed_while_rank_0_writes_a_checkpoint_leaves_the_previous_one(
+        capsys, tmp_path, resumable, tiny_shards, tiny_recipe):
+    script = tmp_path / "slow_writer.py"
+    script.write_text(SLOW_WRITER)
+    marker = tmp_path / "writing"
+    proc = mpiexec_train(tiny_recipe, tiny_shards, resumable, "--max-steps", "6",
+                         "--checkpoint-every", "2", script=str(script),
+                         env={"WRITING_MARKER": str(marker)})
+    deadline = time.monotonic() + 180
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), finish(proc)[1]
+    os.kill(int((tmp_path / "writing.pid1").read_text()), signal.SIGKILL)
+    code, out = finish(proc)
+    assert code != 0, out
+    # the half-written step 4 never took a checkpoint's name; step 2 is what resume finds
+    assert [os.path.basename(p) for p in list_checkpoints(str(resumable))] == [FIRST_CHECKPOINT]
+    path, state = latest_valid_checkpoint(str(resumable))
+    assert state["step"] == 2
+    code, err = train(capsys, tiny_recipe, tiny_shards, resumable, "--max-steps", "3")
+    assert code == 0, err
+    assert json.loads((resumable / "summary.json").read_text())["resumed_from"] == path
