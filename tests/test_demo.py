@@ -43,11 +43,13 @@ def test_prepared_data_is_the_shipped_subset_in_shards(tmp_path):
 def test_two_rank_demo_learns_well_above_chance(tmp_path):
     out = tmp_path / "demo"
     # 2 epochs of the shipped 6,000 images (94 steps of batch 128): the full recipe's path at
-    # a fraction of its budget, with a short warm-up and a moderate LARS step (lr·η = 0.004)
-    # so the result does not depend on how the full recipe is tuned (68% when written).
+    # a fraction of its budget. A gentle LARS step (lr·η = 0.002, half a warm-up epoch) keeps
+    # the result off the CPU's rounding: top-1 59.1% with AVX2 kernels and 58.8% with torch's
+    # scalar ones (ATEN_CPU_CAPABILITY=default); the earlier lr·η = 0.004 gave 68.4%, 55.8%
+    # and 47.0% (AVX-512) on three numeric paths (docs/performance.md, issue 15).
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "demo",
            "--out", str(out), "--epochs", "2", "--no-progress", "batch.global=128",
-           "batch.per_rank=64", "schedule.warmup_epochs=0.25", "schedule.base_lr=2",
+           "batch.per_rank=64", "schedule.warmup_epochs=0.5", "schedule.base_lr=1",
            "optimizer.trust_coefficient=0.002"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "400"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=450)
@@ -56,7 +58,12 @@ def test_two_rank_demo_learns_well_above_chance(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ranks"] == 2 and summary["stopped"] == "completed"
     assert summary["demo"]["images"] == {"train": 6000, "val": 1000}
-    assert summary["top1"] > 0.5, summary
+    # Margins, not a coin toss: 3.5x chance (10 classes), and the training loss at least
+    # 40% down (2.35 -> 0.94, i.e. 60% down, on both numeric paths above).
+    assert summary["top1"] > 0.35, summary
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().split("\n")
+              if line and json.loads(line)["kind"] == "train"]
+    assert losses[-1] < 0.6 * losses[0], losses
     assert (out / "metrics.jsonl").exists() and (out / "logs" / "rank-0001.log").exists()
 
 

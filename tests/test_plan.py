@@ -7,6 +7,7 @@ import os
 import pytest
 
 from hpcdl.plan.calibrate import fit_alpha_beta, machine_document, write_machine
+from hpcdl.plan.layers import Layer
 from hpcdl.plan.machine import (
     PACKAGE_MACHINES_DIR,
     REQUIRED_FIGURES,
@@ -26,7 +27,22 @@ from hpcdl.plan.model import (
 from hpcdl.plan.validate import measured_step
 from hpcdl.plan.workload import Workload, workload
 
-RESNET50 = Workload("resnet50", 224, 4_089_184_256, 25_557_032, "test")
+# ResNet-50's totals with a hand-made layer table of the same MACs (no real tensors): the stem,
+# then the 1x1 and 3x3 convolutions and one memory-bound pass of each kind.
+RESNET50_LAYERS = (
+    Layer("conv1", "conv_large", macs=118_013_952, in_bytes=602_112, out_bytes=3_211_264,
+          param_bytes=37_632, input_grad=False),
+    Layer("bn1", "batch_norm", in_bytes=3_211_264, out_bytes=3_211_264, param_bytes=512),
+    Layer("relu", "relu", in_bytes=3_211_264, out_bytes=3_211_264),
+    Layer("maxpool", "pool", in_bytes=3_211_264, out_bytes=802_816),
+    Layer("1x1", "conv_1x1", macs=2_000_000_000, in_bytes=802_816, out_bytes=802_816,
+          param_bytes=4e7),
+    Layer("3x3", "conv_3x3", macs=1_969_121_560, in_bytes=802_816, out_bytes=802_816,
+          param_bytes=5e7),
+    Layer("add", "add", in_bytes=802_816, out_bytes=802_816),
+    Layer("fc", "linear", macs=2_048_744, in_bytes=8192, out_bytes=4000, param_bytes=8_196_000),
+)
+RESNET50 = Workload("resnet50", 224, 4_089_184_256, 25_557_032, "test", RESNET50_LAYERS)
 ALPHA, BETA, GAMMA = 1e-6, 1e-9, 2e-10
 N = 1e6
 
@@ -107,11 +123,12 @@ def test_more_procs_means_less_compute_per_iteration():
     assert all(a > b for a, b in zip(computes, computes[1:], strict=False))
 
 
-def test_compute_uses_three_forwards_of_two_flops_per_mac():
-    knl = load_machine("knl")
-    p = plan(knl, RESNET50, knl_inputs(2048))
-    expected = 16 * 6 * RESNET50.forward_macs / (6.0928e12 * knl["node.sustained_fraction"])
-    assert p.compute_s == pytest.approx(expected, rel=1e-4)
+def test_legacy_file_uses_three_forwards_of_two_flops_per_mac_at_one_fraction():
+    vm = small_machine()    # no compute section: the single sustained fraction
+    p = plan(vm, RESNET50, PlanInputs(global_batch=16, procs=2, procs_per_node=2))
+    expected = 8 * 6 * RESNET50.forward_macs / (2 * 2e9 * 32 * 0.25 / 2)
+    assert p.compute_s == pytest.approx(expected, rel=1e-6)
+    assert any("recalibrate" in n for n in p.notes)
 
 
 def test_ranks_beyond_the_cores_slow_compute_proportionally():
@@ -158,7 +175,8 @@ def test_every_algorithm_costs_communication():
 
 def test_hierarchical_and_rabenseifner_cut_the_latency_term_of_a_small_allreduce():
     # 100k parameters on 2,048 ranks, 24 per node: the ring's 2(p-1) alpha dominates.
-    small = Workload("tiny", 224, 1e6, 100_000, "test")
+    small = Workload("tiny", 224, 1e6, 100_000, "test",
+                     (Layer("conv", "conv_3x3", macs=1e6, in_bytes=1e4, out_bytes=1e4),))
     skx = load_machine("skx")
     times = {a: plan(skx, small, PlanInputs(32768, 2048, 24, allreduce=a)).comm_s
              for a in ("ring", "rabenseifner", "hierarchical")}
@@ -251,19 +269,17 @@ def test_alpha_beta_fit_needs_mpi_records():
 
 
 def test_calibration_writes_a_machine_file_the_planner_loads(tmp_path):
-    m = {"cores": 2, "cpu_mhz": 2400.0, "flops_per_cycle": 32, "flops_per_cycle_source": "flags",
-         "matmul_flops_1_thread": 5e10, "matmul_flops_all_cores": 9e10,
-         "stream_Bps_1_thread": 1e10, "stream_Bps_all_cores": 1.5e10, "step_model": "r@112",
-         "step_batch": 8, "step_s_1_core": 1.0, "step_flops_1_core": 2e10,
-         "decode_images_per_s_1_thread": 400.0,
-         "allreduce": {"alpha_s": 2e-6, "beta_s_per_byte": 2e-10, "intercept_s": 4e-6,
-                       "slope_s_per_byte": 2.5e-10, "points": 6}}
-    path = write_machine(machine_document(m), str(tmp_path))
+    from plan_fixtures import calibration_measurements
+
+    path = write_machine(machine_document(calibration_measurements()), str(tmp_path))
     local = load_machine("local", str(tmp_path))
-    assert local.path == path
-    assert local["node.sustained_fraction"] == pytest.approx(2e10 / (2.4e9 * 32))
+    assert local.path == path and local.calibrated and local.has_class_rates
+    assert local["compute.conv_3x3"] == pytest.approx(3e10 / (2.4e9 * 32))
+    assert local["compute.batch_norm"] == pytest.approx(5e9 / 1e10)
+    assert local["compute.layer_overhead_s"] == pytest.approx(3e-5)
     assert local["intra_node.bandwidth_Bps"] == pytest.approx(5e9)
-    assert "measured" in local.figures["node.sustained_fraction"].source
+    assert "measured" in local.figures["compute.conv_1x1"].source
+    assert local.cpu["model_name"] == "Test CPU 9000" and local.cpu["capability"] == "AVX2"
 
 
 # --------------------------------------------------------------------------- bench train JSON
@@ -298,6 +314,9 @@ def test_validation_predicts_np4_on_two_cores_as_twice_the_compute_of_np2():
     np4 = predict_step(vm, RESNET50, 4, batch=8, allreduce="ring", bucket_mb=25)
     assert np4.compute_s == pytest.approx(2 * np2.compute_s)
     assert np2.data_s == 0 and np4.comm_exposed_s == pytest.approx(np4.comm_s)
-    record = validation_record(np2, {"step_s": np2.iteration_s * 1.25, "compute_s": 1.0})
+    record = validation_record(np2, {"step_s": np2.iteration_s * 1.25, "compute_s": 1.0},
+                               [np2.iteration_s, np2.iteration_s * 1.25, np2.iteration_s * 1.5])
     assert record["predicted_vs_measured"] == pytest.approx(0.8)
     assert record["measured_compute_s"] == 1.0
+    assert record["ratio_range"] == pytest.approx([1 / 1.5, 1.0])
+    assert record["spread"] == pytest.approx(0.5 / 1.25)

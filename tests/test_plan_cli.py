@@ -69,3 +69,48 @@ def test_unknown_model_is_a_clear_error(capsys):
 def test_sweep_rejects_non_numbers():
     with pytest.raises(SystemExit):
         main(["plan", "--sweep", "8,lots"])
+
+
+def test_plan_prints_the_compute_term_by_operator_class(capsys):
+    assert main(["plan", "--model", "alexnet_bn", "--machine", "skx", "--procs", "2048",
+                 "--sweep", "2048"]) == 0
+    out = capsys.readouterr().out
+    for op_class in ("conv_large", "conv_3x3", "linear", "batch_norm", "relu", "pool"):
+        assert f"    {op_class} " in out
+    assert "of peak" in out and "of stream" in out
+
+
+def _calibrated_dir(tmp_path, cpu):
+    from plan_fixtures import calibration_measurements
+
+    from hpcdl.plan.calibrate import machine_document, write_machine
+
+    write_machine(machine_document(calibration_measurements(cpu=cpu)), str(tmp_path))
+    return str(tmp_path)
+
+
+def test_plan_warns_when_the_calibrated_file_describes_another_cpu(tmp_path, capsys):
+    other = {"model_name": "Made-up CPU 2", "capability": "AMX", "flags": ["amx_bf16"]}
+    assert main(["plan", "--machine", "local", "--machines-dir", _calibrated_dir(tmp_path, other),
+                 "--model", "resnet_small", "--image-size", "16", "--global-batch", "8",
+                 "--procs", "2", "--sweep", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "Made-up CPU 2" in err and "recalibrate here with `hpcdl plan --calibrate`" in err
+
+
+def test_validate_runs_one_real_row_end_to_end(tmp_path, capsys):
+    """The plumbing, for real: predict, run `mpiexec -n 1 hpcdl bench train` on a tiny model,
+    compare (the ratio itself is not asserted: it is a measurement)."""
+    out = tmp_path / "validate.json"
+    rc = main(["plan", "--validate", "--machine", "local",
+               "--machines-dir", _calibrated_dir(tmp_path, None), "--model", "resnet_small",
+               "--image-size", "16", "--validate-procs", "1", "--repeats", "1", "--steps", "1",
+               "--batch-per-rank", "2", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    [row] = doc["results"]
+    assert (row["model"], row["image_size"], row["ranks"]) == ("resnet_small", 16, 1)
+    assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0
+    assert row["predicted_vs_measured"] == pytest.approx(
+        row["predicted_step_s"] / row["measured_step_s"])
+    assert "resnet_small@16_np1" in doc["ratios"] and "bf16" in doc["bf16"] and doc["complete"]

@@ -3,7 +3,8 @@
     hpcdl plan --model resnet50 --global-batch 32768 --procs 2048 --machine knl
     hpcdl plan --recipe recipes/alexnet_bn_lars_32k.yaml --procs 2048 --machine skx --plot a.png
     hpcdl plan --calibrate                  # measure this machine into `local`
-    hpcdl plan --validate --json FILE       # predict, then run `hpcdl bench train` at np 2, 4
+    hpcdl plan --validate --json FILE       # predict, then run `hpcdl bench train`: AlexNet-BN
+                                            # 224, ResNet-50 112 and 224 px at np 1, 2, 4
 
 Prints the per-iteration breakdown (compute, gradient allreduce and the part hidden behind
 backward, data loading), time per epoch and in total, images/s and scaling efficiency, and a
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--calibrate", action="store_true",
                       help="measure this machine into the `local` machine file")
     mode.add_argument("--validate", action="store_true",
-                      help="predict `hpcdl bench train` at np 2 and 4 here, then measure it")
+                      help="predict `hpcdl bench train` here (--validate-workloads at "
+                           "--validate-procs), then measure it")
     run = parser.add_argument_group("the run to predict (defaults: the recipe, then ResNet-50 "
                                     "at 32K for 90 epochs)")
     run.add_argument("--recipe", help="recipes/X.yaml: take model, image size, batch, epochs, "
@@ -91,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--batch-per-rank", type=int, default=8,
                      help="images per rank per step of the measured train step (default 8)")
     cal.add_argument("--steps", type=int, default=5, help="--validate: measured steps (5)")
+    cal.add_argument("--validate-workloads", default="alexnet_bn@224,resnet50@112,resnet50@224",
+                     help="--validate: MODEL@SIZE list (default alexnet_bn@224,resnet50@112,"
+                          "resnet50@224); --model/--image-size give one instead")
+    cal.add_argument("--validate-procs", type=_procs_list,
+                     help="--validate: rank counts (default 1,2,4)")
+    cal.add_argument("--repeats", type=int, default=3,
+                     help="--validate: measurements per row; the median is compared and the "
+                          "spread reported (default 3)")
     cal.add_argument("--validate-timeout", type=float, default=1200,
                      help="--validate: seconds allowed per bench train run (1200)")
 
@@ -136,12 +146,14 @@ def predict(args: argparse.Namespace) -> int:
     from hpcdl.plan.machine import MachineError, load_machine
     from hpcdl.plan.model import PlanInputs, default_sweep, plan, sweep
     from hpcdl.plan.report import describe, plan_json, plot_sweep, sweep_table, write_plan_json
+    from hpcdl.plan.validate import cpu_warning
     from hpcdl.plan.workload import workload
 
     values = resolve(args)
     try:
         machine = load_machine(args.machine or "knl", args.machines_dir)
-        work = workload(values["model"], int(values["image_size"]))
+        work = workload(values["model"], int(values["image_size"]),
+                        with_layers=machine.has_class_rates)
         inp = PlanInputs(
             global_batch=int(values["global_batch"]), procs=args.procs,
             procs_per_node=args.procs_per_node or machine.ranks_per_node,
@@ -157,6 +169,9 @@ def predict(args: argparse.Namespace) -> int:
     except (MachineError, ValueError) as exc:
         print(f"hpcdl plan: {exc}", file=sys.stderr)
         return 2
+    warning = cpu_warning(machine)
+    if warning:
+        print(f"hpcdl plan: {warning}", file=sys.stderr)
     print(describe(result, machine, work, inp))
     print(f"\nsweep: global batch {inp.global_batch} fixed, {inp.procs_per_node} ranks per node")
     print(sweep_table(rows))

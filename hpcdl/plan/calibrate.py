@@ -6,16 +6,20 @@ hpcdl plan --calibrate`` and the number behind it):
 * peak: cores (``os.cpu_count``) × clock (``/proc/cpuinfo``) × FLOP/cycle from the CPU flags
   (AVX-512: 2 FMA × 16 lanes × 2 = 64; AVX2+FMA: 32; otherwise SSE 8 — a spec derivation,
   not a measurement); fp32 matmul FLOP/s at 1 thread and on all cores is recorded beside it.
-* ``sustained_fraction``: the trainer's own step (``mpiexec -n 1 hpcdl bench train --modes
-  no_comm --synthetic --threads 1``: forward, backward, LARS, channels-last) of ResNet-50 at
-  112 px on one core: train FLOPs (3 × 2 × MACs) / compute time / one core's peak; the node
-  is taken as cores × that (one single-threaded rank per core). One thread, because on a
-  shared machine a multi-threaded step measures the scheduler (threads that wait at oneDNN's
-  barriers for a descheduled sibling), not the cores. Measured, so the local prediction's
-  compute term is calibrated on the work it predicts. The model's separate LARS estimate
-  (32 B/parameter at the measured stream rate) is taken out of the step first. Without the
-  train bench, a plain forward + backward + SGD step in this process stands in (and the
-  source says so).
+* ``compute``: the per-operator-class rates (hpcdl.plan.class_rates): representative layers
+  of each class (stem/5×5, 1×1 and 3×3 convolutions, grouped convolutions, linear, batch
+  norm, ReLU, residual add, pooling, dropout, LRN) timed forward + backward on one thread at
+  ``--batch-per-rank`` images; each class's rate is its layers' work (FLOPs, or bytes moved)
+  over their time less the measured per-layer overhead, written as a fraction of one core's
+  peak (convolution, linear) or of one core's stream rate (memory-bound passes). The node
+  is taken as cores × that (one single-threaded rank per core, as ``hpcdl bench train``
+  runs). One thread, because on a shared machine a multi-threaded timing measures the
+  scheduler (threads that wait at oneDNN's barriers for a descheduled sibling), not the
+  cores. No model's step is timed: every model is predicted from its layer table, so
+  ``--validate`` on ResNet-50 and AlexNet-BN is held out.
+* ``cpu``: lscpu's model name, ``torch.backends.cpu.get_cpu_capability()`` and the vector
+  flags that move the rates (hpcdl.plan.cpu); the planner warns when the file is used on
+  another CPU. ``measured.load_average`` records how busy the machine was.
 * ``core_stream_Bps`` / ``memory_bandwidth_Bps``: ``a += b`` on 64 MB arrays at 1 thread and
   on all cores (3 bytes moved per byte summed): γ of the α-β-γ model.
 * ``intra_node`` α and β: ``mpiexec -n 2 hpcdl bench allreduce`` (subprocess) over sizes small
@@ -40,16 +44,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import yaml
 
 from hpcdl.io import atomic_write_text
+from hpcdl.plan.cpu import cpu_flags, cpu_identity
 from hpcdl.plan.machine import parse_machine, user_machines_dir
-from hpcdl.plan.model import OPTIMIZER_BYTES_PER_PARAMETER
 
-CALIBRATION_MODEL = "resnet50"
-CALIBRATION_IMAGE_SIZE = 112
 ALLREDUCE_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 
 
@@ -61,17 +64,6 @@ def best_of(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_mhz() -> float | None:
@@ -122,57 +114,6 @@ def stream_Bps(threads: int, nbytes: int = 64 << 20, repeats: int = 5) -> float:
         return 3 * nbytes / best_of(lambda: a.add_(b), repeats)
     finally:
         torch.set_num_threads(before)
-
-
-def train_step_s(model_name: str, image_size: int, batch: int, steps: int,
-                 threads: int) -> float:
-    """Best forward + backward (+ plain SGD update) time of ``model_name`` on random input."""
-    import torch
-
-    from hpcdl.models import create_model
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.manual_seed(0)
-        model = create_model(model_name).train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x = torch.randn(batch, 3, image_size, image_size)
-        y = torch.randint(0, 1000, (batch,))
-        loss_fn = torch.nn.CrossEntropyLoss()
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
-            opt.step()
-
-        step()  # warm-up: allocator, oneDNN primitive creation
-        return best_of(step, steps)
-    finally:
-        torch.set_num_threads(before)
-
-
-def bench_train_step_s(model_name: str, image_size: int, batch: int, steps: int,
-                       threads: int, timeout_s: float = 1200) -> float:
-    """Compute time of one trainer step at 1 rank, from ``hpcdl bench train --modes no_comm``."""
-    base = [sys.executable, "-m", "hpcdl.cli.main", "bench", "train"]
-    help_text = subprocess.run(base + ["--help"], capture_output=True, text=True).stdout
-    if "--modes" not in help_text:
-        raise RuntimeError("hpcdl bench train is not available")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "train.json")
-        cmd = ["mpiexec", "-n", "1", *base, "--model", model_name, "--image-size",
-               str(image_size), "--synthetic", "--modes", "no_comm", "--batch", str(batch),
-               "--steps", str(steps), "--threads", str(threads), "--json", out]
-        if "--warmup" in help_text:
-            cmd += ["--warmup", "1"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
-                               f"{(proc.stderr or proc.stdout)[-800:]}")
-        with open(out, encoding="utf-8") as f:
-            record = json.load(f)["results"][0]
-        return float(record.get("compute_s") or record["step_time_s"])
 
 
 def random_crop_boxes(rng: Any, count: int, height: int,
@@ -276,15 +217,15 @@ def _fig(value: float, source: str) -> dict[str, Any]:
     return {"value": float(value), "source": source}
 
 
-def measure(quick: bool = False, batch: int = 8, model: str = CALIBRATION_MODEL,
-            image_size: int = CALIBRATION_IMAGE_SIZE,
+def measure(quick: bool = False, batch: int = 8,
             log: Callable[[str], None] = print) -> dict:
     """Every measurement calibration makes, as raw numbers."""
-    from hpcdl.plan.workload import workload
+    from hpcdl.plan.class_rates import fit_rates, measure_samples, overhead_s
 
     cores = os.cpu_count() or 1
     reps = 2 if quick else 5
-    m: dict[str, Any] = {"cores": cores, "cpu_mhz": cpu_mhz()}
+    m: dict[str, Any] = {"cores": cores, "cpu_mhz": cpu_mhz(), "cpu": cpu_identity(),
+                         "load_average_before": os.getloadavg()[0]}
     m["flops_per_cycle"], m["flops_per_cycle_source"] = flops_per_cycle(cpu_flags())
     log("matmul FLOP/s ...")
     m["matmul_flops_1_thread"] = matmul_flops(1, repeats=reps)
@@ -292,25 +233,18 @@ def measure(quick: bool = False, batch: int = 8, model: str = CALIBRATION_MODEL,
     log("memory stream ...")
     m["stream_Bps_1_thread"] = stream_Bps(1, repeats=reps)
     m["stream_Bps_all_cores"] = stream_Bps(cores, repeats=reps)
-    log(f"{model} train step at {image_size} px, batch {batch} ...")
-    work = workload(model, image_size)
-    m["step_model"] = f"{model}@{image_size}"
-    m["step_batch"] = batch
-    steps = 2 if quick else 5
-    try:
-        m["step_s_1_core"] = bench_train_step_s(model, image_size, batch, steps, 1)
-        m["step_how"] = ("mpiexec -n 1 hpcdl bench train --modes no_comm --threads 1 "
-                         "(compute_s)")
-    except (RuntimeError, OSError, KeyError, ValueError, subprocess.TimeoutExpired) as exc:
-        log(f"bench train unavailable ({exc}); timing a plain step in this process")
-        m["step_s_1_core"] = train_step_s(model, image_size, batch, steps, 1)
-        m["step_how"] = "in-process forward + backward + SGD (hpcdl bench train unavailable)"
-    # The measured step includes the LARS update, which the model costs apart (memory-bound,
-    # hpcdl.plan.model.optimizer_s): take its estimate out so it is not counted twice.
-    m["optimizer_estimate_s"] = (OPTIMIZER_BYTES_PER_PARAMETER * work.parameters
-                                 / m["stream_Bps_1_thread"])
-    fwd_bwd = max(m["step_s_1_core"] - m["optimizer_estimate_s"], 0.5 * m["step_s_1_core"])
-    m["step_flops_1_core"] = batch * work.train_flops_per_image / fwd_bwd
+    log(f"per-class rates: representative layers, batch {batch}, 1 thread ...")
+    # The same allocator policy as `hpcdl bench train` (its default --malloc retain): without
+    # it each 25 MB activation is a fresh mmap with first-touch page faults, which the steps
+    # being predicted do not pay.
+    from hpcdl.bench.train import retain_freed_memory
+
+    m["malloc_retain"] = retain_freed_memory()
+    m["class_batch"] = batch
+    m["layer_overhead_s"] = overhead_s()
+    samples = measure_samples(batch, 2 if quick else 4, log=log)
+    m["class_samples"] = [asdict(x) for x in samples]
+    m["class_rates"] = fit_rates(samples, m["layer_overhead_s"])
     log("JPEG decode + augment ...")
     try:
         m["decode_images_per_s_1_thread"] = decode_images_per_s(images=32 if quick else 64)
@@ -323,6 +257,7 @@ def measure(quick: bool = False, batch: int = 8, model: str = CALIBRATION_MODEL,
     except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as exc:
         m["allreduce_error"] = str(exc)
         log(f"allreduce calibration failed: {exc}")
+    m["load_average_after"] = os.getloadavg()[0]
     return m
 
 
@@ -335,27 +270,16 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     freq_src = (f"/proc/cpuinfo cpu MHz = {mhz:g} ({stamp})" if m.get("cpu_mhz")
                 else "assumption: 2 GHz (/proc/cpuinfo has no cpu MHz)")
     core_peak = mhz * 1e6 * m["flops_per_cycle"]
-    fraction = m["step_flops_1_core"] / core_peak
     gamma = 3.0 / m["stream_Bps_1_thread"]
     doc: dict[str, Any] = {
         "name": "local",
+        "calibrated": True,
         "description": f"this machine ({_cpu_name()}, {cores} cores), one node",
         "node": {
             "sockets": _fig(1, f"one node as seen by os.cpu_count() ({stamp})"),
             "cores_per_socket": _fig(cores, f"os.cpu_count() = {cores} ({stamp})"),
             "frequency_hz": _fig(mhz * 1e6, freq_src),
             "flops_per_cycle_per_core": _fig(m["flops_per_cycle"], m["flops_per_cycle_source"]),
-            "sustained_fraction": _fig(fraction, (
-                f"{stamp}: {m['step_model']} train step ({m.get('step_how', 'in-process')}), "
-                f"batch {m['step_batch']}, 1 rank x 1 thread "
-                f"{m['step_s_1_core']:.4g} s less LARS estimate "
-                f"{m.get('optimizer_estimate_s', 0):.3g} s = "
-                f"{m['step_flops_1_core'] / 1e9:.4g} GFLOP/s"
-                f" / one core's peak {core_peak / 1e9:.4g} GFLOP/s; the node is taken as cores x "
-                f"this (one single-threaded rank per core, as hpcdl bench train runs) "
-                f"(fp32 matmul reaches "
-                f"{m['matmul_flops_all_cores'] / 1e9:.4g} GFLOP/s all cores, "
-                f"{m['matmul_flops_1_thread'] / 1e9:.4g} at 1 thread)")),
             "memory_bandwidth_Bps": _fig(
                 max(m["stream_Bps_all_cores"], m["stream_Bps_1_thread"]),
                 f"{stamp}: a += b on 64 MB, all cores "
@@ -366,6 +290,7 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
                                     f"{stamp}: a += b on 64 MB, 1 thread"),
             "ranks_per_node": _fig(1, "convention: one rank per machine unless --procs-per-node"),
         },
+        "compute": compute_section(m, core_peak, stamp),
         "data": {
             "decode_images_per_s_per_core": (
                 _fig(m["decode_images_per_s_1_thread"], (
@@ -392,11 +317,43 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     doc["network"] = {k: {"value": v["value"],
                           "source": f"single node: no network; same as intra_node ({v['source']})"}
                       for k, v in intra.items()}
-    doc["measured"] = {k: v for k, v in m.items() if not isinstance(v, dict)}
+    doc["cpu"] = dict(m.get("cpu") or cpu_identity())
+    doc["measured"] = {k: v for k, v in m.items() if not isinstance(v, dict | list)}
     if "allreduce" in m:
         doc["measured"]["allreduce_fit"] = m["allreduce"]
     doc["measured"]["gamma_s_per_byte"] = gamma
+    if "class_samples" in m:
+        doc["measured"]["class_samples"] = list(m["class_samples"])
+        doc["measured"]["class_rates"] = dict(m["class_rates"])
     return doc
+
+
+def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[str, Any]:
+    """The ``compute`` figures from the fitted class rates (hpcdl.plan.class_rates)."""
+    from hpcdl.plan.class_rates import class_fractions
+    from hpcdl.plan.layers import COMPUTE_CLASSES
+
+    fractions = class_fractions(m["class_rates"], core_peak, m["stream_Bps_1_thread"])
+    load = (f"load average {m['load_average_before']:.1f} -> {m['load_average_after']:.1f}"
+            if "load_average_after" in m else "load average not recorded")
+    counts: dict[str, int] = {}
+    for sample in m.get("class_samples", []):
+        counts[sample["op_class"]] = counts.get(sample["op_class"], 0) + 1
+    section = {}
+    for op_class, fraction in fractions.items():
+        rate = m["class_rates"][op_class]
+        what = (f"{rate / 1e9:.4g} GFLOP/s / one core's peak {core_peak / 1e9:.4g} GFLOP/s"
+                if op_class in COMPUTE_CLASSES else
+                f"{rate / 1e9:.4g} GB/s nominal passes / one core's stream "
+                f"{m['stream_Bps_1_thread'] / 1e9:.4g} GB/s")
+        section[op_class] = _fig(fraction, (
+            f"{stamp}: {counts.get(op_class, 0)} representative {op_class} layers "
+            f"(hpcdl.plan.class_rates), forward + backward, batch {m['class_batch']}, 1 thread, "
+            f"less the per-layer overhead: {what}; {load}"))
+    section["layer_overhead_s"] = _fig(m["layer_overhead_s"], (
+        f"{stamp}: forward + backward of a one-element ReLU (dispatch + autograd), 1 thread; "
+        f"{load}"))
+    return section
 
 
 def _cpu_name() -> str:
@@ -425,9 +382,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     if shutil.which("mpiexec") is None:
         print("hpcdl plan --calibrate: mpiexec not found; allreduce figures are kept or assumed",
               file=sys.stderr)
-    m = measure(quick=args.quick, batch=args.batch_per_rank,
-                model=args.model or CALIBRATION_MODEL,
-                image_size=args.image_size or CALIBRATION_IMAGE_SIZE)
+    m = measure(quick=args.quick, batch=args.batch_per_rank)
     doc = machine_document(m, previous)
     try:
         path = write_machine(doc, directory)
@@ -435,7 +390,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
         print(f"hpcdl plan --calibrate: cannot write {directory}: {exc}; use --machines-dir",
               file=sys.stderr)
         return 1
-    print(yaml.safe_dump({k: doc[k] for k in ("node", "intra_node", "data")}, sort_keys=False,
+    print(yaml.safe_dump({k: doc[k] for k in ("node", "compute", "intra_node", "data", "cpu")},
+                         sort_keys=False,
                          width=100))
     print(f"wrote {path}")
     if "allreduce" not in m:

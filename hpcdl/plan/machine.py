@@ -6,13 +6,20 @@ measurement, or a stated assumption with its reasoning), grouped by what they de
     name: knl
     description: "..."
     node:    {sockets, cores_per_socket, frequency_hz, flops_per_cycle_per_core,
-              sustained_fraction, memory_bandwidth_Bps, core_stream_Bps, ranks_per_node}
+              memory_bandwidth_Bps, core_stream_Bps, ranks_per_node}
+    compute: {conv_large, conv_1x1, conv_3x3, conv_grouped, linear,   # fraction of peak
+              batch_norm, relu, add, pool, dropout, lrn,              # fraction of stream
+              layer_overhead_s}                                       # per layer per step
     network: {latency_s, bandwidth_Bps}            # between nodes (alpha, 1/beta)
     intra_node: {latency_s, bandwidth_Bps}         # between ranks of one node (shared memory)
     data:    {decode_images_per_s_per_core, loader_cores_per_node}
+    cpu:     {model_name, capability, flags}       # the CPU the figures describe (not figures)
+    calibrated: true                               # written by --calibrate: check the CPU
 
-A file may also carry a ``measured:`` section of raw calibration numbers (``hpcdl plan
---calibrate``); the planner reads only the sections above.
+``compute`` holds the per-operator-class rates of hpcdl.plan.model (the classes of
+hpcdl.plan.layers). A file without it, but with the older single ``node.sustained_fraction``,
+is still read and costed with that one fraction. A file may also carry a ``measured:``
+section of raw calibration numbers (``hpcdl plan --calibrate``); the planner does not read it.
 
 Where machine files are looked up, first match wins: ``--machines-dir DIR``, then
 ``$HPCDL_MACHINES_DIR``, then ``~/.config/hpcdl/machines`` (``$XDG_CONFIG_HOME``), then the files
@@ -22,21 +29,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
+from hpcdl.plan.layers import OP_CLASSES
 
 PACKAGE_MACHINES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "machines")
 
 # Every figure the cost model reads, by section. A file missing one is rejected by name.
 REQUIRED_FIGURES: dict[str, tuple[str, ...]] = {
     "node": ("sockets", "cores_per_socket", "frequency_hz", "flops_per_cycle_per_core",
-             "sustained_fraction", "memory_bandwidth_Bps", "core_stream_Bps", "ranks_per_node"),
+             "memory_bandwidth_Bps", "core_stream_Bps", "ranks_per_node"),
     "network": ("latency_s", "bandwidth_Bps"),
     "intra_node": ("latency_s", "bandwidth_Bps"),
     "data": ("decode_images_per_s_per_core", "loader_cores_per_node"),
 }
+# The per-class compute figures (hpcdl.plan.layers.OP_CLASSES) plus the per-layer overhead.
+COMPUTE_FIGURES: tuple[str, ...] = (*OP_CLASSES, "layer_overhead_s")
 
 
 class MachineError(ValueError):
@@ -114,6 +125,8 @@ class Machine:
     description: str
     path: str
     figures: dict[str, Figure]          # "section.key" -> Figure
+    cpu: Mapping[str, Any] = field(default_factory=dict)   # the CPU the figures describe
+    calibrated: bool = False            # measured by --calibrate: rates of cpu, not a spec
 
     def __getitem__(self, dotted: str) -> float:
         return self.figures[dotted].value
@@ -130,8 +143,13 @@ class Machine:
 
     @property
     def sustained_flops_per_node(self) -> float:
-        """What a CNN training step sustains: peak × the stated sustained fraction."""
+        """Legacy files without ``compute``: peak × the one stated sustained fraction."""
         return self.peak_flops_per_node * self["node.sustained_fraction"]
+
+    @property
+    def has_class_rates(self) -> bool:
+        """True when the file has the per-operator-class ``compute`` section."""
+        return "compute.conv_3x3" in self.figures
 
     @property
     def ranks_per_node(self) -> int:
@@ -155,9 +173,31 @@ def parse_machine(doc: Any, path: str) -> Machine:
                 raise MachineError(f"{path}: missing figure {section}.{key}")
         for key, leaf in block.items():
             figures[f"{section}.{key}"] = _figure(path, f"{section}.{key}", leaf)
+    figures.update(_compute_figures(doc, path))
+    if "compute.conv_3x3" not in figures and "node.sustained_fraction" not in figures:
+        raise MachineError(f"{path}: missing section 'compute' (needs {list(COMPUTE_FIGURES)}); "
+                           "measure it with `hpcdl plan --calibrate`")
+    cpu = doc.get("cpu") or {}
+    if not isinstance(cpu, Mapping):
+        raise MachineError(f"{path}: cpu must be a mapping (model_name, capability, flags), "
+                           f"got {cpu!r}")
     name = doc.get("name") or os.path.splitext(os.path.basename(path))[0]
     return Machine(name=str(name), description=str(doc.get("description", "")), path=path,
-                   figures=figures)
+                   figures=figures, cpu=dict(cpu), calibrated=bool(doc.get("calibrated", False)))
+
+
+def _compute_figures(doc: Mapping[str, Any], path: str) -> dict[str, Figure]:
+    """The optional ``compute`` section: all of :data:`COMPUTE_FIGURES` or an error."""
+    block = doc.get("compute")
+    if block is None:
+        return {}
+    if not isinstance(block, Mapping):
+        raise MachineError(f"{path}: compute must be a mapping of figures {COMPUTE_FIGURES}")
+    missing = [k for k in COMPUTE_FIGURES if k not in block]
+    if missing:
+        raise MachineError(f"{path}: compute is missing {missing} (recalibrate with "
+                           "`hpcdl plan --calibrate`, or state each figure with its source)")
+    return {f"compute.{k}": _figure(path, f"compute.{k}", v) for k, v in block.items()}
 
 
 def load_machine(name: str, machines_dir: str | None = None) -> Machine:

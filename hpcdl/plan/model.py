@@ -4,10 +4,18 @@ An iteration on ``p`` ranks with global batch ``B`` (per-rank batch ``b = B / p`
 
     iteration = compute + optimizer + comm_exposed + data_exposed
 
-* **compute** = b × train FLOPs per image ÷ the rank's sustained FLOP/s. Train FLOPs are
-  3 × 2 × forward MACs (hpcdl.plan.workload). A rank's FLOP/s is the node's sustained FLOP/s
-  (peak × stated sustained fraction) divided by the ranks placed on the node, so more ranks
-  per node than cores slows each rank proportionally (they time-share the cores).
+* **compute** = Σ over the model's layer table (hpcdl.plan.layers) of each operator's time
+  at its class's rate (:func:`compute_by_class`), a roofline per operator (Williams,
+  Waterman & Patterson, CACM 2009): convolutions (by shape class) and linear layers cost
+  b × train FLOPs ÷ (the class's fraction of peak × the rank's peak); a linear layer at
+  least its weights' traffic; batch norm, ReLU, adds, pooling, dropout and LRN cost b × the
+  bytes they move forward + backward ÷ (the class's fraction × the rank's stream
+  bandwidth); each layer adds a fixed dispatch overhead. Train FLOPs are 2 × MACs × 3
+  (forward, input gradient, weight gradient; × 2 for the first layer, whose input needs no
+  gradient). A rank's peak is the node's divided by the ranks placed on the node, so more
+  ranks per node than cores slows each rank proportionally (they time-share the cores). A
+  legacy machine file without per-class rates uses b × 6 × MACs ÷ (peak × its one
+  ``sustained_fraction``).
 * **optimizer** = the LARS update after the allreduce (You et al. ICPP'18, Alg. 1): memory-
   bound, ~32 bytes moved per parameter (norms read w and g; the update reads g, w, momentum,
   writes momentum and w) at the rank's memory bandwidth (its cores' stream rate, capped by
@@ -42,9 +50,10 @@ Relaxed consistency (hpcdl/comm/policy.py, ``hpcdl plan --local-steps H / --comp
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from hpcdl.plan.layers import COMPUTE_CLASSES, LINEAR_WEIGHT_PASSES, Layer, layer_table
 from hpcdl.plan.machine import Machine
 from hpcdl.plan.workload import Workload
 
@@ -221,6 +230,7 @@ class Plan:
     local_steps: int = 1
     compression_ratio: float = 1.0
     model_average_s: float = 0.0     # per iteration: the model average's allreduce / H
+    compute_by_class: dict[str, float] = field(default_factory=dict)   # seconds per class
 
     def per_iteration(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in (
@@ -249,9 +259,51 @@ def optimizer_s(machine: Machine, work: Workload, procs_per_node: int) -> float:
             / rank_memory_Bps(machine, procs_per_node))
 
 
+def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_node: int) -> float:
+    """One operator's forward + backward time on one rank (module docstring, compute)."""
+    share = max(1.0, procs_per_node / machine.cores_per_node)   # ranks time-sharing a core
+    overhead = machine["compute.layer_overhead_s"] * share
+    fraction = machine[f"compute.{layer.op_class}"]
+    if layer.op_class in COMPUTE_CLASSES:
+        peak = machine.peak_flops_per_node / procs_per_node
+        t = batch_per_rank * layer.train_flops / (fraction * peak)
+        if layer.op_class == "linear":   # small batch: the weights stream from memory
+            t = max(t, LINEAR_WEIGHT_PASSES * layer.param_bytes
+                    / rank_memory_Bps(machine, procs_per_node))
+        return overhead + t
+    return overhead + (batch_per_rank * layer.memory_bytes()
+                       / (fraction * rank_memory_Bps(machine, procs_per_node)))
+
+
+def compute_by_class(machine: Machine, work: Workload, batch_per_rank: float,
+                     procs_per_node: int) -> dict[str, float]:
+    """Seconds per operator class of one rank's forward + backward."""
+    if not (machine.has_class_rates and work.layers):
+        legacy = batch_per_rank * work.train_flops_per_image / rank_flops(machine,
+                                                                          procs_per_node)
+        return {"all (sustained fraction)": legacy}
+    seconds: dict[str, float] = {}
+    for layer in work.layers:
+        seconds[layer.op_class] = (seconds.get(layer.op_class, 0.0)
+                                   + layer_s(machine, layer, batch_per_rank, procs_per_node))
+    return seconds
+
+
+def with_layer_table(machine: Machine, work: Workload) -> Workload:
+    """``work`` with its layer table when the machine costs compute per class (counted once
+    per model and size, then cached: hpcdl.plan.layers.layer_table)."""
+    if not machine.has_class_rates or work.layers:
+        return work
+    try:
+        return replace(work, layers=layer_table(work.model, work.image_size))
+    except ValueError as exc:
+        raise ValueError(f"{work.model}: the per-class compute term needs the layer table, "
+                         f"and it cannot be counted: {exc}") from exc
+
+
 def compute_s(machine: Machine, work: Workload, batch_per_rank: float,
               procs_per_node: int) -> float:
-    return batch_per_rank * work.train_flops_per_image / rank_flops(machine, procs_per_node)
+    return sum(compute_by_class(machine, work, batch_per_rank, procs_per_node).values())
 
 
 def exposed_comm_s(comm_total: float, last_bucket: float, compute: float,
@@ -299,7 +351,12 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
         notes.append(f"{place.local_size} ranks per node share {machine.cores_per_node:g} cores: "
                      "compute per rank slows proportionally")
 
-    compute = compute_s(machine, work, b, inp.procs_per_node)
+    work = with_layer_table(machine, work)
+    if not machine.has_class_rates:
+        notes.append(f"{machine.path} has no per-class compute rates: compute costed with one "
+                     "sustained fraction (recalibrate with `hpcdl plan --calibrate`)")
+    by_class = compute_by_class(machine, work, b, inp.procs_per_node)
+    compute = sum(by_class.values())
     optimizer = optimizer_s(machine, work, inp.procs_per_node)
 
     grad_bytes = work.parameters * inp.wire_bytes / inp.compression_ratio
@@ -358,7 +415,7 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
         decode_images_per_s_per_node=decode_rate, gradient_bytes=float(grad_bytes),
         buckets=len(buckets), dominant=max(terms, key=terms.__getitem__), notes=notes,
         local_steps=inp.local_steps, compression_ratio=inp.compression_ratio,
-        model_average_s=model_average)
+        model_average_s=model_average, compute_by_class=by_class)
 
 
 def default_sweep(procs: int, global_batch: int) -> list[int]:

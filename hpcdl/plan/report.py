@@ -19,13 +19,13 @@ from typing import Any
 
 from hpcdl.bench.report import command_line, format_table
 from hpcdl.io import atomic_write_text
+from hpcdl.plan.layers import COMPUTE_CLASSES, class_totals
 from hpcdl.plan.machine import Machine
 from hpcdl.plan.model import (
     BACKWARD_SHARE,
     OPTIMIZER_BYTES_PER_PARAMETER,
     Plan,
     PlanInputs,
-    rank_flops,
     rank_memory_Bps,
     reduction_gamma,
 )
@@ -50,7 +50,6 @@ def _ms(seconds: float) -> str:
 
 def describe(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> str:
     """The per-iteration breakdown with the arithmetic behind each term."""
-    flops_rank = rank_flops(machine, inp.procs_per_node)
     gamma = reduction_gamma(machine, min(p.procs, inp.procs_per_node))
     wire = {4: "fp32", 2: "bf16"}.get(inp.wire_bytes, f"{inp.wire_bytes} B/element")
     lines = [
@@ -59,11 +58,7 @@ def describe(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> str:
         f"{p.global_batch} = {p.batch_per_rank:.4g} per rank; {p.allreduce} allreduce, "
         f"{inp.bucket_mb:g} MB buckets, overlap {'on' if inp.overlap else 'off'}",
         "per iteration",
-        f"  compute        {_ms(p.compute_s)}  {p.batch_per_rank:.4g} img x "
-        f"{_si(work.train_flops_per_image, 'FLOP')} (3 x 2 x {_si(work.forward_macs, 'MAC')}) / "
-        f"{_si(flops_rank, 'FLOP/s')} per rank (node peak "
-        f"{_si(machine.peak_flops_per_node, 'FLOP/s')} x {machine['node.sustained_fraction']:.3g}"
-        f" / {inp.procs_per_node} ranks)",
+        *compute_lines(p, machine, work, inp),
         f"  optimizer      {_ms(p.optimizer_s)}  LARS update: "
         f"{OPTIMIZER_BYTES_PER_PARAMETER:g} B x {work.parameters / 1e6:.4g} M parameters / "
         f"{_si(rank_memory_Bps(machine, inp.procs_per_node), 'B/s')} per rank",
@@ -92,6 +87,27 @@ def describe(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> str:
     ]
     lines += [f"  note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+def compute_lines(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> list[str]:
+    """The compute term, and its split by operator class (hpcdl.plan.layers)."""
+    head = (f"  compute        {_ms(p.compute_s)}  {p.batch_per_rank:.4g} img x "
+            f"{_si(work.train_flops_per_image, 'FLOP')} (3 x 2 x {_si(work.forward_macs, 'MAC')})"
+            f"; rank peak {_si(machine.peak_flops_per_node / inp.procs_per_node, 'FLOP/s')}, "
+            f"stream {_si(rank_memory_Bps(machine, inp.procs_per_node), 'B/s')}")
+    if not machine.has_class_rates:
+        return [head + f" x sustained fraction {machine['node.sustained_fraction']:.3g}"]
+    totals = class_totals(work.layers)
+    lines = [head + "; by operator class:"]
+    for op_class, seconds in sorted(p.compute_by_class.items(), key=lambda kv: -kv[1]):
+        t = totals.get(op_class, {"layers": 0, "train_flops": 0.0, "bytes": 0.0})
+        work_text = (f"{_si(t['train_flops'] * p.batch_per_rank, 'FLOP')} at "
+                     f"{machine[f'compute.{op_class}']:.3g} of peak"
+                     if op_class in COMPUTE_CLASSES else
+                     f"{_si(t['bytes'] * p.batch_per_rank, 'B')} at "
+                     f"{machine[f'compute.{op_class}']:.3g} of stream")
+        lines.append(f"    {op_class:<13}{_ms(seconds)}  {int(t['layers'])} layers, {work_text}")
+    return lines
 
 
 def sweep_record(p: Plan) -> dict[str, Any]:
@@ -126,6 +142,7 @@ def plan_json(p: Plan, plans: Sequence[Plan], machine: Machine, work: Workload,
         "scaling_efficiency": p.scaling_efficiency,
         "dominant": p.dominant,
         "per_iteration": p.per_iteration(),
+        "compute_by_class": dict(p.compute_by_class),
         "plan": p.to_dict(),
         "results": [sweep_record(q) for q in plans],
         "notes": list(p.notes),

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpcdl.io import atomic_write_text
+from hpcdl.plan.layers import Layer, layer_table
 
 FLOPS_PER_MAC = 2
 TRAIN_FORWARDS = 3   # forward + backward-data + backward-weights, each ≈ one forward
@@ -32,6 +33,7 @@ class Workload:
     forward_macs: float      # per image
     parameters: int          # trainable parameters = gradient elements per allreduce
     source: str
+    layers: tuple[Layer, ...] = ()   # the layer table (hpcdl.plan.layers); () = not counted
 
     @property
     def train_flops_per_image(self) -> float:
@@ -78,10 +80,22 @@ def _count(model_name: str, image_size: int) -> tuple[float, int]:
     return float(macs), int(params)
 
 
-def workload(model: str, image_size: int = 224, cache_path: str | None = None) -> Workload:
-    """The cost of ``model`` at ``image_size``, from the cache or counted once and cached."""
+def workload(model: str, image_size: int = 224, cache_path: str | None = None,
+             with_layers: bool = False) -> Workload:
+    """The cost of ``model`` at ``image_size``, from the cache or counted once and cached;
+    ``with_layers`` adds its layer table (hpcdl.plan.layers, cached beside it), which the
+    per-class compute term needs."""
     if image_size <= 0:
         raise ValueError(f"image size must be > 0, got {image_size}")
+    work = _totals(model, image_size, cache_path)
+    if with_layers:
+        layers_path = (os.path.join(os.path.dirname(cache_path), "layers.json")
+                       if cache_path else None)
+        work = replace(work, layers=layer_table(model, image_size, layers_path))
+    return work
+
+
+def _totals(model: str, image_size: int, cache_path: str | None) -> Workload:
     path = cache_path or flops_cache_path()
     key = _cache_key(model, image_size)
     cached = _read_cache(path).get(key)

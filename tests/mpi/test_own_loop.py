@@ -86,7 +86,15 @@ def test_replicas_equal_each_other_and_the_single_process_run(comm, data, name, 
     for rank, theirs in enumerate(everyone):
         assert (theirs == everyone[0]).all(), f"rank {rank}'s parameters differ from rank 0's"
     reference, reference_losses = _reference(name, lr, images, labels)
-    torch.testing.assert_close(_flat(model), _flat(reference), rtol=1e-4, atol=1e-5)
+    if name == "adamw":
+        # Adam divides by sqrt(v): where a gradient is ~0 its rounding (another summation
+        # order over 3 or 4 ranks) decides the sign of an lr-sized step, so a few elements
+        # of 20,490 differ by ~1e-4 (measured). Compare the whole: the difference against
+        # how far training moved the parameters.
+        moved = torch.linalg.vector_norm(_flat(reference) - _flat(_model(0)))
+        assert torch.linalg.vector_norm(_flat(model) - _flat(reference)) < 1e-3 * moved
+    else:
+        torch.testing.assert_close(_flat(model), _flat(reference), rtol=1e-4, atol=1e-5)
     assert losses == pytest.approx(reference_losses, rel=1e-4, abs=1e-5)
     assert sum(losses[-3:]) < 0.75 * sum(losses[:3]), losses  # 0.43-0.56 measured
 

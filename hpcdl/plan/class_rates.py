@@ -1,0 +1,181 @@
+"""Calibrating the per-class rates of hpcdl.plan.model: time representative layers, fit rates.
+
+How: each operator class (hpcdl.plan.layers) is timed on two or three representative layers
+of its own -- built in isolation, forward + backward through autograd, one thread, ``batch``
+images, the fastest of a few repeats -- and its rate is the work of those layers over their
+time less the per-layer overhead (a ratio estimator: Σ work ÷ Σ time, which weights the
+larger layers, whose time is least noisy). The overhead is timed directly: forward +
+backward of a one-element ReLU, which is dispatch and autograd bookkeeping alone.
+
+Why this and not ``hpcdl bench train``'s profiled breakdown: the profiler's categories
+(convolution, matmul, batch_norm, elementwise, pooling) cannot tell a 1×1 from a 3×3 or a
+stem convolution apart without shape records that its backward kernels do not map back to
+layers, its per-operator overhead inflates exactly the small memory-bound operators being
+measured, and a breakdown of one model's step calibrates on that model, so a prediction of
+the same model would not be held out. Representative layers take seconds, need no model
+and are the same operators (same torch kernels, same layout) a model's step runs; the work
+of each is counted by the same code as a model's layer table (:func:`count_layers`), so
+calibration and prediction cannot disagree on what a FLOP or a byte is.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpcdl.plan.layers import COMPUTE_CLASSES, OP_CLASSES, Layer, count_layers
+
+# (class, builder name, constructor arguments, input shape (C, H, W) or (features,),
+#  input needs a gradient). Shapes are the kinds found in ResNet-50 and AlexNet at 112-224 px
+# but none is copied from the validation models' layers one for one. Memory-bound samples
+# include one of 25 MB at batch 8, beyond the caches, as a model's early activations are.
+REPRESENTATIVE: tuple[tuple[str, str, tuple, tuple, bool], ...] = (
+    ("conv_large", "conv", (3, 64, 7, 2, 3, 1), (3, 112, 112), False),
+    ("conv_large", "conv", (32, 96, 5, 1, 2, 1), (32, 28, 28), True),
+    ("conv_1x1", "conv", (256, 64, 1, 1, 0, 1), (256, 28, 28), True),
+    ("conv_1x1", "conv", (128, 512, 1, 1, 0, 1), (128, 14, 14), True),
+    ("conv_1x1", "conv", (1024, 256, 1, 1, 0, 1), (1024, 7, 7), True),
+    ("conv_3x3", "conv", (64, 64, 3, 1, 1, 1), (64, 28, 28), True),
+    ("conv_3x3", "conv", (128, 128, 3, 1, 1, 1), (128, 14, 14), True),
+    ("conv_3x3", "conv", (256, 256, 3, 1, 1, 1), (256, 7, 7), True),
+    ("conv_grouped", "conv", (96, 128, 5, 1, 2, 2), (96, 14, 14), True),
+    ("conv_grouped", "conv", (192, 192, 3, 1, 1, 2), (192, 13, 13), True),
+    ("linear", "linear", (1024, 1024), (1024,), True),
+    ("linear", "linear", (2048, 512), (2048,), True),
+    ("batch_norm", "batch_norm", (128,), (128, 28, 28), True),
+    ("batch_norm", "batch_norm", (256,), (256, 56, 56), True),
+    ("relu", "relu", (), (128, 28, 28), True),
+    ("relu", "relu", (), (256, 56, 56), True),
+    ("add", "add", (), (128, 28, 28), True),
+    ("add", "add", (), (256, 56, 56), True),
+    ("pool", "max_pool", (3, 2), (64, 56, 56), True),
+    ("pool", "avg_pool", (), (512, 7, 7), True),
+    ("dropout", "dropout", (0.5,), (64, 28, 28), True),
+    ("dropout", "dropout", (0.5,), (4096,), True),
+    ("lrn", "lrn", (5,), (64, 27, 27), True),
+    ("lrn", "lrn", (5,), (192, 13, 13), True),
+)
+# Linear layers are timed at this many rows (images) so that they measure the matmul rate,
+# not the weight traffic that the model adds as a separate floor at small batch.
+LINEAR_ROWS = 128
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One representative layer: its class, its work (FLOPs or bytes) and measured seconds."""
+
+    op_class: str
+    work: float
+    seconds: float
+
+
+def build(kind: str, args: tuple) -> Any:
+    """A representative module of ``kind`` built from ``args``."""
+    if kind == "conv":
+        cin, cout, k, stride, pad, groups = args
+        return nn.Conv2d(cin, cout, k, stride=stride, padding=pad, groups=groups, bias=False)
+    if kind == "add":
+        return AddLearnt()
+    makers: dict[str, Callable[[], Any]] = {
+        "linear": lambda: nn.Linear(*args), "batch_norm": lambda: nn.BatchNorm2d(*args),
+        "relu": lambda: nn.ReLU(), "max_pool": lambda: nn.MaxPool2d(*args),
+        "avg_pool": lambda: nn.AdaptiveAvgPool2d(1), "dropout": lambda: nn.Dropout(*args),
+        "lrn": lambda: nn.LocalResponseNorm(*args)}
+    return makers[kind]()
+
+
+class AddLearnt(nn.Module):
+    """``x + w``: a residual sum whose both operands need a gradient (``w`` made on first use,
+    shaped like one input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "other"):
+            self.other = nn.Parameter(torch.zeros(1, *x.shape[1:]))
+        return x + self.other.expand_as(x)
+
+
+def layer_work(layer: Layer, rows: int) -> float:
+    """What the planner charges a layer for ``rows`` images: FLOPs, or bytes moved."""
+    if layer.op_class in COMPUTE_CLASSES:
+        return rows * layer.train_flops
+    return rows * layer.memory_bytes()
+
+
+def time_layer(module: Any, shape: Sequence[int], rows: int, input_grad: bool,
+               repeats: int) -> float:
+    """Fastest forward + backward of ``module`` on ``rows`` inputs of ``shape``, one thread."""
+    x = torch.randn(rows, *shape, requires_grad=input_grad)
+    module.train()
+
+    def once() -> None:
+        out = module(x)
+        out.backward(torch.ones_like(out))
+
+    once()   # warm-up: oneDNN primitive creation, allocator
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def overhead_s(repeats: int = 20) -> float:
+    """Per-layer dispatch + autograd cost: forward + backward of a one-element ReLU."""
+    return time_layer(nn.ReLU(), (1,), 1, True, repeats)
+
+
+def measure_samples(batch: int, repeats: int,
+                    log: Callable[[str], None] = print) -> list[Sample]:
+    """Time every representative layer (one thread) and count its work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)   # a rate per core, like the rest of --calibrate
+    torch.manual_seed(0)
+    samples = []
+    try:
+        for op_class, kind, args, shape, input_grad in REPRESENTATIVE:
+            module = build(kind, args)
+            rows = LINEAR_ROWS if op_class == "linear" else batch
+            layers = [layer for layer in count_layers(module, 0, shape, input_grad)
+                      if layer.op_class == op_class]
+            if not layers:
+                raise RuntimeError(f"representative {kind}{args} was not classed {op_class}")
+            seconds = time_layer(module, shape, rows, input_grad, repeats)
+            samples.append(Sample(op_class, sum(layer_work(la, rows) for la in layers),
+                                  seconds))
+            log(f"  {op_class:<13}{kind}{args} on {rows} x {shape}: {seconds * 1e3:.2f} ms")
+    finally:
+        torch.set_num_threads(before)
+    return samples
+
+
+def fit_rates(samples: Sequence[Sample], overhead: float) -> dict[str, float]:
+    """Per class: Σ work ÷ Σ (seconds − overhead) -- FLOP/s or bytes/s of one core.
+
+    Time below the overhead is floored at a tenth of the sample's time, so one noisy small
+    layer cannot make a rate infinite or negative."""
+    work: dict[str, float] = {}
+    busy: dict[str, float] = {}
+    for s in samples:
+        if s.work <= 0 or s.seconds <= 0:
+            raise ValueError(f"calibration sample of {s.op_class} has work {s.work} and "
+                             f"time {s.seconds}: both must be > 0")
+        work[s.op_class] = work.get(s.op_class, 0.0) + s.work
+        busy[s.op_class] = busy.get(s.op_class, 0.0) + max(s.seconds - overhead,
+                                                            0.1 * s.seconds)
+    missing = [c for c in OP_CLASSES if c not in work]
+    if missing:
+        raise ValueError(f"calibration has no samples of {missing}")
+    return {c: work[c] / busy[c] for c in OP_CLASSES}
+
+
+def class_fractions(rates: Mapping[str, float], core_peak_flops: float,
+                    core_stream_Bps: float) -> dict[str, float]:
+    """Rates as the machine file holds them: compute classes over one core's peak, memory
+    classes over one core's stream rate."""
+    return {c: r / (core_peak_flops if c in COMPUTE_CLASSES else core_stream_Bps)
+            for c, r in rates.items()}

@@ -1,0 +1,75 @@
+"""Which CPU a machine file was measured on, and a warning when it is used on another one.
+
+A calibrated machine file (``hpcdl plan --calibrate``) holds rates of *this* CPU: its vector
+ISA sets the convolution rates (AVX2 vs AVX-512 halves or doubles them, AMX or AVX512-BF16
+change bf16 by several times) and its memory system the memory-bound passes. The shipped
+``local.yaml`` was measured on an AVX2 AMD EPYC; used on a Zen 4 with AVX-512 it predicted a
+ResNet-50 step 1.55x too slow and said nothing (issue 18). So the file records the CPU
+(``lscpu``'s model name, ``torch.backends.cpu.get_cpu_capability()`` and the flags that move
+the rates) and the planner compares it with the CPU it runs on.
+"""
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping
+from typing import Any
+
+#: CPU flags that change the rates a calibration measures.
+RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
+                  "amx_tile")
+
+
+def cpu_flags() -> set[str]:
+    """The flags line of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model_name() -> str:
+    """``lscpu``'s model name (then /proc/cpuinfo's ``model name``), or ``unknown``."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.strip().lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def cpu_identity() -> dict[str, Any]:
+    """This CPU as a machine file records it."""
+    import torch
+
+    flags = cpu_flags()
+    return {"model_name": cpu_model_name(),
+            "capability": str(torch.backends.cpu.get_cpu_capability()),
+            "flags": [f for f in RELEVANT_FLAGS if f in flags]}
+
+
+def cpu_mismatch(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """What differs between the CPU a file was measured on and ``current``; None if nothing."""
+    diffs = []
+    for key, label in (("model_name", "model"), ("capability", "torch CPU capability")):
+        if recorded.get(key) and str(recorded[key]) != str(current.get(key)):
+            diffs.append(f"{label} {recorded[key]!r} vs {current.get(key)!r} here")
+    if "flags" in recorded:
+        was, now = set(recorded.get("flags") or []), set(current.get("flags") or [])
+        if was != now:
+            gained, lost = sorted(now - was), sorted(was - now)
+            diffs.append("flags " + ", ".join([f"+{f}" for f in gained] + [f"-{f}" for f in lost])
+                         + " here")
+    return "; ".join(diffs) or None

@@ -1,0 +1,274 @@
+"""A model's layer table: every operator of one training step, classed by how it is costed.
+
+One number per model (FLOPs ÷ one sustained fraction) cannot predict two models: a step of
+AlexNet-BN runs its convolutions and matmuls at ~0.79 of the matmul rate, ResNet-50's at
+0.55-0.69 (``hpcdl bench train``'s ``flops_fraction_of_matmul``), because the models spend
+their time in different kinds of operator. So the planner costs each operator by its class,
+following the roofline view (Williams, Waterman & Patterson, CACM 2009): dense operators by
+their FLOPs at a per-class rate, the rest by the bytes they move at the memory's stream rate.
+
+Classes (:func:`conv_class` decides a convolution's):
+
+* ``conv_large``: large early convolutions (kernel ≥ 5, or the stem on the image's ≤ 4
+  channels): ResNet's 7×7/2 stem, AlexNet's 11×11/4 and 5×5. Few channels in, large images.
+* ``conv_1x1``: 1×1 convolutions (ResNet bottlenecks' reduce/expand, projections): a GEMM.
+* ``conv_3x3``: the other dense convolutions, 3×3 at small spatial size (56 px down to 4).
+* ``conv_grouped``: ``groups > 1`` (the two-tower AlexNet's conv2/4/5): a GEMM per group.
+* ``linear``: fully connected layers, matmul-bound (or weight-bound at small batch).
+* memory-bound passes: ``batch_norm``, ``relu``, ``add`` (residual sums), ``pool``,
+  ``dropout``, ``lrn``. Their cost is bytes moved, forward + backward
+  (:data:`PASSES`), at the rank's stream bandwidth.
+
+Each :class:`Layer` holds per image: forward MACs, input and output activation bytes (fp32),
+parameter bytes, and whether backward must compute a gradient for the input (not for the
+first layer, whose input is the image: its backward is the weight gradient alone).
+
+The table comes from one eval-mode forward of a zero image at the real size with autograd on
+(so ``requires_grad`` tells which inputs need a gradient), with forward hooks on the leaf
+modules and a ``TorchFunctionMode`` that catches the operators a model calls outside any
+leaf module (ResNet's ``out + identity``, a functional ``F.relu``). Results are cached per
+(model, image size) in ``~/.cache/hpcdl/layers.json`` (``$XDG_CACHE_HOME``), like the flops
+cache of hpcdl.plan.workload.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hpcdl.io import atomic_write_text
+
+COMPUTE_CLASSES = ("conv_large", "conv_1x1", "conv_3x3", "conv_grouped", "linear")
+MEMORY_CLASSES = ("batch_norm", "relu", "add", "pool", "dropout", "lrn")
+OP_CLASSES = COMPUTE_CLASSES + MEMORY_CLASSES
+BYTES_PER_ELEMENT = 4   # fp32 activations
+
+# Nominal bytes moved, forward + backward, per byte of (input, output) activation of one
+# memory-bound operator (torch's CPU kernels, training mode). These fix the *shape* of the
+# cost; the machine file's per-class efficiency (calibrated) absorbs what they miss.
+#   batch_norm: fwd statistics pass reads x, normalise reads x writes y; bwd reduction pass
+#               reads dy and x, then reads dy and x and writes dx          -> 8 x out
+#   relu:       fwd reads x writes y; bwd reads dy and y writes dx          -> 5 x out
+#   add:        fwd reads a, b writes c; bwd sums the two gradients at the fork -> 6 x out
+#   pool (max): fwd reads x writes y and int64 indices (2 floats); bwd zero-fills dx, reads
+#               dy and indices -> 2 x in + 6 x out (average pooling reads less; same class)
+#   dropout:    fwd writes a bool mask, reads x writes y; bwd reads dy and mask writes dx
+#                                                                           -> 4.5 x out
+#   lrn:        torch's LocalResponseNorm is ~8 functional passes (square, pad, 3-D average
+#               pool, scale, pow, divide) forward and ~twice that backward  -> 24 x out
+PASSES: dict[str, tuple[float, float]] = {
+    "batch_norm": (0.0, 8.0), "relu": (0.0, 5.0), "add": (0.0, 6.0), "pool": (2.0, 6.0),
+    "dropout": (0.0, 4.5), "lrn": (0.0, 24.0),
+}
+# A linear layer's weight is read forward, read for the input gradient and its gradient
+# written backward: the floor on its time at small batch (the weights stream from memory).
+LINEAR_WEIGHT_PASSES = 3.0
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One operator of the forward pass, per image."""
+
+    name: str
+    op_class: str
+    macs: float = 0.0            # forward multiply-accumulates
+    in_bytes: float = 0.0        # input activation
+    out_bytes: float = 0.0       # output activation
+    param_bytes: float = 0.0
+    input_grad: bool = True      # backward computes the input's gradient
+
+    @property
+    def train_flops(self) -> float:
+        """2 FLOPs per MAC × (forward + weight gradient + input gradient when needed)."""
+        return 2.0 * self.macs * (3.0 if self.input_grad else 2.0)
+
+    def memory_bytes(self) -> float:
+        """Bytes moved forward + backward by a memory-bound pass (:data:`PASSES`)."""
+        per_in, per_out = PASSES[self.op_class]
+        return per_in * self.in_bytes + per_out * self.out_bytes
+
+
+def conv_class(kernel: Sequence[int], in_channels: int, groups: int) -> str:
+    """The shape class of a convolution (module docstring)."""
+    if groups > 1:
+        return "conv_grouped"
+    if max(kernel) >= 5 or in_channels <= 4:
+        return "conv_large"
+    if max(kernel) == 1:
+        return "conv_1x1"
+    return "conv_3x3"
+
+
+def module_class(module: Any) -> str | None:
+    """The class of a leaf module, or None for modules that cost nothing (Flatten, Identity)."""
+    from torch import nn
+
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return conv_class(tuple(module.kernel_size), module.in_channels, module.groups)
+    table = ((nn.Linear, "linear"), (nn.modules.batchnorm._NormBase, "batch_norm"),
+             (nn.LocalResponseNorm, "lrn"), ((nn.ReLU, nn.ReLU6, nn.LeakyReLU), "relu"),
+             ((nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+               nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd),
+              "pool"), (nn.modules.dropout._DropoutNd, "dropout"))
+    for kinds, op_class in table:
+        if isinstance(module, kinds):
+            return op_class
+    return None
+
+
+# Functions a model may call outside its leaf modules, and their class.
+FUNCTION_CLASSES = {"add": "add", "add_": "add", "__add__": "add", "__iadd__": "add",
+                    "__radd__": "add", "relu": "relu", "relu_": "relu",
+                    "max_pool2d": "pool", "adaptive_avg_pool2d": "pool", "avg_pool2d": "pool",
+                    "dropout": "dropout"}
+
+
+def _per_image(t: Any) -> int:
+    """Elements of one image's slice of a batched tensor (the batch may be empty)."""
+    return math.prod(t.shape[1:]) if hasattr(t, "shape") and t.dim() > 0 else 0
+
+
+def _macs(module: Any, output: Any) -> float:
+    from torch import nn
+
+    if isinstance(module, nn.modules.conv._ConvNd):
+        kernel = math.prod(module.kernel_size)
+        return float(_per_image(output) * (module.in_channels // module.groups) * kernel)
+    if isinstance(module, nn.Linear):
+        return float(_per_image(output) * module.in_features)
+    return 0.0
+
+
+def _nbytes(t: Any) -> float:
+    return float(_per_image(t) * BYTES_PER_ELEMENT)
+
+
+def count_layers(model: Any, image_size: int, input_shape: Sequence[int] | None = None,
+                 input_requires_grad: bool = False) -> list[Layer]:
+    """The layer table of ``model`` on one ``image_size`` image (module docstring), or on one
+    input of ``input_shape`` (C, H, W) or (features,) -- calibration's single layers."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    layers: list[Layer] = []
+    depth = [0]   # > 0 while inside a costed leaf module: its internal calls are its own
+
+    class Outside(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = getattr(func, "__name__", "")
+            op_class = FUNCTION_CLASSES.get(name)
+            if depth[0] == 0 and op_class and isinstance(out, torch.Tensor):
+                first = args[0] if args else None
+                layers.append(Layer(f"{name}#{len(layers)}", op_class,
+                                    in_bytes=_nbytes(first), out_bytes=_nbytes(out)))
+            return out
+
+    names = {m: n for n, m in model.named_modules()}
+
+    def enter(module: Any, _inputs: tuple) -> None:
+        depth[0] += 1
+
+    def leave(module: Any, inputs: tuple, output: Any) -> None:
+        depth[0] -= 1
+        first = inputs[0] if inputs else None
+        params = sum(p.numel() for p in module.parameters(recurse=False)) * BYTES_PER_ELEMENT
+        layers.append(Layer(names.get(module, type(module).__name__), module_class(module),
+                            macs=_macs(module, output), in_bytes=_nbytes(first),
+                            out_bytes=_nbytes(output), param_bytes=float(params),
+                            input_grad=bool(getattr(first, "requires_grad", False))))
+
+    shape = tuple(input_shape) if input_shape else (3, image_size, image_size)
+    hooks = []
+    for module in model.modules():
+        if next(module.children(), None) is None and module_class(module) is not None:
+            hooks.append(module.register_forward_pre_hook(enter))
+            hooks.append(module.register_forward_hook(leave))
+    was_training = model.training
+    try:
+        model.eval()   # BN and dropout shapes are the same; BN statistics stay untouched
+        # An empty batch carries every shape and costs no arithmetic (ResNet-50 at 224 px:
+        # milliseconds instead of seconds); one image where an operator rejects it.
+        for batch in (0, 1):
+            layers.clear()
+            depth[0] = 0
+            try:
+                with torch.enable_grad(), Outside():
+                    model(torch.zeros(batch, *shape, requires_grad=input_requires_grad))
+                break
+            except RuntimeError:
+                if batch:
+                    raise
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    return layers
+
+
+def class_totals(layers: Iterable[Layer]) -> dict[str, dict[str, float]]:
+    """Per class: layer count, train FLOPs and memory-pass bytes per image."""
+    totals: dict[str, dict[str, float]] = {}
+    for layer in layers:
+        t = totals.setdefault(layer.op_class, {"layers": 0, "train_flops": 0.0, "bytes": 0.0})
+        t["layers"] += 1
+        t["train_flops"] += layer.train_flops
+        if layer.op_class in PASSES:
+            t["bytes"] += layer.memory_bytes()
+    return totals
+
+
+# --------------------------------------------------------------------------- cache
+def layers_cache_path() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "hpcdl", "layers.json")
+
+
+def _read_cache(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}   # a missing or corrupt cache is recounted, never fatal
+
+
+def layers_from_records(records: Sequence[Mapping[str, Any]]) -> tuple[Layer, ...]:
+    return tuple(Layer(**dict(r)) for r in records)
+
+
+_MEMO: dict[str, tuple[Layer, ...]] = {}   # one process counts a table once
+
+
+def layer_table(model: str, image_size: int, cache_path: str | None = None) -> tuple[Layer, ...]:
+    """The layer table of ``model`` at ``image_size``, from the cache or counted once."""
+    from hpcdl.models import create_model, list_models
+
+    if model not in list_models():
+        raise ValueError(f"unknown model {model!r}; known: {list_models()}")
+    path = cache_path or layers_cache_path()
+    key = f"{model}@{image_size}"
+    if key in _MEMO:
+        return _MEMO[key]
+    cached = _read_cache(path).get(key)
+    if cached:
+        try:
+            return layers_from_records(cached)
+        except TypeError:
+            pass   # written by another version: recount
+    import torch
+
+    with torch.device("meta"):   # no weight initialisation: the table needs shapes only
+        net = create_model(model)
+    table = tuple(count_layers(net.to_empty(device="cpu"), image_size))
+    _MEMO[key] = table
+    entries = _read_cache(path)
+    entries[key] = [asdict(layer) for layer in table]
+    try:
+        atomic_write_text(path, json.dumps(entries) + "\n")
+    except OSError:
+        pass   # a read-only home only costs recounting next time
+    return table
