@@ -32,8 +32,8 @@ setup(
         "numpy",
         "h5py",
         # The Python binding only: which MPI library it loads is the user's choice, one of the
-        # extras below or none for a site MPI (README: "Choosing the MPI"). A base requirement
-        # on an MPI wheel would put a second libmpi and mpiexec beside the site's.
+        # extras below or none for a site MPI (README's quick start, docs/mpi.md). A base
+        # requirement on an MPI wheel would put a second libmpi and mpiexec beside the site's.
         "mpi4py",
         "pyyaml",
         "pillow",

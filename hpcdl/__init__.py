@@ -14,7 +14,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from hpcdl.mpi_library import set_wheel_mpi_root
+
 __version__ = "0.1.0"
+
+# Before anything imports mpi4py.MPI: the Intel MPI wheel needs I_MPI_ROOT under srun
+# (docs/mpi.md). Standard library only: `import hpcdl` stays free of torch and MPI.
+set_wheel_mpi_root()
 
 #: public name -> module that defines it, imported when first asked for
 _LAZY = {

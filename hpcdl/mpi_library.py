@@ -12,11 +12,15 @@ and the environment each launcher gives its ranks names the launcher (Hydra's
 """
 from __future__ import annotations
 
+import glob
+import os
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-__all__ = ["FLAVORS", "MpiLibrary", "identify", "launcher_of", "loaded_library"]
+__all__ = ["FLAVORS", "MpiLibrary", "identify", "launcher_of", "loaded_library",
+           "set_wheel_mpi_root"]
 
 #: flavor -> name as users say it. "mpich" covers MPICH-derived builds we do not single out.
 FLAVORS = {"impi": "Intel MPI", "openmpi": "Open MPI", "mpich": "MPICH",
@@ -52,6 +56,7 @@ class MpiLibrary:
 def identify(library_version: str) -> MpiLibrary:
     """Parse ``MPI.Get_library_version()`` ('Intel(R) MPI Library 2021.13 for Linux* OS',
     'Open MPI v5.0.11, package: ...', 'MPICH Version:      5.0.2 ...')."""
+    library_version = library_version.replace("\x00", "")  # Open MPI's ends in a NUL
     text = " ".join(library_version.split())
     first = " ".join(library_version.strip().splitlines()[0].split()) if text else ""
     for flavor, pattern in _PATTERNS:
@@ -67,8 +72,6 @@ def loaded_library(initialize: bool = True) -> MpiLibrary:
     ``initialize=False`` is for a process that names the library and exits (the job body asks
     ``hpcdl doctor --mpi-flavor`` before it knows which launcher to use): if mpi4py.MPI is not
     imported yet it is imported without MPI_Init, which then never happens in this process."""
-    import sys
-
     import mpi4py
 
     if not initialize and "mpi4py.MPI" not in sys.modules:
@@ -95,3 +98,20 @@ def launcher_of(env: Mapping[str, str]) -> str:
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
         return "srun"
     return "unknown"
+
+
+def set_wheel_mpi_root(env: MutableMapping[str, str] = os.environ,
+                       prefix: str = sys.prefix) -> str | None:
+    """Point Intel MPI at the tuning files of the ``impi-rt`` wheel in this environment.
+
+    Intel MPI's library reads its collective tuning tables (``opt/mpi/etc/tuning_*.dat``) from
+    ``$I_MPI_ROOT``, which a site's ``vars.sh`` exports and the wheel's own ``mpiexec`` makes
+    unnecessary, but nothing sets under ``srun``: there, MPI_Init of impi-rt 2021.13.1 spins
+    forever in ``MPIU_Selection_find_entry`` (seen on the test cluster, docs/mpi.md). Called
+    before mpi4py starts MPI; a value the user set is kept. Returns the value it set, if any.
+    """
+    if env.get("I_MPI_ROOT") or not glob.glob(os.path.join(prefix, "opt", "mpi", "etc",
+                                                              "tuning_*.dat")):
+        return None
+    env["I_MPI_ROOT"] = prefix
+    return prefix

