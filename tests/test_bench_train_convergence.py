@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hpcdl.bench import convergence as bench
+from hpcdl.bench import runs
 from hpcdl.train.config import config_from_dict
 
 
@@ -72,7 +73,7 @@ def test_unknown_run_is_refused():
 def test_holdout_split_is_carved_from_training_images_only(tmp_path):
     from hpcdl.data_prep.fashion_mnist import load_split
 
-    folder = bench.write_holdout_source(str(tmp_path / "idx"), "demo", holdout=1000)
+    folder = runs.write_holdout_source(str(tmp_path / "idx"), "demo", holdout=1000)
     train_images, train_labels = load_split(folder, "train")
     held_images, held_labels = load_split(folder, "val")
     all_images, all_labels = load_split("demo", "train")

@@ -125,7 +125,7 @@ def final_runs(args: argparse.Namespace, chosen: dict[tuple[str, int], float]) -
 
 def study_recipe(run: StudyRun, args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     """The run as a recipe dict (hpcdl.train.config schema)."""
-    from hpcdl.bench.convergence import micro_batching
+    from hpcdl.bench.runs import micro_batching
 
     micro = args.micro_batch or min(args.batch_list) // ranks
     model = {"name": args.model, "num_classes": 10}
@@ -316,8 +316,8 @@ def run_study(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     import hpcdl.comm
-    from hpcdl.bench.convergence import bench_workdir, prepare_shards, run_record, train_run
     from hpcdl.bench.report import bench_report, emit
+    from hpcdl.bench.runs import bench_workdir, prepare_shards, run_record, train_run
     from hpcdl.train.threads import configure_threads
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 

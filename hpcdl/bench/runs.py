@@ -1,0 +1,128 @@
+"""Fashion-MNIST training runs shared by the multi-run benches (``bench convergence``, its
+``--study``, ``bench ltfb``, ``bench relaxed``): the data, one run with the real Trainer, its
+record, and the directory the runs share. A floor below every bench, so no bench imports
+another's command module.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["HOLDOUT", "bench_workdir", "micro_batching", "prepare_shards", "run_record",
+           "train_run", "write_holdout_source"]
+
+HOLDOUT = 10_000  # training images held out by --holdout (as many as the test set)
+
+
+def micro_batching(global_batch: int, micro: int, ranks: int) -> dict[str, int]:
+    """The recipe's batch section: ``global_batch`` = ``micro`` × ``ranks`` × accumulation.
+
+    Batch norm normalises over each forward pass, so every run sees the same statistics batch
+    and only the optimizer's batch grows, as when the paper adds workers at 32 images each
+    (ghost batch norm, Hoffer et al., arXiv:1705.08741)."""
+    accumulation, rest = divmod(global_batch, micro * ranks)
+    if rest or accumulation == 0:
+        raise SystemExit(f"hpcdl bench convergence: global batch {global_batch} is not a "
+                         f"multiple of --micro-batch {micro} x {ranks} ranks")
+    return {"global": global_batch, "per_rank": micro, "accumulation": accumulation}
+
+
+# -- data -------------------------------------------------------------------------------------
+def write_holdout_source(folder: str, source: str, holdout: int = HOLDOUT) -> str:
+    """idx files whose 'test' split is the last ``holdout`` training images (tuning split)."""
+    from hpcdl.data_prep.fashion_mnist import FILES, load_split, write_idx
+
+    images, labels = load_split(source, "train")
+    if len(labels) <= holdout:
+        raise ValueError(f"--holdout: {source} has {len(labels)} training images, need more "
+                         f"than {holdout}")
+    os.makedirs(folder, exist_ok=True)
+    parts = {"train": slice(0, len(labels) - holdout), "val": slice(len(labels) - holdout, None)}
+    for split, part in parts.items():
+        write_idx(os.path.join(folder, FILES[split][0]), images[part])
+        write_idx(os.path.join(folder, FILES[split][1]), labels[part])
+    return folder
+
+
+def prepare_shards(world, data_dir: str, source: str, holdout: bool) -> str:
+    """Rank 0 writes the JPEG tree; all ranks shard it (data_prep, MPI-parallel). Reuses
+    ``data_dir/shards`` (``shards-holdout``) when its manifest is already there."""
+    from hpcdl.data.format import MANIFEST
+    from hpcdl.data_prep.fashion_mnist import write_tree
+    from hpcdl.data_prep.shard import shard_tree
+
+    suffix = "-holdout" if holdout else ""  # the two splits never share a folder
+    shard_dir = os.path.join(data_dir, f"shards{suffix}")
+    if os.path.exists(os.path.join(shard_dir, MANIFEST)):
+        return shard_dir
+    tree = os.path.join(data_dir, f"tree{suffix}")
+    error = None
+    if world.rank == 0:
+        try:
+            if holdout:
+                source = write_holdout_source(os.path.join(data_dir, "idx"), source)
+            write_tree(tree, source=source)
+        except (OSError, ValueError) as exc:
+            error = f"writing Fashion-MNIST ({source}) to {tree}: {exc}"
+    error = world.bcast(error, root=0)
+    if error:
+        raise RuntimeError(error)
+    shard_tree(tree, shard_dir, shards=16, resize=0, comm=world)
+    return shard_dir
+
+
+# -- one run ----------------------------------------------------------------------------------
+def train_run(comm, recipe: dict[str, Any], shard_dir: str, run_dir: str,
+              max_steps: int | None) -> dict[str, Any]:
+    """Train one recipe with the real Trainer; resumes from ``run_dir`` when it has a
+    checkpoint. Returns the trainer's summary."""
+    from hpcdl.train.config import config_from_dict
+    from hpcdl.train.trainer import Trainer, TrainOptions
+
+    config = config_from_dict(recipe, origin=f"hpcdl bench convergence: {recipe['name']}")
+    options = TrainOptions(max_steps=max_steps, progress=False)
+    trainer = Trainer(config, shard_dir, run_dir, comm, options=options)
+    try:
+        trainer.resume("auto")
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def run_record(name: str, recipe: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    return {"run": name, "optimizer": recipe["optimizer"]["name"],
+            "global_batch": summary["global_batch"],
+            "micro_batch": recipe["batch"]["per_rank"],
+            "accumulation": recipe["batch"]["accumulation"],
+            "base_lr": recipe["schedule"]["base_lr"],
+            "warmup_epochs": recipe["schedule"]["warmup_epochs"],
+            "trust_coefficient": recipe["optimizer"].get("trust_coefficient"),
+            "weight_decay": recipe["optimizer"]["weight_decay"],
+            "epochs": summary["epochs"], "steps": summary["steps"], "top1": summary["top1"],
+            "top5": summary["top5"], "eval_loss": summary["eval_loss"],
+            "train_s": summary["train_s_total"], "images_per_s": summary["images_per_s"],
+            "ranks": summary["ranks"], "stopped": summary["stopped"]}
+
+
+@contextlib.contextmanager
+def bench_workdir(world: Any, out: str | None, prefix: str) -> Iterator[str]:
+    """The directory a multi-run bench works in, shared by every rank: ``out`` when given
+    (kept, so runs resume), else a temporary one made by rank 0 and removed at the end. Also
+    makes a failing rank take the job down and gives every rank its log under it."""
+    from hpcdl.debug import install_fail_fast, setup_rank_logging
+
+    if world.size > 1:
+        install_fail_fast(world)
+    path = os.path.abspath(out) if out else \
+        world.bcast(tempfile.mkdtemp(prefix=prefix) if world.rank == 0 else None)
+    setup_rank_logging(path, world.rank, world.size, "info")
+    try:
+        yield path
+    finally:
+        world.Barrier()
+        if not out and world.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
