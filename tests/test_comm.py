@@ -112,9 +112,15 @@ def test_driver_merges_hpcdl_and_a_site_mpi_run_into_one_report(tmp_path, monkey
 
     # This environment's own MPI stands in for a site install: a prefix with its mpiexec and
     # python, and two of its documented tunings (the real driver tries them all).
-    (tmp_path / "site" / "bin").mkdir(parents=True)
-    os.symlink(shutil.which("mpiexec"), tmp_path / "site" / "bin" / "mpiexec")
-    os.symlink(sys.executable, tmp_path / "site" / "bin" / "python")
+    # Hydra finds its proxy beside the mpiexec it was started as, so the launcher's tools
+    # come along (the real files, or pyenv's shims).
+    site_bin = tmp_path / "site" / "bin"
+    site_bin.mkdir(parents=True)
+    launcher_dir = os.path.dirname(shutil.which("mpiexec"))
+    for name in os.listdir(launcher_dir):
+        if name.startswith(("mpiexec", "hydra")):
+            os.symlink(os.path.join(launcher_dir, name), site_bin / name)
+    os.symlink(sys.executable, site_bin / "python")
     monkeypatch.setitem(allreduce.SITE_TUNINGS, "mpich",
                         [{}, {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring"}])
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
