@@ -125,6 +125,7 @@ def test_layer_table_is_counted_once_then_read_from_the_cache(tmp_path, monkeypa
     from hpcdl.plan import layers as layers_module
 
     cache = tmp_path / "layers.json"
+    monkeypatch.setattr(layers_module, "_MEMO", {})  # not counted earlier in this process
     first = layer_table("resnet_small", 16, str(cache))
     assert "resnet_small@16" in json.loads(cache.read_text())
     monkeypatch.setattr(layers_module, "_MEMO", {})
