@@ -83,8 +83,9 @@ def report_bad_input(command: str, error: BadInputError, debug: bool = False) ->
             else ""
         print(f"hpcdl {command}: {where}{error}", file=sys.stderr, flush=True)
     if alone:
-        sys.stdout.flush()
-        world.Abort(EXIT_BAD_INPUT)
+        from hpcdl.debug.faults import abort_after_output
+
+        abort_after_output(world, EXIT_BAD_INPUT)
     return EXIT_BAD_INPUT
 
 

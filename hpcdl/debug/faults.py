@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from types import TracebackType
 from typing import Any, TextIO
@@ -50,6 +51,23 @@ def _log_to_files(text: str) -> None:
             handler.handle(record)
 
 
+# MPI_Abort makes the launcher kill every process at once, and a line a rank has written but
+# the launcher's proxy has not yet forwarded is lost with it (seen in CI: the bad-input line
+# of the aborting rank missing from mpiexec's output). A moment's grace lets it through.
+OUTPUT_GRACE_S = 0.5
+
+
+def abort_after_output(mpi_comm: Any, code: int) -> None:
+    """Flush this rank's streams, give the launcher time to forward them, then MPI_Abort."""
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
+            pass
+    time.sleep(OUTPUT_GRACE_S)
+    mpi_comm.Abort(code)
+
+
 def _report_and_abort(mpi_comm: Any, text: str, plain: str) -> None:
     try:
         _log_to_files(plain)
@@ -61,8 +79,7 @@ def _report_and_abort(mpi_comm: Any, text: str, plain: str) -> None:
         except Exception:  # noqa: BLE001
             pass
     sys.stderr.write(text)
-    sys.stderr.flush()
-    mpi_comm.Abort(ABORT_EXIT_CODE)
+    abort_after_output(mpi_comm, ABORT_EXIT_CODE)
 
 
 def install_fail_fast(mpi_comm: Any) -> None:

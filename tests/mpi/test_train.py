@@ -167,6 +167,13 @@ def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, c
                                               threads):
     from hpcdl.train.trainer import bf16_supported
 
+    if world.size * threads > (os.cpu_count() or 1):
+        # Seen twice on 2 cores (2026-12-01, MPICH and Intel MPI): with 2 ranks x 2 threads,
+        # one rank never left torch's channels_last conv backward (C++ frames only; its
+        # reducer idle, the peer waiting in the allreduce). Not reproduced when the threads
+        # fit the cores; the one-thread path is refused for a torch heap bug already.
+        pytest.skip(f"{world.size} ranks x {threads} threads oversubscribe "
+                    f"{os.cpu_count()} cores: torch's channels_last backward can hang there")
     config = recipe(world.size, channels_last=True, bf16=True)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
