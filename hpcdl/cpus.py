@@ -7,6 +7,7 @@ rule lives here, below both, and neither imports the other.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterable, Sequence
 
 __all__ = ["affinity_cores", "format_cpu_list", "parse_cpu_list", "threads_per_rank"]
@@ -58,3 +59,23 @@ def threads_per_rank(mine: frozenset[int], node_masks: Sequence[frozenset[int]],
     # Every rank takes the same rule, so the node's total is len(node_masks) * threads at most.
     oversubscribed = len(node_masks) * threads > len(node_cores) or len(mine) < sharing
     return threads, oversubscribed
+
+
+def cpu_model_name(fallback: str = "unknown") -> str:
+    """``lscpu``'s model name (then /proc/cpuinfo's ``model name``), else ``fallback``: the
+    name every measured number records (bench JSON, machine files)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.strip().lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return fallback

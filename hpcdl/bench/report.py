@@ -15,19 +15,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hpcdl.cpus import cpu_model_name
 from hpcdl.io import atomic_write_text
 
 
 def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (platform.processor() is often empty)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's model name (``lscpu``, then /proc/cpuinfo; platform's name as a last resort)."""
+    return cpu_model_name(fallback=platform.processor() or platform.machine())
 
 
 def machine_info(ranks: int = 1) -> dict[str, Any]:

@@ -357,9 +357,9 @@ def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[
 
 
 def _cpu_name() -> str:
-    from hpcdl.bench.report import cpu_model
+    from hpcdl.cpus import cpu_model_name
 
-    return cpu_model()
+    return cpu_model_name()
 
 
 def write_machine(doc: Mapping[str, Any], directory: str) -> str:

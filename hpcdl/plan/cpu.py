@@ -10,9 +10,10 @@ the rates) and the planner compares it with the CPU it runs on.
 """
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Mapping
 from typing import Any
+
+from hpcdl.cpus import cpu_model_name
 
 #: CPU flags that change the rates a calibration measures.
 RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
@@ -29,25 +30,6 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def cpu_model_name() -> str:
-    """``lscpu``'s model name (then /proc/cpuinfo's ``model name``), or ``unknown``."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.strip().lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def cpu_identity() -> dict[str, Any]:
