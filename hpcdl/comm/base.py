@@ -257,6 +257,69 @@ class Communicator:
         self.allreduce_flat_(wide, average, bucket)
         buffer.copy_(wide)
 
+    # -- weight-update sharding (Xu et al. 2020): a reduce-scatter, then an allgather ------
+    def shard_bounds(self, numel: int) -> list[int]:
+        """Offsets of each rank's slice of a flat buffer of ``numel`` elements: rank ``r``
+        owns ``[bounds[r], bounds[r + 1])`` after :meth:`reduce_scatter_flat_` and sends it
+        in :meth:`allgather_flat_` (near-equal slices, the first ``numel % size`` longer)."""
+        from hpcdl.comm.ring import segment_bounds
+
+        return segment_bounds(int(numel), self.size)
+
+    def reduce_scatter_flat_(self, buffer: torch.Tensor, average: bool = True,
+                             bucket: int | None = None) -> None:
+        """Sum (or average) ``buffer`` over the ranks, leaving only this rank's slice
+        (:meth:`shard_bounds`) final; the rest of ``buffer`` is undefined afterwards. Half
+        the traffic of an allreduce, which is this and :meth:`allgather_flat_` (Xu et al.,
+        "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training", 2020,
+        §3). Same thread rule as :meth:`allreduce_flat_`."""
+        self._check_sharded(buffer, "reduce_scatter_flat_")
+        meta = self._flat_meta(buffer, bucket, average=bool(average))
+        self._collective("reduce_scatter", meta,
+                         lambda: self._reduce_scatter(buffer, average) if self.size > 1
+                         else None)
+
+    def allgather_flat_(self, buffer: torch.Tensor, bucket: int | None = None) -> None:
+        """Every rank's slice (:meth:`shard_bounds`) of ``buffer`` into every rank's
+        ``buffer``, in place and bit-exact."""
+        self._check_sharded(buffer, "allgather_flat_")
+        meta = self._flat_meta(buffer, bucket)
+        self._collective("allgather", meta,
+                         lambda: self._allgather(buffer) if self.size > 1 else None)
+
+    def _check_sharded(self, buffer: torch.Tensor, what: str) -> None:
+        self._check_flat(buffer)
+        if buffer.dtype not in NATIVE_DTYPES:
+            raise ValueError(f"{what}: rank {self.rank} got a {buffer.dtype} buffer; sharded "
+                             f"updates move the parameters themselves, in their own dtype "
+                             f"({', '.join(str(d) for d in NATIVE_DTYPES)})")
+
+    def _reduce_scatter(self, buffer: torch.Tensor, average: bool) -> None:
+        """MPI_Reduce_scatter into a slice-sized scratch, then into place (MPI forbids the
+        receive buffer to alias the send buffer; MPI_IN_PLACE would put the slice at the
+        start). Every backend without its own algorithm uses this (ring, gloo, mpi)."""
+        array = numpy_view(buffer)
+        bounds = self.shard_bounds(buffer.numel())
+        counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
+        mine = np.empty(counts[self.rank], dtype=array.dtype)
+        if self._yields():
+            self._wait(self._comm.Ireduce_scatter(array, mine, counts, op=MPI.SUM))
+        else:
+            self._comm.Reduce_scatter(array, mine, counts, op=MPI.SUM)
+        if average:
+            scale_(mine, self.size)
+        array[bounds[self.rank]:bounds[self.rank + 1]] = mine
+
+    def _allgather(self, buffer: torch.Tensor) -> None:
+        array = numpy_view(buffer)
+        bounds = self.shard_bounds(buffer.numel())
+        counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
+        spec = [array, (counts, bounds[:-1])]
+        if self._yields():
+            self._wait(self._comm.Iallgatherv(MPI.IN_PLACE, spec))
+        else:
+            self._comm.Allgatherv(MPI.IN_PLACE, spec)
+
     def broadcast_(self, tensors: torch.Tensor | Sequence[torch.Tensor], root: int = 0) -> None:
         """Copy ``root``'s tensors to every rank, in place (bit-exact: sent as bytes)."""
         tensors = self._as_list(tensors, "broadcast_")

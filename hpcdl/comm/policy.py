@@ -316,13 +316,19 @@ class PowerSGDPolicy(ConsistencyPolicy):
 def create_policy(comm, named_params: Iterable[tuple[str, torch.Tensor]], *,
                   algorithm: str = "sync", local_steps: int = 1, sync_warmup_steps: int = 0,
                   powersgd_rank: int = 4, bucket_bytes: int = 25 << 20,
-                  enabled: bool = True, seed: int = 0) -> ConsistencyPolicy:
+                  enabled: bool = True, seed: int = 0,
+                  shard_update: bool = False) -> ConsistencyPolicy:
     """The policy of ``comm.algorithm`` with its reducer(s). ``enabled=False`` (one rank, or
-    ``--no-comm``): nothing is communicated, whatever the algorithm."""
+    ``--no-comm``): nothing is communicated, whatever the algorithm. ``shard_update``: the
+    reducer reduce-scatters (weight-update sharding, hpcdl/optim/sharded.py); ``sync`` only."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"comm.algorithm={algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+    if shard_update and algorithm != "sync":
+        raise ValueError(f"comm.shard_update: true needs comm.algorithm: sync, not "
+                         f"{algorithm!r}; set one of the two keys")
     named_params = list(named_params)
-    reducer = GradientReducer(comm, named_params, bucket_bytes=bucket_bytes, enabled=enabled)
+    reducer = GradientReducer(comm, named_params, bucket_bytes=bucket_bytes, enabled=enabled,
+                              reduce_scatter=shard_update and enabled)
     if not enabled or algorithm == "sync":
         return ConsistencyPolicy(comm, reducer)
     if algorithm == "local_sgd":

@@ -156,7 +156,8 @@ class GradientReducer:
     def __init__(self, comm, named_params: Iterable[tuple[str, torch.Tensor]],
                  bucket_bytes: int, wire_dtype: torch.dtype | None = None,
                  enabled: bool = True,
-                 last_bucket_bytes: int | None = DEFAULT_LAST_BUCKET_BYTES) -> None:
+                 last_bucket_bytes: int | None = DEFAULT_LAST_BUCKET_BYTES,
+                 reduce_scatter: bool = False) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"GradientReducer: bucket_bytes must be > 0, got {bucket_bytes}")
         self.comm = comm
@@ -164,6 +165,10 @@ class GradientReducer:
         #: (hierarchical local SGD, hpcdl/comm/policy.py). Set between steps only.
         self.gradient_comm = comm
         self.enabled = bool(enabled)
+        #: weight-update sharding (hpcdl/optim/sharded.py): each bucket is reduce-scattered,
+        #: only this rank's slice (``comm.shard_bounds``) holds the average after
+        #: ``synchronize``, and ``p.grad`` is left as this rank's own gradient
+        self.reduce_scatter = bool(reduce_scatter)
         #: bytes of gradient buckets this rank passed to allreduce (wire dtype)
         self.bytes_reduced = 0
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
@@ -222,7 +227,8 @@ class GradientReducer:
             raise RuntimeError(f"gradient allreduce failed on rank {self.comm.rank}: "
                                f"{error}") from error
         for bucket in self.buckets:
-            self._unpack(bucket)
+            if not self.reduce_scatter:
+                self._unpack(bucket)
             bucket.filled.clear()
             bucket.done.clear()
         self._next_launch = 0
@@ -339,7 +345,9 @@ class GradientReducer:
                 return
             bucket, comm, counted = item
             try:
-                if self._error is None:
+                if self._error is None and self.reduce_scatter and counted:
+                    comm.reduce_scatter_flat_(bucket.buffer, average=True, bucket=bucket.index)
+                elif self._error is None:
                     comm.allreduce_flat_(bucket.buffer, average=True)
                     if counted:
                         self.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()

@@ -148,6 +148,43 @@ class SharedMemoryCommunicator(Communicator):
                 np.copyto(views[me][bounds[k]:bounds[k + 1]], views[k][bounds[k]:bounds[k + 1]])
         self._node_sync(window)                 # nobody reads my region any more
 
+    def _reduce_scatter(self, buffer: torch.Tensor, average: bool) -> None:
+        """The first half of :meth:`_reduce_in_window` alone: rank j sums slice j of every
+        peer's region into its own and stops there, with no copy back (that is the
+        allgather's job, after the sharded update). One node and a window buffer only;
+        otherwise MPI's Reduce_scatter (ranks on several nodes own world slices)."""
+        located = self._locate(buffer) if self.num_nodes == 1 else None
+        if located is None:
+            super()._reduce_scatter(buffer, average)
+            return
+        window, offset = located
+        views = window.views(offset, buffer.numel(), numpy_view(buffer[:0]).dtype)
+        bounds = segment_bounds(buffer.numel(), self.local_size)
+        self._node_sync(window)                 # every rank's data is in the window
+        self._reduce_slice(views, bounds)
+        if average:
+            scale_(views[self.local_rank][bounds[self.local_rank]:bounds[self.local_rank + 1]],
+                   self.size)
+        # No closing sync: peers may still read my region's other slices, and I write
+        # nothing there before the allgather's first sync (my own slice only, which no
+        # peer reads).
+
+    def _allgather(self, buffer: torch.Tensor) -> None:
+        """Each rank copies the other slices straight out of its peers' regions."""
+        located = self._locate(buffer) if self.num_nodes == 1 else None
+        if located is None:
+            super()._allgather(buffer)
+            return
+        window, offset = located
+        views = window.views(offset, buffer.numel(), numpy_view(buffer[:0]).dtype)
+        bounds = segment_bounds(buffer.numel(), self.local_size)
+        me = self.local_rank
+        self._node_sync(window)                 # every rank's slice is written
+        for k in range(self.local_size):
+            if k != me:
+                np.copyto(views[me][bounds[k]:bounds[k + 1]], views[k][bounds[k]:bounds[k + 1]])
+        self._node_sync(window)                 # nobody reads my region any more
+
     def _reduce_slice(self, views: list[np.ndarray], bounds: list[int]) -> None:
         """Sum slice ``local_rank`` of every peer's region into mine, block by block."""
         me = self.local_rank

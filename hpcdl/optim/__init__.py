@@ -7,6 +7,7 @@ from hpcdl.optim.factory import (
     list_optimizers,
 )
 from hpcdl.optim.lars import LARS, param_groups, trust_ratios
+from hpcdl.optim.sharded import ShardedOptimizer
 from hpcdl.optim.schedule import (
     SCHEDULES,
     CosineSchedule,
@@ -20,5 +21,5 @@ from hpcdl.optim.schedule import (
 __all__ = [
     "LARS", "param_groups", "trust_ratios", "create_optimizer", "list_optimizers",
     "apply_momentum_correction", "OPTIMIZERS", "Schedule", "PolySchedule", "StepSchedule",
-    "CosineSchedule", "create_schedule", "scaled_lr", "SCHEDULES",
+    "CosineSchedule", "create_schedule", "scaled_lr", "SCHEDULES", "ShardedOptimizer",
 ]

@@ -80,5 +80,6 @@ def create_optimizer(cfg: Mapping[str, Any], model: torch.nn.Module,
 def apply_momentum_correction(optimizer: torch.optim.Optimizer, factor: float) -> None:
     """Goyal et al.'s momentum correction for optimizers whose buffer holds lr·g (LARS);
     torch's SGD keeps lr out of its buffer, so it needs none and this leaves it alone."""
-    if isinstance(optimizer, LARS):
+    # (a wrapper -- hpcdl.DistributedOptimizer, the sharded update -- holds it as .optimizer)
+    if isinstance(getattr(optimizer, "optimizer", optimizer), LARS):
         optimizer.scale_momentum_(factor)

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LARS", "param_groups", "norm_layer_params", "trust_ratios"]
+__all__ = ["LARS", "param_groups", "norm_layer_params", "trust_ratios", "local_rates",
+           "lars_update"]
 
 
 def trust_ratios(
@@ -51,6 +52,53 @@ def trust_ratios(
     ratio = trust_coefficient * weight_norms / (grad_norms + weight_decay * weight_norms + eps)
     moving = (weight_norms > 0) & (grad_norms > 0)
     return torch.where(moving, ratio, torch.ones_like(ratio))
+
+
+def local_rates(group: dict[str, Any], weight_norms: Tensor, grad_norms: Tensor) -> Tensor:
+    """lr·λ per tensor of a ``lars=True`` group from its norms ‖w‖, ‖g‖ (1708.03888, eq. 6),
+    with the group's clip and denominator options: shared by :class:`LARS` and the sharded
+    update (hpcdl/optim/sharded.py), which completes the norms from per-rank partial sums."""
+    lr = group["lr"]
+    # .get: param groups of a state_dict saved before these keys existed.
+    denominator_wd = group["weight_decay"] if group.get("trust_ratio_wd", True) else 0.0
+    ratio = trust_ratios(weight_norms, grad_norms, group["trust_coefficient"],
+                         denominator_wd, group["eps"])
+    if group["trust_clip"]:
+        ratio = ratio.clamp(max=1.0)  # effective rate min(λ·lr, lr)
+    if group.get("larc_clip", False):
+        return ratio.clamp(max=lr)    # LARC clip: effective rate min(λ, lr)
+    return lr * ratio
+
+
+def lars_update(group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                bufs: list[Tensor], rate_vector: Tensor) -> None:
+    """v ← m·v + rate·(g + β·w); w ← w − v (Nesterov: w ← w − (m·v + rate·(g + β·w))), with
+    one rate per tensor. ``params``/``grads``/``bufs`` may be slices of the real tensors (the
+    sharded update steps each rank's slice with its tensor's rate); ``bufs`` is empty when
+    momentum is 0."""
+    rates = list(rate_vector.unbind(0))
+    momentum, wd = group["momentum"], group["weight_decay"]
+    if momentum == 0.0:
+        # w ← (1 − rate·β)·w − rate·g: no buffer to keep.
+        if wd != 0.0:
+            torch._foreach_mul_(params, list((1.0 - wd * rate_vector).unbind(0)))
+        torch._foreach_addcmul_(params, grads, rates, value=-1.0)
+        return
+    # v ← m·v + rate·g + rate·β·w, fused into two multiply-adds with a per-tensor rate.
+    # The w term reads w before the update below, as the formula asks.
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_addcmul_(bufs, grads, rates)
+    if wd != 0.0:
+        torch._foreach_addcmul_(bufs, params, rates, value=wd)
+    if group["nesterov"]:
+        # w ← w − (m·v + rate·(g + β·w)): the look-ahead step of Sutskever et al.
+        step = torch._foreach_mul(bufs, momentum)
+        torch._foreach_addcmul_(step, grads, rates)
+        if wd != 0.0:
+            torch._foreach_addcmul_(step, params, rates, value=wd)
+        torch._foreach_sub_(params, step)
+    else:
+        torch._foreach_sub_(params, bufs)
 
 
 def _split_by_dtype(params: list[Tensor]) -> list[list[Tensor]]:
@@ -121,51 +169,21 @@ class LARS(torch.optim.Optimizer):
         if any(g.is_sparse for g in grads):
             raise RuntimeError("LARS does not support sparse gradients")
         rate_vector = self._local_rates(group, params, grads)
-        rates = list(rate_vector.unbind(0))
-        momentum, wd = group["momentum"], group["weight_decay"]
-        if momentum == 0.0:
-            # w ← (1 − rate·β)·w − rate·g: no buffer to keep.
-            if wd != 0.0:
-                torch._foreach_mul_(params, list((1.0 - wd * rate_vector).unbind(0)))
-            torch._foreach_addcmul_(params, grads, rates, value=-1.0)
-            return
-        bufs = self._momentum_buffers(params)
-        # v ← m·v + rate·g + rate·β·w, fused into two multiply-adds with a per-tensor rate.
-        # The w term reads w before the update below, as the formula asks.
-        torch._foreach_mul_(bufs, momentum)
-        torch._foreach_addcmul_(bufs, grads, rates)
-        if wd != 0.0:
-            torch._foreach_addcmul_(bufs, params, rates, value=wd)
-        if group["nesterov"]:
-            # w ← w − (m·v + rate·(g + β·w)): the look-ahead step of Sutskever et al.
-            step = torch._foreach_mul(bufs, momentum)
-            torch._foreach_addcmul_(step, grads, rates)
-            if wd != 0.0:
-                torch._foreach_addcmul_(step, params, rates, value=wd)
-            torch._foreach_sub_(params, step)
-        else:
-            torch._foreach_sub_(params, bufs)
+        bufs = self._momentum_buffers(params) if group["momentum"] != 0.0 else []
+        lars_update(group, params, grads, bufs, rate_vector)
 
     def _local_rates(self, group: dict[str, Any], params: list[Tensor],
                      grads: list[Tensor]) -> Tensor:
         """lr·λ per tensor (lr alone for lars=False groups), one vector for the whole list."""
-        lr = group["lr"]
         first = params[0]
         if not group["lars"]:
-            return torch.full((len(params),), lr, dtype=first.dtype, device=first.device)
+            return torch.full((len(params),), group["lr"], dtype=first.dtype,
+                              device=first.device)
         # Trust ratios in at least float32: a bf16 norm has 3 significant digits.
         dtype = torch.promote_types(first.dtype, torch.float32)
         weight_norms = torch.stack(torch._foreach_norm(params)).to(dtype)
         grad_norms = torch.stack(torch._foreach_norm(grads)).to(dtype)
-        # .get: param groups of a state_dict saved before these keys existed.
-        denominator_wd = group["weight_decay"] if group.get("trust_ratio_wd", True) else 0.0
-        ratio = trust_ratios(weight_norms, grad_norms, group["trust_coefficient"],
-                             denominator_wd, group["eps"])
-        if group["trust_clip"]:
-            ratio = ratio.clamp(max=1.0)  # effective rate min(λ·lr, lr)
-        if group.get("larc_clip", False):
-            return ratio.clamp(max=lr)    # LARC clip: effective rate min(λ, lr)
-        return lr * ratio
+        return local_rates(group, weight_norms, grad_norms)
 
     def _momentum_buffers(self, params: list[Tensor]) -> list[Tensor]:
         bufs = []

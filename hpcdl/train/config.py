@@ -105,6 +105,9 @@ class CommConfig:
     local_steps: int = 1          # H: steps between model averages (local SGD)
     sync_warmup_steps: int = 0    # synchronous steps first (post-local SGD; PowerSGD's start)
     powersgd_rank: int = 4        # r of the PowerSGD factors
+    # Weight-update sharding (hpcdl/optim/sharded.py, Xu et al. 2020): reduce-scatter the
+    # gradients, each rank steps its slice, allgather the parameters. sync only.
+    shard_update: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in CONSISTENCY_ALGORITHMS:
@@ -113,6 +116,11 @@ class CommConfig:
         for key in ("local_steps", "powersgd_rank"):
             if getattr(self, key) < 1:
                 raise RecipeError(f"comm.{key}={getattr(self, key)}: must be >= 1")
+        if self.shard_update and self.algorithm != "sync":
+            raise RecipeError(f"comm.shard_update: true needs comm.algorithm: sync (got "
+                              f"comm.algorithm={self.algorithm!r}): {self.algorithm} does not "
+                              f"average every gradient every step, so there is no allreduce "
+                              f"to split around the update; set one of the two keys")
         if self.sync_warmup_steps < 0:
             raise RecipeError(f"comm.sync_warmup_steps={self.sync_warmup_steps}: must be >= 0")
 

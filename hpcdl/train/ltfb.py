@@ -101,6 +101,13 @@ class LTFB:
         import hpcdl.comm
 
         ltfb.validate()
+        if ltfb.trainers > 1 and config.comm.shard_update:
+            from hpcdl.train.config import RecipeError
+
+            # A tournament exchanges whole optimizer states; a sharded one holds a slice.
+            raise RecipeError(f"{config.path or config.name}: comm.shard_update: true is not "
+                              f"supported with LTFB (--trainers {ltfb.trainers}); set "
+                              f"comm.shard_update: false or train one trainer")
         self.ltfb, self.world, self.run_dir = ltfb, world, run_dir
         self.options = options or TrainOptions()
         self.seed = config.train.seed

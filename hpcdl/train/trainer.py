@@ -206,7 +206,14 @@ class Trainer:
             local_steps=config.comm.local_steps, sync_warmup_steps=config.comm.sync_warmup_steps,
             powersgd_rank=config.comm.powersgd_rank,
             bucket_bytes=int(config.comm.bucket_mb * 2**20),
-            enabled=not self.options.no_comm and comm.size > 1, seed=config.train.seed)
+            enabled=not self.options.no_comm and comm.size > 1, seed=config.train.seed,
+            shard_update=config.comm.shard_update)
+        if self.policy.reducer.reduce_scatter:
+            from hpcdl.optim import ShardedOptimizer
+
+            # Each rank steps its slice; checkpoints stay in the full layout (collective
+            # state_dict, save_checkpoint) so they resume sharded or not, on any rank count.
+            self.optimizer = ShardedOptimizer(self.optimizer, self.policy.reducer, comm)
         self.step = 0                 # optimizer steps completed (the schedule's argument)
         self.resumed_from: str | None = None
         self.last_eval: dict[str, Any] | None = None
@@ -516,8 +523,10 @@ class Trainer:
         return result
 
     # -- checkpoints -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything but the RNG states (gathered from all ranks by save_checkpoint)."""
+    def state_dict(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Everything but the RNG states (gathered from all ranks by save_checkpoint).
+        ``optimizer_state``: the optimizer's state_dict when already taken (collective for a
+        sharded update, so save_checkpoint takes it on every rank)."""
         return {
             "format": ckpt.CHECKPOINT_FORMAT,
             "step": self.step,
@@ -533,7 +542,8 @@ class Trainer:
             "recipe": self.config.name,
             "model_config": dict(self.config.model),
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state if optimizer_state is not None
+            else self.optimizer.state_dict(),
             "train_s_total": self.train_s_total,
             "consistency": self.policy.state_dict(),
         }
@@ -638,12 +648,15 @@ class Trainer:
         # Per rank: RNG states and BN running statistics (each rank's own; they are not
         # reduced during training), so a resumed run continues every rank exactly.
         rngs = self.comm.mpi_comm.gather(self._rank_state(), root=0)
+        # Every rank: a sharded update gathers its momentum slices here (collective).
+        optimizer_state = self.optimizer.state_dict() if self.policy.reducer.reduce_scatter \
+            else None
         path = ckpt.checkpoint_path(self.run_dir, self.step)
         error = None
         if self.rank == 0 and self.options.write_files:
             try:
                 with self._span("checkpoint", "io"):
-                    state = self.state_dict()
+                    state = self.state_dict(optimizer_state)
                     state["rng"] = rngs
                     ckpt.save_checkpoint(path, state)
                     ckpt.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints)

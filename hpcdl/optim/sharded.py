@@ -1,0 +1,338 @@
+"""Weight-update sharding: each rank steps only its slice of the parameters.
+
+Xu, Lee, Chen, Hechtman, Huang, Joshi, Krikun, Lepikhin, Ly, Maggioni, Pang, Shazeer, Wang,
+Wang, Wu & Chen, "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel
+Training" (arXiv:2004.13336, 2020), the technique of the TPU-pod LARS runs: an allreduce is a
+reduce-scatter followed by an allgather (§2), so the weight update can sit between the two:
+
+1. the gradient buckets are **reduce-scattered** during backward (the reducer's
+   ``reduce_scatter=True``): after ``synchronize`` rank r holds the world's average of its
+   slice ``comm.shard_bounds(numel)[r:r+2]`` of every bucket, and nothing else;
+2. LARS's per-layer norms ‖w‖ and ‖g‖ (You et al., arXiv:1708.03888, eq. 6) are completed by
+   **one small allreduce** of per-layer partial sums of squares over the slices (§3.2: the
+   "non-elementwise" part of an optimizer is what needs a collective);
+3. each rank runs the optimizer's elementwise update on its slice only (the optimizer's work
+   divided by P), with the rate of the layer each element belongs to;
+4. the updated slices are **allgathered** into every rank's parameters.
+
+Same bytes on the wire as the allreduce, the optimizer's memory traffic and its momentum
+buffers divided by P. Choices, with their reasons:
+
+- Slices cut through layers (a bucket is split in P near-equal pieces, as the ``shm``
+  reduction already splits it): a tensor has at most one piece per rank, and its norm is the
+  square root of the sum of its pieces' squares, so no layer has to fit on one rank.
+- The partial sums are float64: the only numeric difference from the unsharded step is the
+  order in which a layer's squares are summed (per slice, then across ranks), which moves a
+  norm by a few float32 ulps; the tests bound the parameters' drift from it.
+- **Checkpoints are in the full layout.** :meth:`ShardedOptimizer.state_dict` (collective)
+  allgathers the momentum slices into the wrapped optimizer's own ``state_dict`` format, so a
+  sharded run's checkpoint resumes unsharded, on another rank count, or sharded again;
+  :meth:`load_state_dict` takes each rank's slice of a full state.
+- With the reducer suspended or disabled (``hpcdl bench train``'s no_comm ceiling, one rank)
+  the wrapped optimizer steps the whole model on the local gradients, as an unsharded run does.
+
+Supported: hpcdl's :class:`~hpcdl.optim.lars.LARS` (every option: skip list, ``trust_clip``,
+``trust_ratio_wd``, ``larc_clip``, Nesterov, momentum 0) and ``torch.optim.SGD`` (momentum,
+Nesterov, weight decay; no dampening). Anything else is refused by name.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hpcdl.optim.lars import LARS, lars_update, local_rates
+
+__all__ = ["ShardedOptimizer", "sharding_unsupported"]
+
+
+@dataclass
+class _Piece:
+    """The part of one parameter that lies in this rank's slice of its bucket."""
+
+    param: Tensor
+    group: int          # index of the parameter's group in param_groups
+    tensor_index: int   # index among the model's reduced tensors (the norms' position)
+    start: int          # first element within the flattened parameter
+    stop: int
+    bucket: Any
+    bucket_start: int   # where that element lies in the bucket
+
+
+def sharding_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot be sharded, or None."""
+    if isinstance(optimizer, LARS):
+        return None
+    if type(optimizer) is torch.optim.SGD:
+        for group in optimizer.param_groups:
+            if group.get("dampening", 0.0) or group.get("maximize", False):
+                return "torch.optim.SGD with dampening or maximize"
+        return None
+    return type(optimizer).__name__
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Step ``optimizer`` on this rank's slice of every bucket of ``reducer``, then allgather.
+
+    ``reducer`` must be a :class:`~hpcdl.comm.reducer.GradientReducer` built with
+    ``reduce_scatter=True`` over every parameter of ``optimizer``. Call ``step()`` after
+    ``reducer.synchronize()``. Like :class:`hpcdl.DistributedOptimizer` this composes: the
+    wrapped optimizer's ``param_groups`` (the learning rate the schedule sets) are shared.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer, comm) -> None:
+        # No super().__init__: groups and defaults are the wrapped optimizer's.
+        why = sharding_unsupported(optimizer)
+        if why is not None:
+            raise ValueError(f"comm.shard_update: the weight update of {why} cannot be "
+                             f"sharded; use optimizer.name lars or sgd, or set "
+                             f"comm.shard_update: false")
+        if not reducer.reduce_scatter:
+            raise ValueError("ShardedOptimizer: the reducer must be built with "
+                             "reduce_scatter=True")
+        for bucket in reducer.buckets:
+            if bucket.buffer is not None and bucket.dtype != bucket.params[0].dtype:
+                raise ValueError(f"comm.shard_update: bucket {bucket.index} travels as "
+                                 f"{bucket.dtype} but holds {bucket.params[0].dtype} "
+                                 f"parameters; the allgather sends the parameters themselves, "
+                                 f"so a narrower wire dtype would round the weights: use "
+                                 f"float32 on the wire with sharding")
+        self.optimizer, self.reducer, self.comm = optimizer, reducer, comm
+        self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
+                          for p in group["params"]}
+        reduced = [p for b in reducer.buckets for p in b.params]
+        reduced_ids = {id(p) for p in reduced}
+        missing = [i for i in self._group_of if i not in reduced_ids]
+        if missing:
+            raise ValueError(f"ShardedOptimizer: {len(missing)} parameter(s) of the optimizer "
+                             f"are not reduced by the reducer; build both from one model")
+        self._tensors = [p for p in reduced if id(p) in self._group_of]
+        self._pieces = self._my_pieces()
+        #: momentum of this rank's pieces, one flat tensor per piece (None before step 1)
+        self._momentum: list[Tensor] | None = None
+
+    # -- the wrapped optimizer's data, shared --------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __getattr__(self, name: str) -> Any:
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None:
+            raise AttributeError(name)
+        return getattr(optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer({self.optimizer!r})"
+
+    # -- layout ----------------------------------------------------------------------------
+    def _my_pieces(self) -> list[_Piece]:
+        index = {id(p): i for i, p in enumerate(self._tensors)}
+        pieces = []
+        for bucket in self.reducer.buckets:
+            bounds = self.comm.shard_bounds(bucket.numel)
+            lo, hi = bounds[self.comm.rank], bounds[self.comm.rank + 1]
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                start, stop = max(offset, lo), min(offset + p.numel(), hi)
+                if start < stop and id(p) in self._group_of:
+                    pieces.append(_Piece(p, self._group_of[id(p)], index[id(p)],
+                                         start - offset, stop - offset, bucket, start))
+        return pieces
+
+    @staticmethod
+    def _param_view(piece: _Piece) -> Tensor:
+        return piece.param.detach().view(-1)[piece.start:piece.stop]
+
+    @staticmethod
+    def _grad_view(piece: _Piece) -> Tensor:
+        n = piece.stop - piece.start
+        return piece.bucket.buffer[piece.bucket_start:piece.bucket_start + n]
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        if closure is not None:
+            raise ValueError("ShardedOptimizer.step: closures are not supported; run "
+                             "forward and backward before step()")
+        if not self.reducer.enabled or self.reducer.buckets[0].buffer is None:
+            return self.optimizer.step()   # no_comm ceiling / one rank: the whole update
+        if self._momentum is None:
+            self._momentum = [torch.zeros(p.stop - p.start, dtype=p.param.dtype)
+                              for p in self._pieces]
+        rates = self._piece_rates()
+        for g, group in enumerate(self.param_groups):
+            chosen = [i for i, p in enumerate(self._pieces) if p.group == g]
+            if chosen:
+                self._update(group, chosen, rates)
+        self._allgather_parameters()
+        return None
+
+    def _piece_rates(self) -> Tensor:
+        """The learning rate of each piece: lr·λ of its tensor for LARS groups (norms
+        completed by one allreduce of partial sums of squares), lr otherwise."""
+        n = len(self._tensors)
+        partial = torch.zeros(2, n, dtype=torch.float64)
+        lars_groups = {g for g, group in enumerate(self.param_groups) if group.get("lars")}
+        if isinstance(self.optimizer, LARS) and lars_groups:
+            mine = [p for p in self._pieces if p.group in lars_groups]
+            if mine:
+                idx = torch.tensor([p.tensor_index for p in mine])
+                w = torch.stack(torch._foreach_norm([self._param_view(p) for p in mine]))
+                g = torch.stack(torch._foreach_norm([self._grad_view(p) for p in mine]))
+                partial[0].index_add_(0, idx, w.double().square())
+                partial[1].index_add_(0, idx, g.double().square())
+            self.comm.allreduce_(partial, average=False)
+        norms = partial.sqrt().float()
+        rate = torch.empty(n, dtype=torch.float32)
+        for g, group in enumerate(self.param_groups):
+            ids = [i for i, p in enumerate(self._tensors) if self._group_of[id(p)] == g]
+            if not ids:
+                continue
+            sel = torch.tensor(ids)
+            if isinstance(self.optimizer, LARS) and group["lars"]:
+                rate[sel] = local_rates(group, norms[0, sel], norms[1, sel])
+            else:
+                rate[sel] = group["lr"]
+        return rate
+
+    def _update(self, group: dict[str, Any], chosen: list[int], rates: Tensor) -> None:
+        pieces = [self._pieces[i] for i in chosen]
+        params = [self._param_view(p) for p in pieces]
+        grads = [self._grad_view(p) for p in pieces]
+        bufs = [self._momentum[i] for i in chosen] if group["momentum"] != 0.0 else []
+        if isinstance(self.optimizer, LARS):
+            lars_update(group, params, grads, bufs,
+                        rates[[p.tensor_index for p in pieces]])
+            return
+        _sgd_update(group, params, grads, bufs)
+
+    def _allgather_parameters(self) -> None:
+        """Write each updated slice into its bucket and allgather it; then copy the other
+        ranks' slices into the parameters (this rank's part is already in place)."""
+        for piece in self._pieces:
+            self._grad_view(piece).copy_(self._param_view(piece))
+        for bucket in self.reducer.buckets:
+            self.comm.allgather_flat_(bucket.buffer, bucket=bucket.index)
+            bounds = self.comm.shard_bounds(bucket.numel)
+            lo, hi = bounds[self.comm.rank], bounds[self.comm.rank + 1]
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                flat = p.detach().view(-1)
+                end = offset + p.numel()
+                for start, stop in ((offset, min(end, lo)), (max(offset, hi), end)):
+                    if start < stop:
+                        flat[start - offset:stop - offset].copy_(bucket.buffer[start:stop])
+
+    # -- state in the full layout -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict`` with full momentum buffers (allgathered from
+        the slices): interchangeable with an unsharded run's. Collective."""
+        if self._momentum is None:
+            return self.optimizer.state_dict()
+        full = self._gather_momentum()
+        # Lent to the wrapped optimizer for its state_dict only (the returned dict refers to
+        # ``full``'s tensors); whatever a no_comm step left there is put back.
+        previous = {p: self.optimizer.state[p].get("momentum_buffer") for p in full}
+        for p, buf in full.items():
+            self.optimizer.state[p]["momentum_buffer"] = buf
+        try:
+            state_dict = self.optimizer.state_dict()
+            # torch's state_dict shares each parameter's state dict: copy before restoring.
+            state_dict["state"] = {k: dict(v) for k, v in state_dict["state"].items()}
+            return state_dict
+        finally:
+            for p, buf in previous.items():
+                if buf is None:
+                    del self.optimizer.state[p]["momentum_buffer"]
+                else:
+                    self.optimizer.state[p]["momentum_buffer"] = buf
+
+    def _gather_momentum(self) -> dict[Tensor, Tensor]:
+        momentum_groups = {g for g, group in enumerate(self.param_groups)
+                           if group["momentum"] != 0.0}
+        full: dict[Tensor, Tensor] = {}
+        for bucket in self.reducer.buckets:
+            flat = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype)
+            for piece, buf in zip(self._pieces, self._momentum, strict=True):
+                if piece.bucket is bucket:
+                    flat[piece.bucket_start:piece.bucket_start + buf.numel()].copy_(buf)
+            self.comm.allgather_flat_(flat, bucket=None)
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                if id(p) in self._group_of and self._group_of[id(p)] in momentum_groups:
+                    full[p] = flat[offset:offset + p.numel()].view_as(p).clone()
+        return full
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full-layout state (a sharded or an unsharded run's) and keep this rank's
+        slice of each momentum buffer. Not collective."""
+        self.optimizer.load_state_dict(state_dict)
+        if not any("momentum_buffer" in s for s in self.optimizer.state.values()):
+            self._momentum = None
+            return
+        momentum = []
+        for piece in self._pieces:
+            state = self.optimizer.state.get(piece.param, {})
+            full = state.get("momentum_buffer")
+            if full is None:   # a group without momentum, or a tensor not stepped yet
+                momentum.append(torch.zeros(piece.stop - piece.start, dtype=piece.param.dtype))
+            else:
+                momentum.append(full.reshape(-1)[piece.start:piece.stop].clone())
+        for state in self.optimizer.state.values():
+            state.pop("momentum_buffer", None)
+        self._momentum = momentum
+
+    @torch.no_grad()
+    def scale_momentum_(self, factor: float) -> None:
+        """LARS's momentum correction (Goyal et al. §2.2) on this rank's slices."""
+        if factor == 1.0:
+            return
+        if self._momentum:
+            torch._foreach_mul_(self._momentum, factor)
+        if isinstance(self.optimizer, LARS):
+            self.optimizer.scale_momentum_(factor)   # (buffers of no_comm steps, if any)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("ShardedOptimizer: the slices are laid out once; add the "
+                           "parameters to the optimizer before wrapping it")
+
+
+def _sgd_update(group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                bufs: list[Tensor]) -> None:
+    """torch.optim.SGD's foreach step on slices (g ← g + wd·w; v ← m·v + g; w ← w − lr·v, or
+    Nesterov's w ← w − lr·(g + m·v)); v starts at 0, so its first step gives torch's v = g."""
+    wd, momentum, lr = group["weight_decay"], group["momentum"], group["lr"]
+    if wd != 0.0:
+        grads = torch._foreach_add(grads, params, alpha=wd)
+    if momentum != 0.0:
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads)
+        if group["nesterov"]:
+            grads = torch._foreach_add(grads, bufs, alpha=momentum)
+        else:
+            grads = bufs
+    torch._foreach_add_(params, grads, alpha=-lr)
