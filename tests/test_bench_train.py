@@ -188,3 +188,20 @@ def test_bf16_mode_measures_every_mode_in_bf16_or_says_why_not(tmp_path):
     else:  # one clear line, naming the CPU, and a JSON that says it was skipped
         assert report["results"] == [] and "no native bf16" in report["skipped"]
         assert "skipped" in proc.stdout and report["machine"]["cpu"] in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_shard_update_flag_shards_ours_and_leaves_the_ceiling_whole(tmp_path):
+    out = tmp_path / "train.json"
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "train",
+           "--model", "resnet_small", "--num-classes", "10", "--image-size", "16",
+           "--synthetic", "--batch", "4", "--steps", "2", "--warmup", "1", "--modes",
+           "ours,no_comm", "--shard-update", "--no-breakdown", "--matmul-size", "128",
+           "--bucket-mb", "0.01", "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "240"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by_mode = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert by_mode["ours"]["shard_update"] is True
+    assert by_mode["no_comm"]["shard_update"] is False
+    assert by_mode["ours"]["images_per_s_per_rank"] > 0

@@ -75,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                         help="skip profiling one compute-only step into kernel categories "
                              "(where the FLOP fraction goes; on by default)")
+    parser.add_argument("--shard-update", action="store_true",
+                        help="ours shards the weight update (comm.shard_update: reduce-scatter "
+                             "the gradients, LARS on each rank's slice, allgather the "
+                             "parameters; Xu et al. 2020); no_comm still runs the whole "
+                             "optimizer on every rank")
     parser.add_argument("--bf16", action="store_true",
                         help="every mode in bf16 autocast (torch.autocast('cpu')), the FLOP "
                              "reference a bf16 matmul; skipped, with a line saying why, on a "
@@ -150,7 +155,8 @@ def bench_config(args: argparse.Namespace, ranks: int):
         "schedule": {"name": "poly", "base_lr": 0.1, "warmup_epochs": 0, "power": 2.0},
         "train": {"channels_last": args.memory_format == "channels_last",
                   "log_every_steps": 10 ** 9, "bf16": args.bf16},
-        "comm": {"backend": args.backend, "bucket_mb": args.bucket_mb},
+        "comm": {"backend": args.backend, "bucket_mb": args.bucket_mb,
+                 "shard_update": bool(getattr(args, "shard_update", False))},
     }, origin="hpcdl bench train")
 
 
@@ -557,6 +563,7 @@ def run(args: argparse.Namespace) -> int:
                               memory_format=effective_memory_format(args.memory_format,
                                                                     args.threads),
                               malloc=malloc, precision=precision,
+                              shard_update=bool(args.shard_update and record["mode"] == "ours"),
                               backend=comm.backend if record["mode"] != "ddp_gloo" else "gloo",
                               input="synthetic" if args.synthetic else args.data)
             report = bench_report("train", list(records.values()),
