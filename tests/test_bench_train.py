@@ -196,7 +196,8 @@ def test_shard_update_flag_shards_ours_and_leaves_the_ceiling_whole(tmp_path):
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "train",
            "--model", "resnet_small", "--num-classes", "10", "--image-size", "16",
            "--synthetic", "--batch", "4", "--steps", "2", "--warmup", "1", "--modes",
-           "ours,no_comm", "--shard-update", "--no-breakdown", "--matmul-size", "128",
+           "ours,no_comm,ours_allreduce", "--shard-update", "--no-breakdown",
+           "--matmul-size", "128",
            "--bucket-mb", "0.01", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "240"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -204,4 +205,17 @@ def test_shard_update_flag_shards_ours_and_leaves_the_ceiling_whole(tmp_path):
     by_mode = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert by_mode["ours"]["shard_update"] is True
     assert by_mode["no_comm"]["shard_update"] is False
-    assert by_mode["ours"]["images_per_s_per_rank"] > 0
+    assert by_mode["ours_allreduce"]["shard_update"] is False
+    ratios = json.loads(out.read_text())["ratios"]
+    assert ratios["sharded_vs_allreduce"] == pytest.approx(
+        by_mode["ours"]["images_per_s_per_rank"]
+        / by_mode["ours_allreduce"]["images_per_s_per_rank"])
+    assert ratios["allreduce_vs_no_comm"] > 0
+
+
+def test_ours_allreduce_mode_needs_shard_update():
+    with pytest.raises(SystemExit, match="--shard-update"):
+        bench.parse_modes(argparse.Namespace(no_comm=False, modes="ours,ours_allreduce",
+                                             shard_update=False))
+    assert bench.parse_modes(argparse.Namespace(no_comm=False, modes=None,
+                                                shard_update=True))[-1] == "ours_allreduce"

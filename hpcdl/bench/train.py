@@ -32,7 +32,7 @@ from typing import Any
 COMMAND = "train"
 HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
 
-MODES = ("ours", "no_comm", "ddp_gloo")
+MODES = ("ours", "no_comm", "ddp_gloo", "ours_allreduce")
 COLUMNS = ["mode", "ranks", "batch_per_rank", "step_time_s", "images_per_s_per_rank",
            "compute_s", "comm_wait_s", "data_wait_s", "train_gflops_per_s"]
 
@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "mode once, in --modes order)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, per mode")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma-separated subset of {','.join(MODES)} (default: the "
+                             f"first three; all four with --shard-update)")
     parser.add_argument("--no-comm", action="store_true",
                         help="only the compute ceiling (same as --modes no_comm)")
     parser.add_argument("--backend", default="auto", help="comm backend of 'ours'")
@@ -190,8 +191,16 @@ def trainer_steppers(comm, config, loader, modes: list[str]) -> Iterator[dict[st
                 trainer.train_step([batch])
             return 0.0
 
+        def ours_allreduce(batch) -> float:
+            # --shard-update: the same Trainer's step without sharding (allreduce, the whole
+            # update on every rank), so sharding is compared on one instance.
+            with trainer.optimizer.unsharded():
+                trainer.train_step([batch])
+            return trainer.reducer.comm_wait_s
+
         try:
-            yield {mode: {"ours": ours, "no_comm": no_comm}[mode] for mode in modes}
+            yield {mode: {"ours": ours, "no_comm": no_comm,
+                          "ours_allreduce": ours_allreduce}[mode] for mode in modes}
         finally:
             trainer.close()
 
@@ -442,6 +451,15 @@ def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
         if "ddp_gloo" in records:
             ratios["vs_ddp_gloo"] = (ours["images_per_s_per_rank"]
                                      / records["ddp_gloo"]["images_per_s_per_rank"])
+    plain = records.get("ours_allreduce")
+    if plain is not None:   # --shard-update: the unsharded step of the same run
+        for name in ("no_comm", "ddp_gloo"):
+            if name in records:
+                ratios[f"allreduce_vs_{name}"] = (plain["images_per_s_per_rank"]
+                                                  / records[name]["images_per_s_per_rank"])
+        if ours is not None:
+            ratios["sharded_vs_allreduce"] = (ours["images_per_s_per_rank"]
+                                              / plain["images_per_s_per_rank"])
     # Compute efficiency of the step's compute part (comm and data waits excluded), taken from
     # ours, or from the ceiling when ours was not run.
     base = ours or records.get("no_comm") or records.get("ddp_gloo")
@@ -457,11 +475,19 @@ def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
 def parse_modes(args: argparse.Namespace) -> list[str]:
     if args.no_comm:
         return ["no_comm"]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    shard = getattr(args, "shard_update", False)
+    spec = args.modes
+    if spec is None:   # the default: every mode that applies
+        spec = ",".join(MODES if shard else MODES[:3])
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
-        raise SystemExit(f"hpcdl bench train: --modes {args.modes!r}: choose from "
+        raise SystemExit(f"hpcdl bench train: --modes {spec!r}: choose from "
                          f"{', '.join(MODES)}")
+    if "ours_allreduce" in modes and not shard:
+        raise SystemExit("hpcdl bench train: mode ours_allreduce (ours without sharding, on "
+                         "the sharded Trainer) needs --shard-update; without it, ours is "
+                         "the allreduce")
     return modes
 
 
@@ -532,6 +558,8 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as stack:
             built = {}
             trainer_modes = [m for m in modes if m != "ddp_gloo"]
+            if "ours_allreduce" in trainer_modes and "ours" not in trainer_modes:
+                trainer_modes.append("ours")   # (builds the Trainer that communicates)
             if trainer_modes:
                 built.update(stack.enter_context(
                     trainer_steppers(comm, config, loader, trainer_modes)))

@@ -249,7 +249,7 @@ class GradientReducer:
         for bucket in same:
             for position, p in enumerate(bucket.params):
                 self._pack(bucket, position, p.detach())
-            self._queue.put((bucket, comm, False))
+            self._queue.put((bucket, comm, "parameters"))
             nbytes += bucket.buffer.numel() * bucket.buffer.element_size()
         for bucket in same:
             bucket.done.wait()
@@ -267,6 +267,20 @@ class GradientReducer:
                 comm.allreduce_([p.data for p in wide], average=True)
                 nbytes += sum(p.numel() * p.element_size() for p in wide)
         return nbytes
+
+    def start_allgather(self, bucket: Bucket) -> None:
+        """Weight-update sharding: allgather ``bucket`` (every rank's slice, now holding
+        its updated parameters) on the communication thread, so the next bucket's update
+        overlaps it. Call in bucket order on every rank; :meth:`wait_allgather` each."""
+        self._queue.put((bucket, self.gradient_comm, "allgather"))
+
+    def wait_allgather(self, bucket: Bucket) -> None:
+        bucket.done.wait()
+        bucket.done.clear()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"parameter allgather failed on rank {self.comm.rank}: "
+                               f"{error}") from error
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -334,7 +348,7 @@ class GradientReducer:
             bucket = self.buckets[self._next_launch]
             if not force and len(bucket.filled) < len(bucket.params):
                 return
-            self._queue.put((bucket, self.gradient_comm, True))
+            self._queue.put((bucket, self.gradient_comm, "gradients"))
             self._next_launch += 1
 
     def _communicate(self) -> None:
@@ -343,11 +357,17 @@ class GradientReducer:
             item = self._queue.get()
             if item is None:
                 return
-            bucket, comm, counted = item
+            bucket, comm, what = item
+            counted = what == "gradients"
             try:
-                if self._error is None and self.reduce_scatter and counted:
+                if self._error is not None:
+                    pass
+                elif what == "allgather":
+                    comm.allgather_flat_(bucket.buffer, bucket=bucket.index)
+                elif self.reduce_scatter and counted:
                     comm.reduce_scatter_flat_(bucket.buffer, average=True, bucket=bucket.index)
-                elif self._error is None:
+                    self.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
+                else:
                     comm.allreduce_flat_(bucket.buffer, average=True)
                     if counted:
                         self.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()

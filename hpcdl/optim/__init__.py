@@ -7,7 +7,6 @@ from hpcdl.optim.factory import (
     list_optimizers,
 )
 from hpcdl.optim.lars import LARS, param_groups, trust_ratios
-from hpcdl.optim.sharded import ShardedOptimizer
 from hpcdl.optim.schedule import (
     SCHEDULES,
     CosineSchedule,
@@ -17,6 +16,7 @@ from hpcdl.optim.schedule import (
     create_schedule,
     scaled_lr,
 )
+from hpcdl.optim.sharded import ShardedOptimizer
 
 __all__ = [
     "LARS", "param_groups", "trust_ratios", "create_optimizer", "list_optimizers",

@@ -37,7 +37,8 @@ Nesterov, weight decay; no dampening). Anything else is refused by name.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,8 +112,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              f"are not reduced by the reducer; build both from one model")
         self._tensors = [p for p in reduced if id(p) in self._group_of]
         self._pieces = self._my_pieces()
+        self._by_bucket: dict[int, list[int]] = {}
+        self._by_bucket_group: dict[int, dict[int, list[int]]] = {}
+        for i, piece in enumerate(self._pieces):
+            self._by_bucket.setdefault(piece.bucket.index, []).append(i)
+            self._by_bucket_group.setdefault(piece.bucket.index, {}).setdefault(
+                piece.group, []).append(i)
         #: momentum of this rank's pieces, one flat tensor per piece (None before step 1)
         self._momentum: list[Tensor] | None = None
+        self._unsharded = False
 
     # -- the wrapped optimizer's data, shared --------------------------------------------
     @property
@@ -177,17 +185,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ShardedOptimizer.step: closures are not supported; run "
                              "forward and backward before step()")
-        if not self.reducer.enabled or self.reducer.buckets[0].buffer is None:
+        if self._unsharded or not self.reducer.enabled or self.reducer.buckets[0].buffer is None:
             return self.optimizer.step()   # no_comm ceiling / one rank: the whole update
         if self._momentum is None:
             self._momentum = [torch.zeros(p.stop - p.start, dtype=p.param.dtype)
                               for p in self._pieces]
         rates = self._piece_rates()
-        for g, group in enumerate(self.param_groups):
-            chosen = [i for i, p in enumerate(self._pieces) if p.group == g]
-            if chosen:
-                self._update(group, chosen, rates)
-        self._allgather_parameters()
+        # Bucket by bucket: update this rank's slice, hand it to the communication thread's
+        # allgather, and update the next bucket while that one travels.
+        for bucket in self.reducer.buckets:
+            for g, chosen in self._by_bucket_group.get(bucket.index, {}).items():
+                self._update(self.param_groups[g], chosen, rates)
+            for i in self._by_bucket.get(bucket.index, []):
+                piece = self._pieces[i]
+                self._grad_view(piece).copy_(self._param_view(piece))
+            self.reducer.start_allgather(bucket)
+        for bucket in self.reducer.buckets:
+            self.reducer.wait_allgather(bucket)
+            self._unpack_others(bucket)
         return None
 
     def _piece_rates(self) -> Tensor:
@@ -229,21 +244,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         _sgd_update(group, params, grads, bufs)
 
-    def _allgather_parameters(self) -> None:
-        """Write each updated slice into its bucket and allgather it; then copy the other
-        ranks' slices into the parameters (this rank's part is already in place)."""
-        for piece in self._pieces:
-            self._grad_view(piece).copy_(self._param_view(piece))
-        for bucket in self.reducer.buckets:
-            self.comm.allgather_flat_(bucket.buffer, bucket=bucket.index)
-            bounds = self.comm.shard_bounds(bucket.numel)
-            lo, hi = bounds[self.comm.rank], bounds[self.comm.rank + 1]
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                flat = p.detach().view(-1)
-                end = offset + p.numel()
-                for start, stop in ((offset, min(end, lo)), (max(offset, hi), end)):
-                    if start < stop:
-                        flat[start - offset:stop - offset].copy_(bucket.buffer[start:stop])
+    def _unpack_others(self, bucket) -> None:
+        """Copy the other ranks' updated slices of ``bucket`` into the parameters (this
+        rank's part is in place already)."""
+        bounds = self.comm.shard_bounds(bucket.numel)
+        lo, hi = bounds[self.comm.rank], bounds[self.comm.rank + 1]
+        for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+            flat = p.detach().view(-1)
+            end = offset + p.numel()
+            for start, stop in ((offset, min(end, lo)), (max(offset, hi), end)):
+                if start < stop:
+                    flat[start - offset:stop - offset].copy_(bucket.buffer[start:stop])
+
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Within, steps allreduce and run the whole update on every rank, as without
+        sharding, on the same model and buffers (``hpcdl bench train``'s ``ours_allreduce``,
+        so both are timed on one instance). The whole update keeps its own momentum (the
+        wrapped optimizer's), apart from the slices': for timing, not for training."""
+        self._unsharded, self.reducer.reduce_scatter = True, False
+        try:
+            yield
+        finally:
+            self._unsharded, self.reducer.reduce_scatter = False, True
 
     # -- state in the full layout -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
