@@ -67,14 +67,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``model`` is the module (or its ``named_parameters()``) whose gradients are averaged over
     ``comm``; every parameter of ``optimizer`` must be among them. ``bucket_bytes`` is the fusion
     bucket size (default: the communicator's), ``wire_dtype`` the buckets' dtype
-    (``torch.bfloat16`` halves the bytes sent; default: the parameters' dtype). Any
+    (``torch.bfloat16`` halves the bytes sent; default: the parameters' dtype).
+    ``shard_update=True`` shards the weight update (Xu et al. 2020; LARS or SGD only). Any
     ``torch.optim.Optimizer`` works, hpcdl's LARS included; attributes the wrapper does not
     define (``scale_momentum_`` of LARS, for example) are the wrapped optimizer's.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | NamedTensors,
                  comm, *, bucket_bytes: int | None = None,
-                 wire_dtype: torch.dtype | None = None) -> None:
+                 wire_dtype: torch.dtype | None = None, shard_update: bool = False) -> None:
         # No super().__init__: the groups, state and defaults are the wrapped optimizer's own
         # (the properties below), and the base constructor would overwrite them.
         if isinstance(optimizer, DistributedOptimizer):
@@ -94,7 +95,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # One rank: the average is the rank's own gradient, nothing to communicate.
         self.reducer = GradientReducer(comm, named,
                                        bucket_bytes=bucket_bytes or comm.bucket_bytes,
-                                       wire_dtype=wire_dtype, enabled=comm.size > 1)
+                                       wire_dtype=wire_dtype, enabled=comm.size > 1,
+                                       reduce_scatter=shard_update and comm.size > 1)
+        # shard_update: reduce-scatter, step this rank's slice, allgather (hpcdl/optim/
+        # sharded.py); state_dict() then becomes collective (it gathers the slices).
+        self._stepper = optimizer
+        if self.reducer.reduce_scatter:
+            from hpcdl.optim.sharded import ShardedOptimizer
+
+            self._stepper = ShardedOptimizer(optimizer, self.reducer, comm)
         self._syncing = True
         self.reducer.arm(last=True)
 
@@ -141,9 +150,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "forward and backward before step()")
         self.reducer.synchronize()
         self._seen.clear()
-        loss = self.optimizer.step()
+        loss = self._stepper.step()
         self.reducer.arm(last=self._syncing)
         return loss
+
+    def scale_momentum_(self, factor: float) -> None:
+        """LARS's momentum correction, on the slices too when the update is sharded."""
+        self._stepper.scale_momentum_(factor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -161,10 +174,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.reducer.arm(last=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state (full layout; collective with ``shard_update``)."""
+        return self._stepper.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        self._stepper.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError("DistributedOptimizer: the fusion buckets are laid out once; "

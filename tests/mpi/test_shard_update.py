@@ -16,6 +16,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl.comm
+from hpcdl import DistributedOptimizer
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.optim import ShardedOptimizer, create_optimizer
 from hpcdl.train.config import RecipeError, config_from_dict
@@ -159,6 +160,27 @@ def test_sharded_checkpoint_resumes_identically_and_unsharded(comm, world, name)
     finally:
         for run in (straight, resumed, unsharded):
             run.close()
+
+
+@pytest.mark.min_ranks(2)
+def test_distributed_optimizer_shard_update_matches_the_allreduce(comm, world):
+    models = [make_model(), make_model()]
+    wrapped = [DistributedOptimizer(create_optimizer(OPTIMIZERS["lars"], m, lr=1.0), m, comm,
+                                    bucket_bytes=BUCKET_BYTES, shard_update=shard)
+               for m, shard in zip(models, (False, True), strict=True)]
+    try:
+        for step in range(3):
+            for model, optimizer in zip(models, wrapped, strict=True):
+                optimizer.zero_grad()
+                x, y = batch(world.rank, step)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+        assert_params_close(models[1], models[0])
+        assert momentum_of(wrapped[1].state_dict()).keys() == \
+            momentum_of(wrapped[0].state_dict()).keys()
+    finally:
+        for optimizer in wrapped:
+            optimizer.close()
 
 
 # -- the trainer ------------------------------------------------------------------------------

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 16 part 1: weight-update sharding on the quiet 2-core machine, with a spread.
+#
+#   benchmarks/issue16_shard_update.sh [OUT_DIR] [REPEATS]
+#
+# Each `hpcdl bench train --shard-update` run times, taking turns on ONE Trainer, ours
+# (sharded: reduce-scatter, LARS on each rank's slice, allgather), ours_allreduce (the same
+# Trainer unsharded: today's step), no_comm (the ceiling, whole optimizer on every rank) and
+# DDP+gloo. AlexNet-BN 224 px batch 32 and ResNet-50 112 px batch 16 at -n 2, alternating,
+# REPEATS (default 3) times: about 11 minutes on the quiet 2-core VM. Prints one table with
+# every run and the median [min-max] of each ratio; the JSON of every run stays in OUT_DIR.
+set -euo pipefail
+OUT=${1:-docs/results/issue16-shard-update-$(date -u +%F)}
+REPEATS=${2:-3}
+mkdir -p "$OUT"
+export OMP_NUM_THREADS=1
+COMMON=(--synthetic --steps 8 --rounds 4 --warmup 2 --no-breakdown --shard-update)
+for r in $(seq 1 "$REPEATS"); do
+  mpiexec -n 2 hpcdl bench train --model alexnet_bn --image-size 224 --batch 32 "${COMMON[@]}" \
+    --json "$OUT/alexnet_bn-224-b32-np2-run$r.json"
+  mpiexec -n 2 hpcdl bench train --model resnet50 --image-size 112 --batch 16 "${COMMON[@]}" \
+    --json "$OUT/resnet50-112-b16-np2-run$r.json"
+done
+python3 "$(dirname "$0")/summarize_train.py" "$OUT"/*.json | tee "$OUT/summary.md"
