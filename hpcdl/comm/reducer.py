@@ -27,6 +27,10 @@ Choices that keep the step fast:
 - The communication thread's waits sleep between tests (:func:`~hpcdl.comm.base.
   yield_waits_in_this_thread`): it waits for peers still in backward, and a spinning wait
   would take a core from the compute.
+- ``reduce_scatter=True`` (weight-update sharding, Xu et al. 2020; hpcdl/optim/sharded.py):
+  each bucket is reduce-scattered instead, ``p.grad`` keeps the rank's own gradient, and the
+  sharded step hands each bucket back for its parameter allgather
+  (:meth:`GradientReducer.start_allgather`) on the same thread, in bucket order.
 
 This module speaks tensors and a communicator only: it never imports a model or an optimizer.
 """

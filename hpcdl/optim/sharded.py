@@ -101,6 +101,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  f"parameters; the allgather sends the parameters themselves, "
                                  f"so a narrower wire dtype would round the weights: use "
                                  f"float32 on the wire with sharding")
+        strided = [tuple(p.shape) for b in reducer.buckets for p in b.params
+                   if not p.is_contiguous()]
+        if strided:
+            raise ValueError(f"comm.shard_update: {len(strided)} parameter(s) are not "
+                             f"contiguous (e.g. shape {strided[0]}: train.channels_last lays "
+                             f"convolution weights out NHWC) and a slice of one is not a view; "
+                             f"set train.channels_last: false or comm.shard_update: false")
         self.optimizer, self.reducer, self.comm = optimizer, reducer, comm
         self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)
                           for p in group["params"]}
