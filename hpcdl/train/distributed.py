@@ -135,7 +135,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the wrapper lacks: the wrapped optimizer's extras and
         # torch's hook dictionaries (so hooks registered here run on the wrapped step).
-        optimizer = self.__dict__.get("optimizer")
+        # With shard_update the sharded step answers first (its scale_momentum_ scales the
+        # slices), and passes the rest on to the wrapped optimizer.
+        optimizer = self.__dict__.get("_stepper", self.__dict__.get("optimizer"))
         if optimizer is None:
             raise AttributeError(name)
         return getattr(optimizer, name)
@@ -153,10 +155,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss = self._stepper.step()
         self.reducer.arm(last=self._syncing)
         return loss
-
-    def scale_momentum_(self, factor: float) -> None:
-        """LARS's momentum correction, on the slices too when the update is sharded."""
-        self._stepper.scale_momentum_(factor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
