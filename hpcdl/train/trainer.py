@@ -208,7 +208,9 @@ class Trainer:
             bucket_bytes=int(config.comm.bucket_mb * 2**20),
             enabled=not self.options.no_comm and comm.size > 1, seed=config.train.seed,
             shard_update=config.comm.shard_update)
-        if self.policy.reducer.reduce_scatter:
+        #: whether this rank steps only its slice of the weights (comm.shard_update, P > 1)
+        self.shard_update = bool(getattr(self.policy.reducer, "reduce_scatter", False))
+        if self.shard_update:
             from hpcdl.optim import ShardedOptimizer
 
             # Each rank steps its slice; checkpoints stay in the full layout (collective
@@ -649,8 +651,7 @@ class Trainer:
         # reduced during training), so a resumed run continues every rank exactly.
         rngs = self.comm.mpi_comm.gather(self._rank_state(), root=0)
         # Every rank: a sharded update gathers its momentum slices here (collective).
-        optimizer_state = self.optimizer.state_dict() if self.policy.reducer.reduce_scatter \
-            else None
+        optimizer_state = self.optimizer.state_dict() if self.shard_update else None
         path = ckpt.checkpoint_path(self.run_dir, self.step)
         error = None
         if self.rank == 0 and self.options.write_files:
