@@ -1,6 +1,7 @@
 """The papers' recipes load through the trainer's validator and build with the factories."""
 import glob
 import os
+import re
 
 import pytest
 import torch
@@ -76,6 +77,20 @@ def test_every_published_recipe_records_the_top1_its_source_reports(name):
     assert isinstance(cfg.expected["checked"], bool)
 
 
+@pytest.mark.parametrize("name", sorted(PAPER_RECIPES))
+def test_expected_top1_is_the_number_its_source_quotes(name):
+    """A checked value equals the first percentage its citation quotes (accuracy, or 1 - error
+    when the source gives an error); an unchecked one says it was recalled."""
+    expected = load_recipe(recipe_path(name)).expected
+    if not expected["checked"]:
+        assert "recalled" in expected["source"]
+        return
+    quoted = float(re.search(r"(\d+(?:\.\d+)?)%", expected["source"]).group(1)) / 100
+    if "error" in expected["source"]:
+        quoted = 1 - quoted
+    assert expected["top1"] == pytest.approx(quoted, abs=1e-9)
+
+
 @pytest.mark.parametrize("name", sorted(NVCAFFE_SOLVERS))
 def test_alexnet_bn_recipes_match_the_nvcaffe_solver_and_net(name):
     solver = NVCAFFE_SOLVERS[name]
@@ -109,6 +124,7 @@ def test_a_recipe_file_names_the_line_of_every_solver_value():
 def test_goyal_recipes_keep_bn_out_of_weight_decay(name):
     cfg = load_recipe(recipe_path(name))
     assert cfg.optimizer["bn_weight_decay"] is False
+    assert cfg.optimizer["nesterov"] is True          # §5.1: "We use Nesterov momentum"
     assert cfg.schedule["base_lr"] == pytest.approx(scaled_lr(0.1, cfg.batch.global_))
     assert cfg.batch.per_rank == 32
 
