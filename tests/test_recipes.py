@@ -51,7 +51,7 @@ def test_recipe_loads_and_builds(path):
     schedule = create_schedule(cfg.schedule, steps_per_epoch,
                                int(cfg.epochs * steps_per_epoch))
     optimizer = create_optimizer(cfg.optimizer, model, lr=schedule(0))
-    assert all(g["lr"] == schedule(0) for g in optimizer.param_groups)
+    assert all(g["lr"] == schedule(0) * g.get("lr_mult", 1.0) for g in optimizer.param_groups)
     peak = cfg.schedule["base_lr"]
     if cfg.schedule.get("decay_over") == "all_steps":   # Caffe: poly from step 0 over all steps
         peak *= (1 - schedule.warmup_steps / schedule.total_steps) ** cfg.schedule["power"]
@@ -146,6 +146,24 @@ def test_lars_recipes_use_eta_0001_and_poly_power_2(name):
     with torch.device("meta"):
         model = create_model(cfg.model["name"])
     assert isinstance(create_optimizer(cfg.optimizer, model), LARS)
+
+
+def test_bvlc_alexnet_runs_its_biases_at_twice_the_rate_without_decay():
+    """BVLC train_val.prototxt: ``param { lr_mult: 2 decay_mult: 0 }`` on every conv/fc bias."""
+    cfg = load_recipe(recipe_path("alexnet_bvlc_sgd_256"))
+    with torch.device("meta"):
+        model = create_model(cfg.model["name"], num_classes=cfg.model["num_classes"])
+    optimizer = create_optimizer(cfg.optimizer, model, lr=0.01)
+    biases = {id(m.bias) for m in model.modules()
+              if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))}
+    for group in optimizer.param_groups:
+        is_bias = {id(p) in biases for p in group["params"]}
+        assert len(is_bias) == 1
+        if is_bias.pop():
+            assert group["lr"] == 0.02 and group["weight_decay"] == 0.0
+        else:
+            assert group["lr"] == 0.01 and group["weight_decay"] == 5e-4
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == 16  # 8 layers, w and b
 
 
 def test_goyal_baseline_is_linear_scaling_with_step_decay():

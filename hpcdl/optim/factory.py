@@ -117,7 +117,9 @@ def create_optimizer(cfg: Mapping[str, Any], model: torch.nn.Module,
                          f"known: {sorted(_KEYS[name])}")
     if lr is None:
         lr = float(cfg.get("lr", 0.0))
-    return OPTIMIZERS[name](model, lr=float(lr), **kwargs)
+    optimizer = OPTIMIZERS[name](model, lr=float(lr), **kwargs)
+    set_learning_rate(optimizer, float(lr))  # the groups with an lr_mult start at theirs
+    return optimizer
 
 
 def apply_momentum_correction(optimizer: torch.optim.Optimizer, factor: float) -> None:
