@@ -287,6 +287,19 @@ class Communicator:
         self._collective("allgather", meta,
                          lambda: self._allgather(buffer) if self.size > 1 else None)
 
+    def publish_flat_(self, buffer: torch.Tensor,
+                      bucket: int | None = None) -> list[torch.Tensor]:
+        """The allgather without its last copy, where a backend can: afterwards rank k's
+        slice (:meth:`shard_bounds`) is readable at the same offsets in ``sources[k]``, until
+        every rank has called :meth:`release_flat_` on ``buffer``. Default: an allgather into
+        ``buffer`` (every source is ``buffer``); ``shm`` returns views of the peers' window
+        regions, so the reader copies each slice once, straight to where it is needed."""
+        self.allgather_flat_(buffer, bucket)
+        return [buffer] * self.size
+
+    def release_flat_(self, buffer: torch.Tensor) -> None:
+        """End a :meth:`publish_flat_`: collective; no rank writes ``buffer`` before it."""
+
     def _check_sharded(self, buffer: torch.Tensor, what: str) -> None:
         self._check_flat(buffer)
         if buffer.dtype not in NATIVE_DTYPES:

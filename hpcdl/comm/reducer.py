@@ -65,6 +65,7 @@ class Bucket:
     dtype: torch.dtype
     buffer: torch.Tensor | None = None
     filled: set[int] = field(default_factory=set)   # positions in ``params`` copied this step
+    sources: list[torch.Tensor] | None = None        # where each rank's slice is published
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -273,18 +274,32 @@ class GradientReducer:
         return nbytes
 
     def start_allgather(self, bucket: Bucket) -> None:
-        """Weight-update sharding: allgather ``bucket`` (every rank's slice, now holding
-        its updated parameters) on the communication thread, so the next bucket's update
-        overlaps it. Call in bucket order on every rank; :meth:`wait_allgather` each."""
+        """Weight-update sharding: publish ``bucket`` (every rank's slice, now holding its
+        updated parameters; ``Communicator.publish_flat_``) on the communication thread, so
+        the next bucket's update overlaps it. Call in bucket order on every rank, then
+        :meth:`wait_allgather`, read, :meth:`release` and :meth:`wait_released` each."""
         self._queue.put((bucket, self.gradient_comm, "allgather"))
 
-    def wait_allgather(self, bucket: Bucket) -> None:
+    def wait_allgather(self, bucket: Bucket) -> list[torch.Tensor]:
+        """Wait for :meth:`start_allgather`; returns where each rank's slice can be read."""
+        self._wait_done(bucket, "parameter allgather")
+        return bucket.sources
+
+    def release(self, bucket: Bucket) -> None:
+        """This rank has read the published slices of ``bucket`` (collective, queued)."""
+        self._queue.put((bucket, self.gradient_comm, "release"))
+
+    def wait_released(self, bucket: Bucket) -> None:
+        """After it no rank reads ``bucket`` any more: backward may pack into it again."""
+        self._wait_done(bucket, "parameter allgather release")
+        bucket.sources = None
+
+    def _wait_done(self, bucket: Bucket, what: str) -> None:
         bucket.done.wait()
         bucket.done.clear()
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"parameter allgather failed on rank {self.comm.rank}: "
-                               f"{error}") from error
+            raise RuntimeError(f"{what} failed on rank {self.comm.rank}: {error}") from error
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -367,7 +382,9 @@ class GradientReducer:
                 if self._error is not None:
                     pass
                 elif what == "allgather":
-                    comm.allgather_flat_(bucket.buffer, bucket=bucket.index)
+                    bucket.sources = comm.publish_flat_(bucket.buffer, bucket=bucket.index)
+                elif what == "release":
+                    comm.release_flat_(bucket.buffer)
                 elif self.reduce_scatter and counted:
                     comm.reduce_scatter_flat_(bucket.buffer, average=True, bucket=bucket.index)
                     self.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()

@@ -208,8 +208,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._grad_view(piece).copy_(self._param_view(piece))
             self.reducer.start_allgather(bucket)
         for bucket in self.reducer.buckets:
-            self.reducer.wait_allgather(bucket)
-            self._unpack_others(bucket)
+            self._unpack_others(bucket, self.reducer.wait_allgather(bucket))
+            self.reducer.release(bucket)
+        for bucket in self.reducer.buckets:   # before backward packs into them again
+            self.reducer.wait_released(bucket)
         return None
 
     def _piece_rates(self) -> Tensor:
@@ -251,17 +253,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         _sgd_update(group, params, grads, bufs)
 
-    def _unpack_others(self, bucket) -> None:
-        """Copy the other ranks' updated slices of ``bucket`` into the parameters (this
-        rank's part is in place already)."""
+    def _unpack_others(self, bucket, sources: list[Tensor]) -> None:
+        """Copy the other ranks' updated slices of ``bucket`` into the parameters, each
+        from where that rank published it (this rank's part is in place already)."""
         bounds = self.comm.shard_bounds(bucket.numel)
-        lo, hi = bounds[self.comm.rank], bounds[self.comm.rank + 1]
         for p, offset in zip(bucket.params, bucket.offsets, strict=True):
             flat = p.detach().view(-1)
             end = offset + p.numel()
-            for start, stop in ((offset, min(end, lo)), (max(offset, hi), end)):
-                if start < stop:
-                    flat[start - offset:stop - offset].copy_(bucket.buffer[start:stop])
+            for k, source in enumerate(sources):
+                start, stop = max(offset, bounds[k]), min(end, bounds[k + 1])
+                if k != self.comm.rank and start < stop:
+                    flat[start - offset:stop - offset].copy_(source[start:stop])
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
