@@ -63,6 +63,31 @@ def batch(rank, step):
     return torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
+@pytest.mark.min_ranks(2)
+@pytest.mark.parametrize("numel", [11, 4099])   # uneven slices at P = 2, 3, 4
+def test_reduce_scatter_then_publish_gives_the_allreduce(comm, world, numel):
+    buffer = comm.empty(numel)   # window memory on shm: the in-window path
+    mine = torch.arange(numel, dtype=torch.float32) * (world.rank + 1)
+    buffer.copy_(mine)
+    comm.reduce_scatter_flat_(buffer, average=True)
+    bounds = comm.shard_bounds(numel)
+    lo, hi = bounds[world.rank], bounds[world.rank + 1]
+    expected = torch.arange(numel, dtype=torch.float32) * (world.size + 1) / 2
+    assert torch.allclose(buffer[lo:hi], expected[lo:hi])
+    assert bounds[-1] == numel and max(bounds[k + 1] - bounds[k] for k in range(world.size)) \
+        - min(bounds[k + 1] - bounds[k] for k in range(world.size)) <= 1
+    buffer[lo:hi] = -expected[lo:hi]   # what the update writes
+    sources = comm.publish_flat_(buffer)
+    gathered = torch.cat([sources[k][bounds[k]:bounds[k + 1]] for k in range(world.size)])
+    comm.release_flat_(buffer)
+    assert torch.equal(gathered, -expected)
+    plain = torch.arange(numel, dtype=torch.float32)   # any buffer: the MPI path
+    plain[lo:hi] = world.rank
+    comm.allgather_flat_(plain)
+    assert torch.equal(plain, torch.cat([torch.full((bounds[k + 1] - bounds[k],), float(k))
+                                         for k in range(world.size)]))
+
+
 class Run:
     """A model, its optimizer and reducer: unsharded (allreduce, then the full step) or
     sharded (reduce-scatter, the slice's step, allgather)."""
