@@ -800,6 +800,7 @@ class Trainer:
             "backend": getattr(self.comm, "backend", "?"),
             "reducer": ("enabled" if self.policy.communicates else "disabled (no_comm)"
                         if self.options.no_comm else "not needed (1 rank)"),
+            "shard_update": self.shard_update,
             "threads": torch.get_num_threads(),
             "wall_s": wall_s,
             "train_s": self._train_time_s,

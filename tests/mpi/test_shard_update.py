@@ -262,7 +262,7 @@ def test_trainer_sharded_resume_continues_identically(shards, comm, world, share
     sharded = recipe(world.size, True)
     reference, ref_params = train(sharded, shards, os.path.join(shared_tmp, "a"), comm,
                                   max_steps=6)
-    assert reference["steps"] == 6
+    assert reference["steps"] == 6 and reference["shard_update"] is True
     run_b = os.path.join(shared_tmp, "b")
     train(sharded, shards, run_b, comm, max_steps=3)
     resumed, _ = train(sharded, shards, run_b, comm, resume="auto", max_steps=6)
