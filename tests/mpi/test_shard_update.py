@@ -187,6 +187,43 @@ def test_sharded_checkpoint_resumes_identically_and_unsharded(comm, world, name)
             run.close()
 
 
+@pytest.mark.min_ranks(3)
+def test_sharded_checkpoint_of_two_ranks_resumes_on_all_sliced_anew(comm, world):
+    """Elastic resume: 2 ranks train and save (full layout), then every rank of the world
+    continues from it; sharded and unsharded paths end on the same model."""
+    cfg = OPTIMIZERS["lars"]
+    sub = world.Split(0 if world.rank < 2 else 1, world.rank)
+    pair = hpcdl.comm.init("mpi", sub)
+    saved = None
+    try:
+        if world.rank < 2:
+            runs = {shard: Run(pair, cfg, sharded=shard) for shard in (True, False)}
+            try:
+                for run in runs.values():
+                    run.steps(2, pair.rank)
+                saved = {shard: (copy.deepcopy(run.model.state_dict()),
+                                 copy.deepcopy(run.optimizer.state_dict()))
+                         for shard, run in runs.items()}
+            finally:
+                for run in runs.values():
+                    run.close()
+    finally:
+        pair.close()
+        sub.Free()
+    saved = world.bcast(saved, root=0)
+    resumed = {shard: Run(comm, cfg, sharded=shard) for shard in (True, False)}
+    try:
+        for shard, run in resumed.items():
+            run.model.load_state_dict(saved[shard][0])
+            run.optimizer.load_state_dict(saved[shard][1])
+            run.step_count = 2
+            run.steps(2, world.rank)
+        assert_params_close(resumed[True].model, resumed[False].model)
+    finally:
+        for run in resumed.values():
+            run.close()
+
+
 @pytest.mark.min_ranks(2)
 def test_distributed_optimizer_shard_update_matches_the_allreduce(comm, world):
     models = [make_model(), make_model()]
