@@ -119,6 +119,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              f"are not reduced by the reducer; build both from one model")
         self._tensors = [p for p in reduced if id(p) in self._group_of]
         self._pieces = self._my_pieces()
+        groups = [self._group_of[id(p)] for p in self._tensors]
+        self._tensors_of_group = {g: torch.tensor([i for i, h in enumerate(groups) if h == g])
+                                  for g in sorted(set(groups))}
         self._by_bucket: dict[int, list[int]] = {}
         self._by_bucket_group: dict[int, dict[int, list[int]]] = {}
         for i, piece in enumerate(self._pieces):
@@ -231,11 +234,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.comm.allreduce_(partial, average=False)
         norms = partial.sqrt().float()
         rate = torch.empty(n, dtype=torch.float32)
-        for g, group in enumerate(self.param_groups):
-            ids = [i for i, p in enumerate(self._tensors) if self._group_of[id(p)] == g]
-            if not ids:
-                continue
-            sel = torch.tensor(ids)
+        for g, sel in self._tensors_of_group.items():
+            group = self.param_groups[g]
             if isinstance(self.optimizer, LARS) and group["lars"]:
                 rate[sel] = local_rates(group, norms[0, sel], norms[1, sel])
             else:
