@@ -271,8 +271,8 @@ class Communicator:
         """Sum (or average) ``buffer`` over the ranks, leaving only this rank's slice
         (:meth:`shard_bounds`) final; the rest of ``buffer`` is undefined afterwards. Half
         the traffic of an allreduce, which is this and :meth:`allgather_flat_` (Xu et al.,
-        "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training", 2020,
-        §3). Same thread rule as :meth:`allreduce_flat_`."""
+        "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training",
+        arXiv:2004.13336). Same thread rule as :meth:`allreduce_flat_`."""
         self._check_sharded(buffer, "reduce_scatter_flat_")
         meta = self._flat_meta(buffer, bucket, average=bool(average))
         self._collective("reduce_scatter", meta,

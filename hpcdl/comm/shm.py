@@ -166,8 +166,8 @@ class SharedMemoryCommunicator(Communicator):
             scale_(views[self.local_rank][bounds[self.local_rank]:bounds[self.local_rank + 1]],
                    self.size)
         # No closing sync: peers may still read my region's other slices, and I write
-        # nothing there before the allgather's first sync (my own slice only, which no
-        # peer reads).
+        # nothing there before the first sync of the allgather or publish that must follow
+        # (my own slice only, which no peer reads in this phase).
 
     def _allgather(self, buffer: torch.Tensor) -> None:
         """Each rank copies the other slices straight out of its peers' regions."""
