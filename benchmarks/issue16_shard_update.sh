@@ -14,11 +14,12 @@ OUT=${1:-docs/results/issue16-shard-update-$(date -u +%F)}
 REPEATS=${2:-3}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
+HPCDL=$(command -v hpcdl)   # the active environment's, whatever mpiexec puts first on PATH
 COMMON=(--synthetic --steps 8 --rounds 4 --warmup 2 --no-breakdown --shard-update)
 for r in $(seq 1 "$REPEATS"); do
-  mpiexec -n 2 hpcdl bench train --model alexnet_bn --image-size 224 --batch 32 "${COMMON[@]}" \
+  mpiexec -n 2 "$HPCDL" bench train --model alexnet_bn --image-size 224 --batch 32 "${COMMON[@]}" \
     --json "$OUT/alexnet_bn-224-b32-np2-run$r.json"
-  mpiexec -n 2 hpcdl bench train --model resnet50 --image-size 112 --batch 16 "${COMMON[@]}" \
+  mpiexec -n 2 "$HPCDL" bench train --model resnet50 --image-size 112 --batch 16 "${COMMON[@]}" \
     --json "$OUT/resnet50-112-b16-np2-run$r.json"
 done
-python3 "$(dirname "$0")/summarize_train.py" "$OUT"/*.json | tee "$OUT/summary.md"
+"$(dirname "$HPCDL")/python" "$(dirname "$0")/summarize_train.py" "$OUT"/*.json | tee "$OUT/summary.md"
