@@ -260,6 +260,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from where that rank published it (this rank's part is in place already)."""
         bounds = self.comm.shard_bounds(bucket.numel)
         for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+            if id(p) not in self._group_of:
+                continue   # reduced but not optimized: unchanged, and its slot holds a gradient
             flat = p.detach().view(-1)
             end = offset + p.numel()
             for k, source in enumerate(sources):

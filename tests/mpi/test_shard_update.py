@@ -245,6 +245,27 @@ def test_distributed_optimizer_shard_update_matches_the_allreduce(comm, world):
             optimizer.close()
 
 
+@pytest.mark.min_ranks(2)
+def test_parameters_the_optimizer_does_not_step_stay_unchanged(comm, world):
+    model = make_model()
+    frozen = list(model[-1].parameters())   # reduced (they require grad) but not optimized
+    before = [p.detach().clone() for p in frozen]
+    stepped = [p for p in model.parameters() if all(p is not q for q in frozen)]
+    optimizer = DistributedOptimizer(torch.optim.SGD(stepped, lr=0.5, momentum=0.9), model,
+                                     comm, bucket_bytes=BUCKET_BYTES, shard_update=True)
+    try:
+        for step in range(2):
+            optimizer.zero_grad()
+            x, y = batch(world.rank, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        for p, q in zip(frozen, before, strict=True):
+            assert torch.equal(p, q)
+        assert not torch.equal(stepped[0], make_model()[0].weight)
+    finally:
+        optimizer.close()
+
+
 # -- the trainer ------------------------------------------------------------------------------
 PER_RANK = 2
 
