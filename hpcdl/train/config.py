@@ -121,6 +121,11 @@ class CommConfig:
                               f"comm.algorithm={self.algorithm!r}): {self.algorithm} does not "
                               f"average every gradient every step, so there is no allreduce "
                               f"to split around the update; set one of the two keys")
+        if self.shard_update and self.wire_dtype != "float32":
+            raise RecipeError(f"comm.shard_update: true needs comm.wire_dtype: float32 (got "
+                              f"{self.wire_dtype!r}): the sharded reduce-scatter and the "
+                              f"parameter allgather run in the parameters' dtype; set one of "
+                              f"the two keys")
         if self.sync_warmup_steps < 0:
             raise RecipeError(f"comm.sync_warmup_steps={self.sync_warmup_steps}: must be >= 0")
 

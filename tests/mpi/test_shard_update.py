@@ -341,6 +341,9 @@ def test_shard_update_refuses_relaxed_consistency_naming_the_keys():
         recipe(2, True, algorithm="local_sgd", local_steps=2)
     with pytest.raises(RecipeError, match="comm.shard_update.*comm.algorithm"):
         recipe(2, True, algorithm="powersgd")
+    with pytest.raises(RecipeError, match="comm.shard_update.*comm.wire_dtype"):
+        recipe(2, True, wire_dtype="bfloat16")
+    assert recipe(2, False, algorithm="powersgd").comm.shard_update is False
 
 
 def test_sharded_optimizer_refuses_an_optimizer_it_cannot_slice(comm):
