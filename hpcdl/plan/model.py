@@ -361,11 +361,11 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
                      "compute per rank slows proportionally")
 
     work = with_layer_table(machine, work)
-    if (machine.has_class_rates and not machine.has_thread_scaling
+    if (machine.calibrated and machine.has_class_rates and not machine.has_thread_scaling
             and machine.threads_per_rank(inp.procs_per_node) > 1):
         notes.append(f"{machine.path} has no measured thread scaling: a rank's "
                      f"{machine.threads_per_rank(inp.procs_per_node):g} threads are costed as "
-                     "as many cores (linear)")
+                     "that many cores (linear; recalibrate with `hpcdl plan --calibrate`)")
     if not machine.has_class_rates:
         notes.append(f"{machine.path} has no per-class compute rates: compute costed with one "
                      "sustained fraction (recalibrate with `hpcdl plan --calibrate`)")
