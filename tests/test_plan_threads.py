@@ -174,3 +174,22 @@ def test_flops_and_layer_tables_share_one_cache_directory(tmp_path, monkeypatch)
 def test_validation_compares_the_median_step_when_the_bench_reports_it():
     record = {"ranks": 2, "batch_per_rank": 8, "step_time_s": 10.0, "step_time_median_s": 2.0}
     assert measured_step({"results": [record]}, 2)["step_s"] == 2.0
+
+
+# --------------------------------------------------------------------------- as a user runs it
+def test_plan_on_another_cpu_s_calibration_warns_and_shows_the_thread_speedup(tmp_path,
+                                                                             monkeypatch,
+                                                                             capsys):
+    from hpcdl.cli.main import main
+
+    other = {"model_name": "Made-up CPU 2", "capability": "AVX512", "flags": ["avx512f"]}
+    write_machine(machine_document({**calibration_measurements(cpu=other), **threaded(1.6)}),
+                  str(tmp_path))
+    monkeypatch.setattr("hpcdl.plan.cpu.cpu_identity", lambda: {
+        "model_name": "AMD EPYC", "capability": "AVX2", "flags": ["avx2", "fma"]})
+    assert main(["plan", "--machine", "local", "--machines-dir", str(tmp_path), "--model",
+                 "resnet_small", "--image-size", "16", "--global-batch", "8", "--procs", "1",
+                 "--procs-per-node", "1", "--synthetic", "--sweep", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "calibrated on another CPU" in captured.err and "Made-up CPU 2" in captured.err
+    assert "2 threads x 1.6 (measured speedup)" in captured.out
