@@ -13,7 +13,10 @@
 #   docs/results/plan-issue18-quiet-DATE.log              everything printed, with load averages
 #   hpcdl/plan/machines/local.yaml                        replaced by this calibration
 # Overrides (for a plumbing check under load): OUT_DIR, LOCAL_YAML (where the calibration is
-# copied; "-" = nowhere), WORKLOADS (MODEL@SIZE,...), PROCS (1,2,4), REPEATS (3), STEPS (2).
+# copied; "-" = nowhere), WORKLOADS (MODEL@SIZE,...), PROCS (1,2,4), REPEATS (3), STEPS (2),
+# BUDGET_S (690: the whole script's seconds; validation starts no bench run that would end
+# past them, measures rows in rounds so every row is measured once before any twice, and
+# lists rows it never reached under "not_measured" in its JSON).
 set -euo pipefail
 export OMP_NUM_THREADS=1          # each rank sets its own threads (cores / ranks)
 STAMP=$(date -u +%Y-%m-%d)
@@ -23,6 +26,7 @@ WORKLOADS=${WORKLOADS:-alexnet_bn@224,resnet50@112,resnet50@224}
 PROCS=${PROCS:-1,2,4}
 REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-2}
+BUDGET_S=${BUDGET_S:-690}
 mkdir -p "$OUT_DIR"
 CAL_DIR=$(mktemp -d)
 LOG="$OUT_DIR/plan-issue18-quiet-$STAMP.log"
@@ -38,10 +42,12 @@ hpcdl plan --calibrate --machines-dir "$CAL_DIR"
 cp "$CAL_DIR/local.yaml" "$OUT_DIR/plan-calibrate-issue18-quiet-$STAMP.yaml"
 echo "== $(date -u +%FT%TZ) calibrated in $((SECONDS - start)) s; $(uptime)"
 
-echo "== validate: $WORKLOADS at np $PROCS, $REPEATS repeats of $STEPS steps (bf16: see the line below)"
+LEFT=$((BUDGET_S - (SECONDS - start) - 20))   # 20 s for the papers' plans and the copies
+echo "== validate: $WORKLOADS at np $PROCS, $REPEATS repeats of $STEPS steps, $LEFT s budget" \
+     "(bf16: see the line below)"
 hpcdl plan --validate --machine local --machines-dir "$CAL_DIR" \
     --validate-workloads "$WORKLOADS" --validate-procs "$PROCS" \
-    --repeats "$REPEATS" --steps "$STEPS" --validate-timeout 300 \
+    --repeats "$REPEATS" --steps "$STEPS" --validate-timeout 300 --validate-budget "$LEFT" \
     --json "$OUT_DIR/plan-validate-issue18-quiet-$STAMP.json"
 echo "== $(date -u +%FT%TZ) validated at $((SECONDS - start)) s; $(uptime)"
 

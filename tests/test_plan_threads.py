@@ -193,3 +193,48 @@ def test_plan_on_another_cpu_s_calibration_warns_and_shows_the_thread_speedup(tm
     captured = capsys.readouterr()
     assert "calibrated on another CPU" in captured.err and "Made-up CPU 2" in captured.err
     assert "2 threads x 1.6 (measured speedup)" in captured.out
+
+
+def validate_with_fake_runs(tmp_path, monkeypatch, *extra):
+    """`hpcdl plan --validate` on a tiny model with bench train replaced by a fake that takes
+    100 s of a fake clock per run; returns (the runs' np in order, the JSON)."""
+    from hpcdl.cli.main import main
+    from hpcdl.plan import validate
+
+    write_machine(machine_document(calibration_measurements()), str(tmp_path))
+    clock, calls = [0.0], []
+
+    def fake_run(procs, model, image_size, batch, steps, timeout_s):
+        calls.append(procs)
+        clock[0] += 100.0
+        return {"step_s": 2.0, "batch_per_rank": batch}
+
+    monkeypatch.setattr(validate, "run_bench_train", fake_run)
+    monkeypatch.setattr(validate, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    out = tmp_path / "v.json"
+    assert main(["plan", "--validate", "--machine", "local", "--machines-dir", str(tmp_path),
+                 "--model", "resnet_small", "--image-size", "16", "--validate-procs", "1,2",
+                 "--repeats", "2", "--json", str(out), *extra]) == 0
+    return calls, json.loads(out.read_text())
+
+
+def test_validation_measures_every_row_once_before_any_row_twice(tmp_path, monkeypatch):
+    calls, doc = validate_with_fake_runs(tmp_path, monkeypatch)
+    assert calls == [1, 2, 1, 2]
+    assert [len(r["measured_repeats_s"]) for r in doc["results"]] == [2, 2]
+    assert doc["not_measured"] == [] and doc["complete"] is True
+
+
+def test_the_validation_budget_starts_no_run_that_would_end_past_it(tmp_path, monkeypatch):
+    # runs take 100 s: np1, np2 (t = 200), np1 again (ends at 300 <= 350), np2 again would
+    # end at 400 > 350: not started
+    calls, doc = validate_with_fake_runs(tmp_path, monkeypatch, "--validate-budget", "350")
+    assert calls == [1, 2, 1]
+    assert [len(r["measured_repeats_s"]) for r in doc["results"]] == [2, 1]
+
+
+def test_rows_the_budget_never_reached_are_listed(tmp_path, monkeypatch):
+    calls, doc = validate_with_fake_runs(tmp_path, monkeypatch, "--validate-budget", "1")
+    assert calls == [] and doc["results"] == []
+    assert doc["not_measured"] == ["resnet_small@16 np=1", "resnet_small@16 np=2"]
+    assert doc["ratios"]["within_15_percent"] is False
