@@ -58,7 +58,7 @@ from hpcdl.plan.machine import parse_machine, user_machines_dir
 ALLREDUCE_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 
 
-def best_of(fn: Callable[[], Any], repeats: int) -> float:
+def median_of(fn: Callable[[], Any], repeats: int) -> float:
     """Median of ``repeats`` timed calls after one untimed warm-up (hpcdl.plan.class_rates.
     median_time: the same statistic for every figure, so a quiet run gives stable rates)."""
     from hpcdl.plan.class_rates import median_time
@@ -95,7 +95,7 @@ def matmul_flops(threads: int, n: int = 1024, repeats: int = 5) -> float:
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        return 2 * n ** 3 / best_of(lambda: torch.mm(a, b), repeats)
+        return 2 * n ** 3 / median_of(lambda: torch.mm(a, b), repeats)
     finally:
         torch.set_num_threads(before)
 
@@ -109,7 +109,7 @@ def stream_Bps(threads: int, nbytes: int = 64 << 20, repeats: int = 5) -> float:
     try:
         a = torch.ones(nbytes // 4)
         b = torch.ones(nbytes // 4)
-        return 3 * nbytes / best_of(lambda: a.add_(b), repeats)
+        return 3 * nbytes / median_of(lambda: a.add_(b), repeats)
     finally:
         torch.set_num_threads(before)
 
@@ -155,7 +155,7 @@ def decode_images_per_s(image_size: int = 224, images: int = 64) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(1)   # a rate per core
     try:
-        return images / best_of(work, 3)
+        return images / median_of(work, 3)
     finally:
         torch.set_num_threads(before)
 
