@@ -355,3 +355,10 @@ def test_sharded_optimizer_refuses_an_optimizer_it_cannot_slice(comm):
             ShardedOptimizer(torch.optim.Adam(model.parameters()), reducer, comm)
     finally:
         reducer.close()
+
+
+def test_ltfb_with_several_trainers_refuses_shard_update(world, tmp_path):
+    from hpcdl.train.ltfb import LTFB, LTFBOptions
+
+    with pytest.raises(RecipeError, match="comm.shard_update.*LTFB"):
+        LTFB(recipe(world.size, True), None, str(tmp_path), world, LTFBOptions(trainers=2))
