@@ -280,26 +280,11 @@ def evaluate_anchor(world, model, shard_dir: str, per_rank: int) -> float:
 
 
 # -- the planner -----------------------------------------------------------------------------
-def compression_ratio(model_name: str, rank: int) -> float:
-    """Dense bytes / PowerSGD bytes of ``model_name``'s parameters at ``rank`` (ours and
-    PyTorch's compress the same tensors: ``min_compression_rate`` 2)."""
-    import torch
-
-    from hpcdl.comm.powersgd import compressed_bytes
-    from hpcdl.models import create_model
-
-    with torch.device("meta"):
-        model = create_model(model_name, num_classes=1000)
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    dense = sum(math.prod(s) for s in shapes) * 4
-    return dense / compressed_bytes(shapes, rank)
-
-
 def planned_minutes(run: str, args: argparse.Namespace) -> dict[str, float]:
     """``hpcdl plan``'s total for each paper model's 32K recipe at 2,048 skx sockets."""
     from hpcdl.plan.machine import load_machine
-    from hpcdl.plan.model import PlanInputs, plan
-    from hpcdl.plan.workload import workload
+    from hpcdl.plan.model import IMAGENET_TRAIN_IMAGES, PlanInputs, plan
+    from hpcdl.plan.workload import powersgd_compression_ratio, workload
 
     machine = load_machine("skx")
     out = {}
@@ -310,7 +295,11 @@ def planned_minutes(run: str, args: argparse.Namespace) -> dict[str, float]:
         elif run == "hierarchical":
             extra.update(local_steps=args.local_steps, hierarchical_local=True)
         elif run in ("powersgd", "ddp_powersgd"):
-            extra["compression_ratio"] = compression_ratio(model_name, args.powersgd_rank)
+            extra["compression_ratio"] = powersgd_compression_ratio(model_name,
+                                                                    args.powersgd_rank)
+        if extra:  # the same synchronous first phase, in epochs of ImageNet at 32K
+            extra["sync_warmup_steps"] = round(args.sync_warmup_epochs
+                                               * (IMAGENET_TRAIN_IMAGES // 32768))
         inputs = PlanInputs(global_batch=32768, procs=2048,
                             procs_per_node=machine.ranks_per_node,
                             epochs=100 if model_name == "alexnet_bn" else 90, **extra)
