@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from hpcdl.comm.reducer import layout_buckets, pack_gradient, unpack_gradient
+
 __all__ = ["PowerSGDReducer", "compressed_bytes", "matrix_shape"]
 
 
@@ -116,6 +118,12 @@ class PowerSGDReducer:
                          if compresses(p.shape, self.rank, min_compression_rate)]
         compressed = {id(x.param) for x in self.matrices}
         self.uncompressed = [p for _, p in trainable if id(p) not in compressed]
+        # The uncompressed gradients travel in flat buffers packed as the gradient reducer
+        # packs its buckets (one per dtype: no size limit, they go in one call anyway).
+        self.buckets = layout_buckets([(n, p) for n, p in trainable if id(p) not in compressed],
+                                      bucket_bytes=2**62)
+        for bucket in self.buckets:
+            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype)
         generator = torch.Generator().manual_seed(seed)
         # Warm start (Alg. 1): Q persists across steps. The first draw is seeded, so it is
         # the same on every rank without a broadcast.
@@ -143,10 +151,13 @@ class PowerSGDReducer:
         # on that subspace, not its square, which the warm-started Q = Mᵀ P̂ would give.
         ps = [m @ torch.linalg.qr(self.q[x.name]).Q for x, m in zip(self.matrices, ms,
                                                                      strict=True)]
-        plain = [self._grad(p) for p in self.uncompressed]
-        self._allreduce(plain + ps)
-        for p, g in zip(self.uncompressed, plain, strict=True):
-            p.grad = g
+        for bucket in self.buckets:
+            for position, p in enumerate(bucket.params):
+                pack_gradient(bucket, position, p.grad)
+        self._allreduce([b.buffer for b in self.buckets] + ps)
+        for bucket in self.buckets:
+            for position in range(len(bucket.params)):
+                unpack_gradient(bucket, position)
         p_hats = [torch.linalg.qr(p).Q for p in ps]
         qs = [m.T @ p_hat for m, p_hat in zip(ms, p_hats, strict=True)]
         self._allreduce(qs)
@@ -196,13 +207,10 @@ class PowerSGDReducer:
         self.error = {k: v.clone() for k, v in state["error"].items()}
 
     # -- helpers -----------------------------------------------------------------------------
-    @staticmethod
-    def _grad(p: torch.Tensor) -> torch.Tensor:
-        # A parameter unused this step contributes zeros, so every rank sends the same shapes.
-        return p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-
     def _with_error(self, x: _Matrix) -> torch.Tensor:
-        grad = self._grad(x.param).float().reshape(x.n, x.m)
+        # A parameter unused this step contributes zeros, so every rank sends the same shapes.
+        grad = (x.param.grad.detach().float().reshape(x.n, x.m).clone()
+                if x.param.grad is not None else torch.zeros(x.n, x.m))
         return grad.add_(self.error[x.name])
 
     def _allreduce(self, tensors: list[torch.Tensor]) -> None:
