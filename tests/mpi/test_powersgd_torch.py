@@ -111,3 +111,87 @@ def test_powersgd_matches_pytorchs_hook_step_by_step(comm, world):
     # the same bytes: PyTorch's element count after compression, ours in float32 bytes
     assert ours.bytes_reduced == 4 * state.total_numel_after_compression
     dist.barrier()
+
+
+def seed_pytorch_q(hook, q, shapes):
+    """``hook`` with PyTorch's first Q taken from ours (``q``: name -> (m, r); ``shapes``:
+    parameter shape -> name), so a run of both starts from the same subspace."""
+
+    def seeded(hook_state, bucket):
+        if hook_state.iter >= hook_state.start_powerSGD_iter and \
+                bucket.index() not in hook_state.q_memory_dict:
+            names = [shapes[tuple(g.shape)] for g in bucket.gradients()
+                     if tuple(g.shape) in shapes]
+            hook_state.q_memory_dict[bucket.index()] = torch.cat(
+                [q[name].reshape(-1) for name in names])
+            hook_state.p_memory_dict[bucket.index()] = torch.empty(
+                sum(q[name].shape[1] * (next(s for s, n in shapes.items() if n == name)[0])
+                    for name in names))
+        return hook(hook_state, bucket)
+
+    return seeded
+
+
+def small_cnn():
+    torch.manual_seed(3)  # the same weights on every rank and for both
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 16, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(), torch.nn.Linear(16, 10))
+
+
+@pytest.mark.min_ranks(2)
+@pytest.mark.max_ranks(4)
+def test_powersgd_policy_with_lars_trains_as_ddp_with_pytorchs_hook(comm, world):
+    """The full path: warm-up of plain averaging, then compression, error feedback, LARS on
+    the decompressed gradient, step by step against DDP + ``powerSGD_hook`` + the same LARS
+    on the same batches; the parameters must stay together."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hpcdl.bench.relaxed import init_torch_distributed
+    from hpcdl.comm.policy import create_policy
+    from hpcdl.optim import create_optimizer
+
+    init_torch_distributed(world)
+    lars = {"name": "lars", "momentum": 0.9, "weight_decay": 5e-4, "trust_coefficient": 0.02}
+    ours, theirs = small_cnn(), small_cnn()
+    policy = create_policy(comm, list(ours.named_parameters()), algorithm="powersgd",
+                           sync_warmup_steps=WARMUP, powersgd_rank=RANK, bucket_bytes=1 << 20)
+    ddp = DDP(theirs, bucket_cap_mb=1, broadcast_buffers=False)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
+                                        start_powerSGD_iter=WARMUP)
+    shapes = {tuple(x.param.shape): x.name for x in policy.compressor.matrices}
+    assert sorted(shapes.values()) == ["0.weight", "3.weight", "7.weight"]
+    first_q = {name: q.clone() for name, q in policy.compressor.q.items()}
+    ddp.register_comm_hook(state, seed_pytorch_q(powerSGD_hook.powerSGD_hook, first_q, shapes))
+    opt_ours, opt_theirs = create_optimizer(lars, ours, 0.5), create_optimizer(lars, theirs, 0.5)
+    criterion = torch.nn.CrossEntropyLoss()
+    data = torch.Generator().manual_seed(world.rank)
+    try:
+        for step in range(20):
+            images = torch.randn(8, 1, 10, 10, generator=data)
+            labels = torch.randint(0, 10, (8,), generator=data)
+            # ours, as the trainer takes a step
+            policy.before_step(step)
+            opt_ours.zero_grad(set_to_none=True)
+            policy.reducer.arm(last=True)
+            criterion(ours(images), labels).backward()
+            policy.reducer.synchronize()
+            opt_ours.step()
+            policy.after_step(step + 1, last=step == 19)
+            # PyTorch's
+            opt_theirs.zero_grad(set_to_none=True)
+            criterion(ddp(images), labels).backward()
+            opt_theirs.step()
+            for (name, mine), pytorch in zip(ours.named_parameters(), theirs.parameters(),
+                                             strict=True):
+                difference = float((mine - pytorch).detach().norm() / pytorch.detach().norm())
+                assert difference < 1e-3, f"{name} after step {step + 1}: {difference}"
+        assert policy.compressor.steps == 20 - WARMUP
+        moved = float((ours[0].weight - small_cnn()[0].weight).norm())
+        assert moved > 0.01  # they trained (agreeing by not moving would prove nothing)
+    finally:
+        policy.close()
+    dist.barrier()
