@@ -121,6 +121,18 @@ def test_study_recipes_differ_only_in_batch_lr_optimizer_and_seed():
     config_from_dict(b)
 
 
+def test_the_forward_batch_does_not_depend_on_the_batches_one_invocation_runs():
+    """A study run one batch at a time (--batches 3072, then --batches 128) must keep every
+    run's batch-norm batch at the study's 64 per rank (it once became 1,536)."""
+    run = study.StudyRun("tune", "lars", 3072, 2.0, 0)
+    alone = study.study_recipe(run, study_args(batch_list=[3072]), ranks=2)
+    whole = study.study_recipe(run, study_args(batch_list=[128, 3072]), ranks=2)
+    assert alone["batch"] == whole["batch"] == {"global": 3072, "per_rank": 64,
+                                                "accumulation": 24}
+    assert study.study_micro_batch(study_args(batch_list=[3072]), ranks=4) == 32
+    assert study.study_micro_batch(study_args(micro_batch=16), ranks=2) == 16
+
+
 def test_table_and_plot_of_the_study(tmp_path):
     result = study.execute_study(study_args(batch_list=[128, 3072], seeds=2), FakeTrainer(),
                                  str(tmp_path))

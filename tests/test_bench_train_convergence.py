@@ -29,7 +29,7 @@ def default_args(**changes) -> argparse.Namespace:
 
 def test_recipes_compare_small_batch_sgd_with_large_batch_sgd_and_lars():
     recipes = bench.run_recipes(default_args(epochs=3))
-    assert set(recipes) == set(bench.RUNS)
+    assert set(recipes) == set(bench.RUNS + bench.EXTRA_RUNS)
     configs = {name: config_from_dict(r) for name, r in recipes.items()}  # all valid recipes
     assert configs["baseline"].batch.global_ == 128
     assert configs["sgd_scaled"].batch.global_ == configs["lars"].batch.global_ == 1536
@@ -47,6 +47,19 @@ def test_recipes_compare_small_batch_sgd_with_large_batch_sgd_and_lars():
     assert {c.data.min_scale for c in configs.values()} == {0.7}
     assert configs["sgd_scaled"].schedule["warmup_epochs"] > 0
     assert configs["lars"].schedule["warmup_epochs"] > 0
+
+
+def test_bf16_run_is_the_lars_recipe_in_bf16_autocast_only():
+    recipes = bench.run_recipes(default_args(epochs=3))
+    fp32, bf16 = recipes["lars"], recipes["lars_bf16"]
+    assert config_from_dict(bf16).train.bf16 and not config_from_dict(fp32).train.bf16
+    differ = {k for k in fp32 if fp32[k] != bf16[k]}
+    assert differ == {"name", "train"}
+    keys = set(fp32["train"]) | set(bf16["train"])
+    assert {k for k in keys if fp32["train"].get(k) != bf16["train"].get(k)} == {"bf16"}
+    ratios = bench.convergence_ratios({"lars": {"top1": 0.880}, "lars_bf16": {"top1": 0.878}})
+    assert ratios["lars_bf16_minus_lars_top1"] == pytest.approx(-0.2)
+    assert bench.parse_runs("lars,lars_bf16") == ["lars", "lars_bf16"]
 
 
 def test_micro_batch_must_divide_the_global_batch():

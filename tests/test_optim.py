@@ -19,6 +19,7 @@ from hpcdl.optim import (
     create_optimizer,
     list_optimizers,
     param_groups,
+    set_learning_rate,
 )
 
 
@@ -254,6 +255,61 @@ def test_create_optimizer_sgd_and_lr_from_cfg():
                             "nesterov": False, "lr": 3.2}, model)
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == 3.2
     assert list_optimizers() == ["lars", "sgd"]
+
+
+def _caffe_step(name: str) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
+    """One step of ``name`` with Caffe's bias multipliers, from the same start and gradients."""
+    torch.manual_seed(0)
+    before = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    for p in before.parameters():
+        p.data.normal_()
+        p.grad = torch.randn_like(p)
+    after = copy.deepcopy(before)  # (deepcopy leaves .grad behind)
+    for p, q in zip(before.parameters(), after.parameters(), strict=True):
+        q.grad = p.grad.clone()
+    cfg = {"name": name, "momentum": 0.9, "weight_decay": 0.1, "bias_lr_mult": 2.0,
+           "bias_decay_mult": 0.0}
+    if name == "lars":
+        cfg.update(skip_list=False, trust_coefficient=0.01)
+    opt = create_optimizer(cfg, after, lr=0.0)
+    set_learning_rate(opt, 0.5)
+    opt.step()
+    return before, after, {id(g["params"][0]): g for g in opt.param_groups}
+
+
+def test_sgd_caffe_bias_multipliers_double_the_rate_and_skip_decay_on_biases_only():
+    """BVLC AlexNet's ``param { lr_mult: 2 decay_mult: 0 }`` on every conv/fc bias: the bias
+    moves by 2·lr·g, the weight by lr·(g + wd·w); BN's β keeps lr and decay (float64 check)."""
+    before, after, _ = _caffe_step("sgd")
+    (w0, b0, g0, beta0), (w1, b1, g1, beta1) = before.parameters(), after.parameters()
+    def sgd(p, lr, wd):  # float64, first step: v = g + wd·w, w -= lr·v
+        return p.double() - lr * (p.grad.double() + wd * p.double())
+
+    torch.testing.assert_close(b1.double(), sgd(b0, 2 * 0.5, 0.0))
+    torch.testing.assert_close(w1.double(), sgd(w0, 0.5, 0.1))
+    torch.testing.assert_close(beta1.double(), sgd(beta0, 0.5, 0.1))
+    torch.testing.assert_close(g1.double(), sgd(g0, 0.5, 0.1))
+
+
+def test_lars_caffe_bias_multipliers_keep_the_trust_ratio_and_double_the_rate():
+    before, after, groups = _caffe_step("lars")
+    w0, b0 = before[0].weight, before[0].bias
+    bias_group = groups[id(after[0].bias)]
+    assert bias_group["lr"] == 1.0 and bias_group["weight_decay"] == 0.0 and bias_group["lars"]
+    rate = 0.01 * b0.norm().double() / b0.grad.norm().double()  # η‖w‖/‖g‖, no decay
+    torch.testing.assert_close(after[0].bias.double(),
+                               b0.double() - 2 * 0.5 * rate * b0.grad.double())
+    assert groups[id(after[0].weight)]["lr"] == 0.5
+    assert not torch.equal(after[0].weight, w0)
+
+
+def test_without_multipliers_the_groups_are_unchanged():
+    model = create_model("resnet_small", num_classes=10, width=4)
+    plain = create_optimizer({"name": "sgd", "bn_weight_decay": False}, model)
+    same = create_optimizer({"name": "sgd", "bn_weight_decay": False, "bias_lr_mult": 1.0},
+                            model)
+    assert len(plain.param_groups) == len(same.param_groups) == 2
+    assert all("lr_mult" not in g for g in same.param_groups)
 
 
 @pytest.mark.parametrize("cfg, word", [

@@ -1,6 +1,7 @@
 """The papers' recipes load through the trainer's validator and build with the factories."""
 import glob
 import os
+import re
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_recipe_loads_and_builds(path):
     schedule = create_schedule(cfg.schedule, steps_per_epoch,
                                int(cfg.epochs * steps_per_epoch))
     optimizer = create_optimizer(cfg.optimizer, model, lr=schedule(0))
-    assert all(g["lr"] == schedule(0) for g in optimizer.param_groups)
+    assert all(g["lr"] == schedule(0) * g.get("lr_mult", 1.0) for g in optimizer.param_groups)
     peak = cfg.schedule["base_lr"]
     if cfg.schedule.get("decay_over") == "all_steps":   # Caffe: poly from step 0 over all steps
         peak *= (1 - schedule.warmup_steps / schedule.total_steps) ** cfg.schedule["power"]
@@ -74,6 +75,20 @@ def test_every_published_recipe_records_the_top1_its_source_reports(name):
     assert 0.5 < cfg.expected["top1"] < 0.8
     assert cfg.expected["source"].strip()
     assert isinstance(cfg.expected["checked"], bool)
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_RECIPES))
+def test_expected_top1_is_the_number_its_source_quotes(name):
+    """A checked value equals the first percentage its citation quotes (accuracy, or 1 - error
+    when the source gives an error); an unchecked one says it was recalled."""
+    expected = load_recipe(recipe_path(name)).expected
+    if not expected["checked"]:
+        assert "recalled" in expected["source"]
+        return
+    quoted = float(re.search(r"(\d+(?:\.\d+)?)%", expected["source"]).group(1)) / 100
+    if "error" in expected["source"]:
+        quoted = 1 - quoted
+    assert expected["top1"] == pytest.approx(quoted, abs=1e-9)
 
 
 @pytest.mark.parametrize("name", sorted(NVCAFFE_SOLVERS))
@@ -109,6 +124,7 @@ def test_a_recipe_file_names_the_line_of_every_solver_value():
 def test_goyal_recipes_keep_bn_out_of_weight_decay(name):
     cfg = load_recipe(recipe_path(name))
     assert cfg.optimizer["bn_weight_decay"] is False
+    assert cfg.optimizer["nesterov"] is True          # §5.1: "We use Nesterov momentum"
     assert cfg.schedule["base_lr"] == pytest.approx(scaled_lr(0.1, cfg.batch.global_))
     assert cfg.batch.per_rank == 32
 
@@ -130,6 +146,24 @@ def test_lars_recipes_use_eta_0001_and_poly_power_2(name):
     with torch.device("meta"):
         model = create_model(cfg.model["name"])
     assert isinstance(create_optimizer(cfg.optimizer, model), LARS)
+
+
+def test_bvlc_alexnet_runs_its_biases_at_twice_the_rate_without_decay():
+    """BVLC train_val.prototxt: ``param { lr_mult: 2 decay_mult: 0 }`` on every conv/fc bias."""
+    cfg = load_recipe(recipe_path("alexnet_bvlc_sgd_256"))
+    with torch.device("meta"):
+        model = create_model(cfg.model["name"], num_classes=cfg.model["num_classes"])
+    optimizer = create_optimizer(cfg.optimizer, model, lr=0.01)
+    biases = {id(m.bias) for m in model.modules()
+              if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))}
+    for group in optimizer.param_groups:
+        is_bias = {id(p) in biases for p in group["params"]}
+        assert len(is_bias) == 1
+        if is_bias.pop():
+            assert group["lr"] == 0.02 and group["weight_decay"] == 0.0
+        else:
+            assert group["lr"] == 0.01 and group["weight_decay"] == 5e-4
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == 16  # 8 layers, w and b
 
 
 def test_goyal_baseline_is_linear_scaling_with_step_decay():

@@ -21,8 +21,10 @@ How the comparison is kept fair, choice by choice:
   holdout top-1 (ties: the smaller) is then trained on all 60,000 with ``--seeds`` seeds and
   evaluated on the test split: the only runs that see it.
 - **Same batch-norm batch.** Every forward pass is ``--micro-batch`` images per rank (default
-  the smallest batch over the ranks); larger batches accumulate, as the papers' 32K is many
-  workers at a small batch each (ghost batch norm, Hoffer et al., arXiv:1705.08741).
+  ``--small-batch`` over the ranks, 128 / 2 = 64, whatever ``--batches`` this invocation runs:
+  a study run one batch at a time must not change it); larger batches accumulate, as the
+  papers' 32K is many workers at a small batch each (ghost batch norm, Hoffer et al.,
+  arXiv:1705.08741).
 - **Resumable.** Each run has its own directory under ``--out`` (trainer checkpoints at epoch
   ends) and writes ``record.json`` when done; the same command again skips finished runs and
   resumes a stopped one. SIGTERM/SIGUSR1 stops the study with exit 75.
@@ -44,7 +46,8 @@ from typing import Any
 from hpcdl.io import atomic_write_text
 
 __all__ = ["StudyRun", "OPTIMIZERS", "centre_lr", "tuning_runs", "select_lr", "final_runs",
-           "study_recipe", "aggregate", "execute_study", "plot_study", "STUDY_COLUMNS"]
+           "study_recipe", "study_micro_batch", "aggregate", "execute_study", "plot_study",
+           "STUDY_COLUMNS"]
 
 OPTIMIZERS = ("lars", "sgd")
 RECORD = "record.json"
@@ -123,11 +126,17 @@ def final_runs(args: argparse.Namespace, chosen: dict[tuple[str, int], float]) -
             for batch in args.batch_list for opt in OPTIMIZERS for seed in range(args.seeds)]
 
 
+def study_micro_batch(args: argparse.Namespace, ranks: int) -> int:
+    """Images per rank per forward pass: fixed by the study's settings, never by the batches
+    one invocation runs (``--batches 3072`` alone once gave 1,536 and broke the comparison)."""
+    return args.micro_batch or max(1, args.small_batch // ranks)
+
+
 def study_recipe(run: StudyRun, args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     """The run as a recipe dict (hpcdl.train.config schema)."""
     from hpcdl.bench.runs import micro_batching
 
-    micro = args.micro_batch or min(args.batch_list) // ranks
+    micro = study_micro_batch(args, ranks)
     model = {"name": args.model, "num_classes": 10}
     if args.model == "resnet_small":
         model["width"] = args.width
@@ -326,6 +335,9 @@ def run_study(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         raise SystemExit("hpcdl bench convergence: --seeds must be >= 1")
     world = MPI.COMM_WORLD
+    # Pinned in study.json: another rank count (hence another per-rank batch) on the same
+    # --out is refused instead of mixing batch-norm batches.
+    args.micro_batch = study_micro_batch(args, world.size)
     log = logging.getLogger("hpcdl.bench")
     with bench_workdir(world, args.out, "hpcdl-study-") as out:
         start = time.perf_counter()

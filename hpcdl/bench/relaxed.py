@@ -188,7 +188,7 @@ def train_anchor(world, args, run: str, shard_dir: str) -> dict[str, Any]:
 
     from hpcdl.data import ShardedImageNet, normalize
     from hpcdl.models import create_model
-    from hpcdl.optim import create_optimizer, create_schedule
+    from hpcdl.optim import create_optimizer, create_schedule, set_learning_rate
     from hpcdl.train.config import config_from_dict
 
     init_torch_distributed(world)
@@ -228,9 +228,7 @@ def train_anchor(world, args, run: str, shard_dir: str) -> dict[str, Any]:
     while step < last:
         loader.set_epoch(step // steps_per_epoch)
         for images, labels in loader:
-            lr = schedule(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_learning_rate(optimizer, schedule(step))
             optimizer.zero_grad(set_to_none=True)
             criterion(ddp(normalize(images)), labels).backward()
             optimizer.step()

@@ -231,7 +231,7 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
 
     from hpcdl.data import normalize
     from hpcdl.models import create_model
-    from hpcdl.optim import create_optimizer, create_schedule
+    from hpcdl.optim import create_optimizer, create_schedule, set_learning_rate
 
     store = ddp_process_group(mpi_comm)
     try:
@@ -251,9 +251,7 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
 
         def step(batch) -> None:
             images, labels = batch
-            lr = schedule(next(steps))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_learning_rate(optimizer, schedule(next(steps)))
             optimizer.zero_grad(set_to_none=True)
             inputs = normalize(images).contiguous(memory_format=memory_format)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.train.bf16):

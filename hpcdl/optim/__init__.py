@@ -5,6 +5,7 @@ from hpcdl.optim.factory import (
     apply_momentum_correction,
     create_optimizer,
     list_optimizers,
+    set_learning_rate,
 )
 from hpcdl.optim.lars import LARS, param_groups, trust_ratios
 from hpcdl.optim.schedule import (
@@ -19,6 +20,6 @@ from hpcdl.optim.schedule import (
 
 __all__ = [
     "LARS", "param_groups", "trust_ratios", "create_optimizer", "list_optimizers",
-    "apply_momentum_correction", "OPTIMIZERS", "Schedule", "PolySchedule", "StepSchedule",
-    "CosineSchedule", "create_schedule", "scaled_lr", "SCHEDULES",
+    "apply_momentum_correction", "set_learning_rate", "OPTIMIZERS", "Schedule", "PolySchedule",
+    "StepSchedule", "CosineSchedule", "create_schedule", "scaled_lr", "SCHEDULES",
 ]

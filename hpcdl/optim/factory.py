@@ -1,7 +1,9 @@
 """Optimizers by name, so a recipe's ``optimizer`` section names one (timm's create_optimizer).
 
 The learning rate comes from the schedule: the trainer builds the optimizer with
-``lr = schedule(0)`` and sets ``group["lr"] = schedule(step)`` before every step.
+``lr = schedule(0)`` and calls ``set_learning_rate(optimizer, schedule(step))`` before every
+step, which honours a group's ``lr_mult`` (Caffe's per-blob ``lr_mult``: BVLC AlexNet runs its
+biases at twice the weights' rate).
 """
 from __future__ import annotations
 
@@ -12,35 +14,75 @@ import torch
 
 from hpcdl.optim.lars import LARS, norm_layer_params, param_groups
 
-__all__ = ["create_optimizer", "list_optimizers", "apply_momentum_correction", "OPTIMIZERS"]
+__all__ = ["create_optimizer", "list_optimizers", "apply_momentum_correction",
+           "set_learning_rate", "OPTIMIZERS"]
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's rate to ``lr`` times the group's ``lr_mult`` (default 1)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+
+
+def _caffe_bias_multipliers(groups: list[dict[str, Any]], model: torch.nn.Module,
+                            weight_decay: float, bias_lr_mult: float,
+                            bias_decay_mult: float) -> list[dict[str, Any]]:
+    """Split the biases of conv/linear layers (not BN's β) out of ``groups`` into groups of
+    their own with Caffe's ``lr_mult`` and ``decay_mult`` (BVLC AlexNet train_val.prototxt:
+    ``param { lr_mult: 2 decay_mult: 0 }`` on every bias). Unchanged when both are 1."""
+    if bias_lr_mult == 1.0 and bias_decay_mult == 1.0:
+        return groups
+    norm_ids = norm_layer_params(model)
+    bias_ids = {id(p) for name, p in model.named_parameters()
+                if name.endswith("bias") and id(p) not in norm_ids}
+    out = []
+    for group in groups:
+        rest = [p for p in group["params"] if id(p) not in bias_ids]
+        biases = [p for p in group["params"] if id(p) in bias_ids]
+        if rest:
+            out.append({**group, "params": rest})
+        if biases:
+            decay = group.get("weight_decay", weight_decay)
+            out.append({**group, "params": biases, "lr_mult": bias_lr_mult,
+                        "weight_decay": decay * bias_decay_mult})
+    return out
 
 
 def _lars(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, momentum: float = 0.9,
           trust_coefficient: float = 0.001, eps: float = 0.0, nesterov: bool = False,
           trust_clip: bool = False, skip_list: bool = True, trust_ratio_wd: bool = True,
-          larc_clip: bool = False) -> torch.optim.Optimizer:
+          larc_clip: bool = False, bias_lr_mult: float = 1.0,
+          bias_decay_mult: float = 1.0) -> torch.optim.Optimizer:
     """LARS; ``skip_list`` (default) is MLPerf's (BN and biases: no trust ratio, no weight
-    decay), ``skip_list: false`` adapts and decays every tensor as the Caffe solvers did."""
-    return LARS(param_groups(model, weight_decay, skip_list), lr=lr, momentum=momentum,
+    decay), ``skip_list: false`` adapts and decays every tensor as the Caffe solvers did.
+    ``bias_lr_mult``/``bias_decay_mult``: Caffe's per-bias multipliers (default 1: none)."""
+    groups = _caffe_bias_multipliers(param_groups(model, weight_decay, skip_list), model,
+                                     weight_decay, bias_lr_mult, bias_decay_mult)
+    return LARS(groups, lr=lr, momentum=momentum,
                 weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps,
                 nesterov=nesterov, trust_clip=trust_clip, trust_ratio_wd=trust_ratio_wd,
                 larc_clip=larc_clip)
 
 
 def _sgd(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, momentum: float = 0.9,
-         nesterov: bool = False, bn_weight_decay: bool = True) -> torch.optim.Optimizer:
+         nesterov: bool = False, bn_weight_decay: bool = True, bias_lr_mult: float = 1.0,
+         bias_decay_mult: float = 1.0) -> torch.optim.Optimizer:
     """Momentum SGD (Goyal et al., arXiv:1706.02677); weight decay on every parameter, or, with
-    ``bn_weight_decay: false``, not on BN's γ and β (Goyal et al. §5.1).
+    ``bn_weight_decay: false``, not on BN's γ and β (Goyal et al. §5.1). ``bias_lr_mult`` and
+    ``bias_decay_mult`` are Caffe's multipliers for conv/fc biases (BVLC AlexNet: 2 and 0).
 
     torch's form v ← m·v + g; w ← w − lr·v keeps lr out of the buffer, which is exactly the
     form that needs no momentum correction when lr jumps (Goyal et al. §2.2)."""
-    params: list[Any] = list(model.parameters())
+    params = list(model.parameters())
+    groups: list[dict[str, Any]] = [{"params": params, "weight_decay": weight_decay}]
     if not bn_weight_decay:
         norm_ids = norm_layer_params(model)
-        params = [{"params": [p for p in params if id(p) not in norm_ids]},
+        groups = [{"params": [p for p in params if id(p) not in norm_ids],
+                   "weight_decay": weight_decay},
                   {"params": [p for p in params if id(p) in norm_ids], "weight_decay": 0.0}]
-        params = [g for g in params if g["params"]]
-    return torch.optim.SGD(params, lr=lr, momentum=momentum,
+        groups = [g for g in groups if g["params"]]
+    groups = _caffe_bias_multipliers(groups, model, weight_decay, bias_lr_mult, bias_decay_mult)
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum,
                            weight_decay=weight_decay, nesterov=nesterov, foreach=True)
 
 
@@ -48,8 +90,9 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"lars": _lars, "s
 
 _KEYS = {
     "lars": {"momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip",
-             "skip_list", "trust_ratio_wd", "larc_clip"},
-    "sgd": {"momentum", "weight_decay", "nesterov", "bn_weight_decay"},
+             "skip_list", "trust_ratio_wd", "larc_clip", "bias_lr_mult", "bias_decay_mult"},
+    "sgd": {"momentum", "weight_decay", "nesterov", "bn_weight_decay", "bias_lr_mult",
+            "bias_decay_mult"},
 }
 
 
@@ -74,7 +117,9 @@ def create_optimizer(cfg: Mapping[str, Any], model: torch.nn.Module,
                          f"known: {sorted(_KEYS[name])}")
     if lr is None:
         lr = float(cfg.get("lr", 0.0))
-    return OPTIMIZERS[name](model, lr=float(lr), **kwargs)
+    optimizer = OPTIMIZERS[name](model, lr=float(lr), **kwargs)
+    set_learning_rate(optimizer, float(lr))  # the groups with an lr_mult start at theirs
+    return optimizer
 
 
 def apply_momentum_correction(optimizer: torch.optim.Optimizer, factor: float) -> None:

@@ -30,6 +30,7 @@ import torch
 from hpcdl.comm.policy import create_policy
 from hpcdl.data.nodes import node_path
 from hpcdl.errors import BadInputError, agreed, mark_agreed
+from hpcdl.optim.factory import set_learning_rate
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import Config, elastic_batch, resolve_batch, write_resolved_config
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
@@ -396,9 +397,7 @@ class Trainer:
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One optimizer step over ``accumulation`` micro-batches; returns the world's mean
         loss. Sets lr from the schedule first (a pure function of the step)."""
-        lr = self.schedule(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_learning_rate(self.optimizer, self.schedule(self.step))
         self.policy.before_step(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = 0.0
