@@ -366,3 +366,16 @@ def test_rank_killed_while_rank_0_writes_a_checkpoint_leaves_the_previous_one(
     code, err = train(capsys, tiny_recipe, tiny_shards, resumable, "--max-steps", "3")
     assert code == 0, err
     assert json.loads((resumable / "summary.json").read_text())["resumed_from"] == path
+
+
+def test_a_diverging_run_ends_with_the_non_finite_exit_code_naming_the_step(
+        capsys, tmp_path, tiny_shards, tiny_recipe):
+    """Not bad input but its neighbour: lr 1e30 overflows the weights, and ``hpcdl train``
+    returns EXIT_NONFINITE_LOSS with the step in the log, not a traceback."""
+    from hpcdl.train.trainer import EXIT_NONFINITE_LOSS
+
+    code, err = train(capsys, tiny_recipe, tiny_shards, tmp_path / "run", "--max-steps", "6",
+                      overrides=[*ONE_RANK, "schedule.base_lr=1e30",
+                                 "schedule.warmup_epochs=0"])
+    assert code == EXIT_NONFINITE_LOSS, err
+    assert "non-finite" in err.lower() and "at step" in err and "Traceback" not in err, err

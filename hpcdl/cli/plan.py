@@ -112,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "spread reported (default 3)")
     cal.add_argument("--validate-timeout", type=float, default=1200,
                      help="--validate: seconds allowed per bench train run (1200)")
+    cal.add_argument("--validate-budget", type=float, default=None, metavar="S",
+                     help="--validate: start no bench run that would end past S seconds "
+                          "(each row's first run is estimated from its prediction, later ones "
+                          "from the last); rows are measured in rounds, so every row gets its "
+                          "first run before any its second")
 
 
 def _recipe_values(path: str) -> dict:

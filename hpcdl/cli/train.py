@@ -126,6 +126,23 @@ def _train_or_abort(train, world):
         raise
 
 
+def _resume_and_train(runner, resume: str, world, abort: bool = False) -> dict | int:
+    """Resume (every rank agreeing), train, and return the summary, or EXIT_NONFINITE_LOSS
+    after a non-finite loss (``abort``: end the whole job with it)."""
+    from hpcdl.errors import agreed
+    from hpcdl.train.trainer import EXIT_NONFINITE_LOSS, NonFiniteLossError
+
+    with agreed(world):
+        runner.resume(resume)
+    try:
+        return _train_or_abort(runner.train, world)
+    except NonFiniteLossError as exc:
+        log.error("%s", exc)
+        if abort:
+            world.Abort(EXIT_NONFINITE_LOSS)
+        return EXIT_NONFINITE_LOSS
+
+
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
@@ -155,9 +172,7 @@ def run_data_parallel(args: argparse.Namespace, config, world) -> int:
     from hpcdl.train.launch import setup_run_process
     from hpcdl.train.threads import configure_threads
     from hpcdl.train.trainer import (
-        EXIT_NONFINITE_LOSS,
         EXIT_STOPPED_BY_SIGNAL,
-        NonFiniteLossError,
         Trainer,
     )
 
@@ -187,13 +202,9 @@ def run_data_parallel(args: argparse.Namespace, config, world) -> int:
                         f"--resume {args.resume}: the checkpoint in {args.out} was written by "
                         f"{layout.get('world_size')} ranks: {exc}") from exc
                 raise _recipe_value_error(args.recipe, exc) from exc
-        with agreed(world):
-            trainer.resume(args.resume)
-        try:
-            summary = _train_or_abort(trainer.train, world)
-        except NonFiniteLossError as exc:
-            log.error("%s", exc)
-            return EXIT_NONFINITE_LOSS
+        summary = _resume_and_train(trainer, args.resume, world)
+        if isinstance(summary, int):
+            return summary
         if comm.rank == 0:
             log.info("done: %s step %d/%d, top-1 %s, %.1f s, params sha256 %s",
                      summary["stopped"], summary["steps"], summary["total_steps"],
@@ -219,7 +230,7 @@ def run_ltfb(args: argparse.Namespace, config, world) -> int:
     from hpcdl.train.ltfb import LTFB, LTFBOptions
     from hpcdl.train.threads import configure_threads
     from hpcdl.train.tournament import split_world
-    from hpcdl.train.trainer import EXIT_NONFINITE_LOSS, EXIT_STOPPED_BY_SIGNAL, NonFiniteLossError
+    from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
     ltfb = LTFBOptions(trainers=args.trainers, interval=args.tournament_interval,
                        metric=args.tournament_metric, exchange=args.exchange,
@@ -246,15 +257,10 @@ def run_ltfb(args: argparse.Namespace, config, world) -> int:
             raise _recipe_value_error(args.recipe, exc) from exc
     try:
         watch_collectives(runner.comm, runner.trainer.run_dir, timeline=timeline)
-        with agreed(world):
-            runner.resume(args.resume)
-        try:
-            summary = _train_or_abort(runner.train, world)
-        except NonFiniteLossError as exc:
-            log.error("%s", exc)
-            if ltfb.trainers > 1:
-                world.Abort(EXIT_NONFINITE_LOSS)
-            return EXIT_NONFINITE_LOSS
+        # a non-finite loss in one trainer: its partners would wait for it in the next exchange
+        summary = _resume_and_train(runner, args.resume, world, abort=ltfb.trainers > 1)
+        if isinstance(summary, int):
+            return summary
         if world.rank == 0:
             log.info("done: %s step %d/%d, %d trainer(s), best top-1 %s, %.1f s, params sha256 "
                      "%s", summary["stopped"], summary["steps"], summary["total_steps"],

@@ -13,10 +13,13 @@ hpcdl plan --calibrate`` and the number behind it):
   over their time less the measured per-layer overhead, written as a fraction of one core's
   peak (convolution, linear) or of one core's stream rate (memory-bound passes). The node
   is taken as cores × that (one single-threaded rank per core, as ``hpcdl bench train``
-  runs). One thread, because on a shared machine a multi-threaded timing measures the
-  scheduler (threads that wait at oneDNN's barriers for a descheduled sibling), not the
-  cores. No model's step is timed: every model is predicted from its layer table, so
-  ``--validate`` on ResNet-50 and AlexNet-BN is held out.
+  runs). The same layers are timed again on all the node's cores as threads of one rank:
+  each class's rate there over its one-thread rate is its ``thread_scaling`` speedup, which
+  prices a rank given several cores (np = 1 here). Measured, not assumed linear: on a
+  shared machine threads wait at oneDNN's barriers for a descheduled sibling, so a loaded
+  calibration says so in the speedups instead of hiding it. No model's step is timed:
+  every model is predicted from its layer table, so ``--validate`` on ResNet-50 and
+  AlexNet-BN is held out.
 * ``cpu``: lscpu's model name, ``torch.backends.cpu.get_cpu_capability()`` and the vector
   flags that move the rates (hpcdl.plan.cpu); the planner warns when the file is used on
   another CPU. ``measured.load_average`` records how busy the machine was.
@@ -42,7 +45,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -56,14 +58,12 @@ from hpcdl.plan.machine import parse_machine, user_machines_dir
 ALLREDUCE_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 
 
-def best_of(fn: Callable[[], Any], repeats: int) -> float:
-    """Fastest of ``repeats`` timed calls: the machine is shared, the minimum is the signal."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def median_of(fn: Callable[[], Any], repeats: int) -> float:
+    """Median of ``repeats`` timed calls after one untimed warm-up (hpcdl.plan.class_rates.
+    median_time: the same statistic for every figure, so a quiet run gives stable rates)."""
+    from hpcdl.plan.class_rates import median_time
+
+    return median_time(fn, repeats)
 
 
 def cpu_mhz() -> float | None:
@@ -95,8 +95,7 @@ def matmul_flops(threads: int, n: int = 1024, repeats: int = 5) -> float:
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)
-        return 2 * n ** 3 / best_of(lambda: torch.mm(a, b), repeats)
+        return 2 * n ** 3 / median_of(lambda: torch.mm(a, b), repeats)
     finally:
         torch.set_num_threads(before)
 
@@ -110,8 +109,7 @@ def stream_Bps(threads: int, nbytes: int = 64 << 20, repeats: int = 5) -> float:
     try:
         a = torch.ones(nbytes // 4)
         b = torch.ones(nbytes // 4)
-        a.add_(b)
-        return 3 * nbytes / best_of(lambda: a.add_(b), repeats)
+        return 3 * nbytes / median_of(lambda: a.add_(b), repeats)
     finally:
         torch.set_num_threads(before)
 
@@ -157,7 +155,7 @@ def decode_images_per_s(image_size: int = 224, images: int = 64) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(1)   # a rate per core
     try:
-        return images / best_of(work, 3)
+        return images / median_of(work, 3)
     finally:
         torch.set_num_threads(before)
 
@@ -220,10 +218,10 @@ def _fig(value: float, source: str) -> dict[str, Any]:
 def measure(quick: bool = False, batch: int = 8,
             log: Callable[[str], None] = print) -> dict:
     """Every measurement calibration makes, as raw numbers."""
-    from hpcdl.plan.class_rates import fit_rates, measure_samples, overhead_s
+    from hpcdl.plan.class_rates import fit_rates, measure_samples, overhead_s, thread_speedups
 
     cores = os.cpu_count() or 1
-    reps = 2 if quick else 5
+    reps = 3 if quick else 5   # odd: the median is one real call
     m: dict[str, Any] = {"cores": cores, "cpu_mhz": cpu_mhz(), "cpu": cpu_identity(),
                          "load_average_before": os.getloadavg()[0]}
     m["flops_per_cycle"], m["flops_per_cycle_source"] = flops_per_cycle(cpu_flags())
@@ -242,9 +240,17 @@ def measure(quick: bool = False, batch: int = 8,
     m["malloc_retain"] = retain_freed_memory()
     m["class_batch"] = batch
     m["layer_overhead_s"] = overhead_s()
-    samples = measure_samples(batch, 2 if quick else 4, log=log)
+    samples = measure_samples(batch, reps, log=log)
     m["class_samples"] = [asdict(x) for x in samples]
     m["class_rates"] = fit_rates(samples, m["layer_overhead_s"])
+    if cores > 1:
+        # The same layers as one rank's `cores` threads: np = 1 on this node (issue 18).
+        log(f"per-class rates on {cores} threads of one rank ...")
+        samples_t = measure_samples(batch, reps, threads=cores, log=log)
+        m["class_threads"] = cores
+        m["class_samples_threads"] = [asdict(x) for x in samples_t]
+        m["class_rates_threads"] = fit_rates(samples_t, m["layer_overhead_s"])
+        m["thread_speedups"] = thread_speedups(m["class_rates"], m["class_rates_threads"])
     log("JPEG decode + augment ...")
     try:
         m["decode_images_per_s_1_thread"] = decode_images_per_s(images=32 if quick else 64)
@@ -291,6 +297,7 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
             "ranks_per_node": _fig(1, "convention: one rank per machine unless --procs-per-node"),
         },
         "compute": compute_section(m, core_peak, stamp),
+        **({"thread_scaling": thread_section(m, stamp)} if "thread_speedups" in m else {}),
         "data": {
             "decode_images_per_s_per_core": (
                 _fig(m["decode_images_per_s_1_thread"], (
@@ -322,9 +329,12 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     if "allreduce" in m:
         doc["measured"]["allreduce_fit"] = m["allreduce"]
     doc["measured"]["gamma_s_per_byte"] = gamma
-    if "class_samples" in m:
-        doc["measured"]["class_samples"] = list(m["class_samples"])
-        doc["measured"]["class_rates"] = dict(m["class_rates"])
+    for key in ("class_samples", "class_samples_threads"):
+        if key in m:
+            doc["measured"][key] = list(m[key])
+    for key in ("class_rates", "class_rates_threads", "thread_speedups"):
+        if key in m:
+            doc["measured"][key] = dict(m[key])
     return doc
 
 
@@ -353,6 +363,22 @@ def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[
     section["layer_overhead_s"] = _fig(m["layer_overhead_s"], (
         f"{stamp}: forward + backward of a one-element ReLU (dispatch + autograd), 1 thread; "
         f"{load}"))
+    return section
+
+
+def thread_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
+    """The ``thread_scaling`` figures: per class, the rate of one rank on ``class_threads``
+    threads over its one-thread rate (hpcdl.plan.class_rates.thread_speedups)."""
+    threads = m["class_threads"]
+    load = (f"load average {m['load_average_before']:.1f} -> {m['load_average_after']:.1f}"
+            if "load_average_after" in m else "load average not recorded")
+    section = {"threads": _fig(threads, f"{stamp}: os.cpu_count() = {threads}, the threads "
+                                        "of one rank alone on this node")}
+    for op_class, speedup in m["thread_speedups"].items():
+        section[op_class] = _fig(speedup, (
+            f"{stamp}: the representative {op_class} layers on {threads} threads of one rank, "
+            f"{m['class_rates_threads'][op_class] / 1e9:.4g} G/s, over the same on 1 thread, "
+            f"{m['class_rates'][op_class] / 1e9:.4g} G/s (FLOP/s or nominal bytes/s); {load}"))
     return section
 
 

@@ -1,11 +1,14 @@
 """Calibrating the per-class rates of hpcdl.plan.model: time representative layers, fit rates.
 
 How: each operator class (hpcdl.plan.layers) is timed on two or three representative layers
-of its own -- built in isolation, forward + backward through autograd, one thread, ``batch``
-images, the fastest of a few repeats -- and its rate is the work of those layers over their
-time less the per-layer overhead (a ratio estimator: Σ work ÷ Σ time, which weights the
-larger layers, whose time is least noisy). The overhead is timed directly: forward +
-backward of a one-element ReLU, which is dispatch and autograd bookkeeping alone.
+of its own -- built in isolation, forward + backward through autograd, ``batch`` images, the
+median of a few repeats after a warm-up (:func:`median_time`) -- and its rate is the work of
+those layers over their time less the per-layer overhead (a ratio estimator: Σ work ÷ Σ time,
+which weights the larger layers, whose time is least noisy). The overhead is timed directly:
+forward + backward of a one-element ReLU, which is dispatch and autograd bookkeeping alone.
+Every class is timed twice: on one thread (the rate per core) and on the node's cores as
+threads of one rank; the ratio is the class's measured thread speedup
+(:func:`thread_speedups`), which the model applies to a rank that gets several cores.
 
 Why this and not ``hpcdl bench train``'s profiled breakdown: the profiler's categories
 (convolution, matmul, batch_norm, elementwise, pooling) cannot tell a 1×1 from a 3×3 or a
@@ -19,6 +22,7 @@ calibration and prediction cannot disagree on what a FLOP or a byte is.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -105,35 +109,56 @@ def layer_work(layer: Layer, rows: int) -> float:
     return rows * layer.memory_bytes()
 
 
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones.
+
+    The median, not the minimum: on a quiet machine both agree, and on a busy one the minimum
+    of a few calls is the one that happened to run alone, a rate the step being predicted
+    does not see; the median of an odd count is a real call, robust to one outlier each way.
+    The warm-up pays oneDNN's primitive creation and the allocator's first touch."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def time_layer(module: Any, shape: Sequence[int], rows: int, input_grad: bool,
                repeats: int) -> float:
-    """Fastest forward + backward of ``module`` on ``rows`` inputs of ``shape``, one thread."""
+    """Median forward + backward of ``module`` on ``rows`` inputs of ``shape``, in the calling
+    thread's torch thread count.
+
+    The backward is ``torch.autograd.grad`` with a gradient made once: ``out.backward`` would
+    accumulate into ``x.grad`` and every parameter's ``.grad`` from the second call on (an
+    extra read-read-write pass over the input, which a model's step never makes: its input
+    gradient flows on to the layer before), and a ``ones_like`` inside the timed call would
+    add a write of the output. Both inflated the memory-bound passes (issue 18, 2nd pass)."""
     x = torch.randn(rows, *shape, requires_grad=input_grad)
     module.train()
+    inputs = ([x] if input_grad else []) + [p for p in module.parameters() if p.requires_grad]
+    grad_out = torch.ones_like(module(x))
 
     def once() -> None:
         out = module(x)
-        out.backward(torch.ones_like(out))
+        if inputs:
+            torch.autograd.grad(out, inputs, grad_out)
 
-    once()   # warm-up: oneDNN primitive creation, allocator
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return median_time(once, repeats)
 
 
-def overhead_s(repeats: int = 20) -> float:
+def overhead_s(repeats: int = 21) -> float:
     """Per-layer dispatch + autograd cost: forward + backward of a one-element ReLU."""
     return time_layer(nn.ReLU(), (1,), 1, True, repeats)
 
 
-def measure_samples(batch: int, repeats: int,
+def measure_samples(batch: int, repeats: int, threads: int = 1,
                     log: Callable[[str], None] = print) -> list[Sample]:
-    """Time every representative layer (one thread) and count its work."""
+    """Time every representative layer with ``threads`` torch threads and count its work."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)   # a rate per core, like the rest of --calibrate
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     samples = []
     try:
@@ -147,7 +172,8 @@ def measure_samples(batch: int, repeats: int,
             seconds = time_layer(module, shape, rows, input_grad, repeats)
             samples.append(Sample(op_class, sum(layer_work(la, rows) for la in layers),
                                   seconds))
-            log(f"  {op_class:<13}{kind}{args} on {rows} x {shape}: {seconds * 1e3:.2f} ms")
+            log(f"  {op_class:<13}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
+                f"{seconds * 1e3:.2f} ms")
     finally:
         torch.set_num_threads(before)
     return samples
@@ -179,3 +205,14 @@ def class_fractions(rates: Mapping[str, float], core_peak_flops: float,
     classes over one core's stream rate."""
     return {c: r / (core_peak_flops if c in COMPUTE_CLASSES else core_stream_Bps)
             for c, r in rates.items()}
+
+
+def thread_speedups(rates_1: Mapping[str, float],
+                    rates_t: Mapping[str, float]) -> dict[str, float]:
+    """Per class: the rate of one rank on T threads over its rate on one thread.
+
+    Measured, not assumed: intra-op threading splits a convolution's GEMM well, but a batch
+    norm or a small pooling layer much less (and on a loaded machine a multi-threaded rank
+    waits at every parallel region for a descheduled sibling, issue 18's 0.09 row). A
+    speedup is floored at a tenth: below that the timing measured the scheduler."""
+    return {c: max(0.1, rates_t[c] / rates_1[c]) for c in rates_1 if c in rates_t}

@@ -27,19 +27,17 @@ The table comes from one eval-mode forward of a zero image at the real size with
 (so ``requires_grad`` tells which inputs need a gradient), with forward hooks on the leaf
 modules and a ``TorchFunctionMode`` that catches the operators a model calls outside any
 leaf module (ResNet's ``out + identity``, a functional ``F.relu``). Results are cached per
-(model, image size) in ``~/.cache/hpcdl/layers.json`` (``$XDG_CACHE_HOME``), like the flops
+(model, image size) in ``~/.cache/hpcdl/layers.json`` by hpcdl.plan.cache, beside the flops
 cache of hpcdl.plan.workload.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hpcdl.io import atomic_write_text
+from hpcdl.plan.cache import cache_key, cache_path, read_cache, update_cache
 
 COMPUTE_CLASSES = ("conv_large", "conv_1x1", "conv_3x3", "conv_grouped", "linear")
 MEMORY_CLASSES = ("batch_norm", "relu", "add", "pool", "dropout", "lrn")
@@ -223,17 +221,7 @@ def class_totals(layers: Iterable[Layer]) -> dict[str, dict[str, float]]:
 
 # --------------------------------------------------------------------------- cache
 def layers_cache_path() -> str:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "hpcdl", "layers.json")
-
-
-def _read_cache(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}   # a missing or corrupt cache is recounted, never fatal
+    return cache_path("layers.json")
 
 
 def layers_from_records(records: Sequence[Mapping[str, Any]]) -> tuple[Layer, ...]:
@@ -243,17 +231,17 @@ def layers_from_records(records: Sequence[Mapping[str, Any]]) -> tuple[Layer, ..
 _MEMO: dict[str, tuple[Layer, ...]] = {}   # one process counts a table once
 
 
-def layer_table(model: str, image_size: int, cache_path: str | None = None) -> tuple[Layer, ...]:
+def layer_table(model: str, image_size: int, cache_file: str | None = None) -> tuple[Layer, ...]:
     """The layer table of ``model`` at ``image_size``, from the cache or counted once."""
     from hpcdl.models import create_model, list_models
 
     if model not in list_models():
         raise ValueError(f"unknown model {model!r}; known: {list_models()}")
-    path = cache_path or layers_cache_path()
-    key = f"{model}@{image_size}"
+    path = cache_file or layers_cache_path()
+    key = cache_key(model, image_size)
     if key in _MEMO:
         return _MEMO[key]
-    cached = _read_cache(path).get(key)
+    cached = read_cache(path).get(key)
     if cached:
         try:
             return layers_from_records(cached)
@@ -265,10 +253,5 @@ def layer_table(model: str, image_size: int, cache_path: str | None = None) -> t
         net = create_model(model)
     table = tuple(count_layers(net.to_empty(device="cpu"), image_size))
     _MEMO[key] = table
-    entries = _read_cache(path)
-    entries[key] = [asdict(layer) for layer in table]
-    try:
-        atomic_write_text(path, json.dumps(entries) + "\n")
-    except OSError:
-        pass   # a read-only home only costs recounting next time
+    update_cache(path, key, [asdict(layer) for layer in table])
     return table

@@ -13,12 +13,18 @@ measurement, or a stated assumption with its reasoning), grouped by what they de
     network: {latency_s, bandwidth_Bps}            # between nodes (alpha, 1/beta)
     intra_node: {latency_s, bandwidth_Bps}         # between ranks of one node (shared memory)
     data:    {decode_images_per_s_per_core, loader_cores_per_node}
+    thread_scaling: {threads,                      # optional: T threads of one rank, and per
+                     conv_large, ..., lrn}         # class the rate at T ÷ the rate at 1 thread
     cpu:     {model_name, capability, flags}       # the CPU the figures describe (not figures)
     calibrated: true                               # written by --calibrate: check the CPU
 
 ``compute`` holds the per-operator-class rates of hpcdl.plan.model (the classes of
 hpcdl.plan.layers). A file without it, but with the older single ``node.sustained_fraction``,
-is still read and costed with that one fraction. A file may also carry a ``measured:``
+is still read and costed with that one fraction. ``thread_scaling`` (written by
+``--calibrate``, which times every class on one thread and on the node's cores) says how a
+class's rate grows when a rank runs several intra-op threads (:meth:`Machine.thread_speedup`);
+a file without it assumes linear scaling (the paper machines' fractions are stated per core of
+a fully threaded socket, so linear is their own assumption). A file may also carry a ``measured:``
 section of raw calibration numbers (``hpcdl plan --calibrate``); the planner does not read it.
 
 Where machine files are looked up, first match wins: ``--machines-dir DIR``, then
@@ -48,6 +54,8 @@ REQUIRED_FIGURES: dict[str, tuple[str, ...]] = {
 }
 # The per-class compute figures (hpcdl.plan.layers.OP_CLASSES) plus the per-layer overhead.
 COMPUTE_FIGURES: tuple[str, ...] = (*OP_CLASSES, "layer_overhead_s")
+# The optional measured thread scaling: the thread count T and every class's speedup at T.
+THREAD_FIGURES: tuple[str, ...] = ("threads", *OP_CLASSES)
 
 
 class MachineError(ValueError):
@@ -152,6 +160,38 @@ class Machine:
         return "compute.conv_3x3" in self.figures
 
     @property
+    def has_thread_scaling(self) -> bool:
+        return "thread_scaling.threads" in self.figures
+
+    def threads_per_rank(self, procs_per_node: int) -> float:
+        """Cores of one rank: the node's over its ranks, at least one (``hpcdl bench train``
+        and the trainer give each rank ``cores // ranks`` threads)."""
+        return max(1.0, self.cores_per_node / procs_per_node)
+
+    def core_share(self, procs_per_node: int) -> float:
+        """Ranks time-sharing one core (1 unless more ranks than cores)."""
+        return max(1.0, procs_per_node / self.cores_per_node)
+
+    def thread_speedup(self, op_class: str, threads: float) -> float:
+        """Rate of ``op_class`` on ``threads`` threads of one rank ÷ its one-thread rate.
+
+        Measured speedup s at the calibrated T threads; linear in between (1 at one thread,
+        s at T); beyond T the efficiency s/T is kept (an assumption: T is the calibration
+        machine's core count, so only a file used for a larger node extrapolates). Without
+        ``thread_scaling``: ``threads`` (linear)."""
+        if threads <= 1:
+            return 1.0
+        if not self.has_thread_scaling:
+            return float(threads)
+        cal = self["thread_scaling.threads"]
+        speedup = self[f"thread_scaling.{op_class}"]
+        if cal <= 1:
+            return float(threads)
+        if threads <= cal:
+            return 1.0 + (speedup - 1.0) * (threads - 1.0) / (cal - 1.0)
+        return speedup * threads / cal
+
+    @property
     def ranks_per_node(self) -> int:
         return int(self["node.ranks_per_node"])
 
@@ -174,6 +214,7 @@ def parse_machine(doc: Any, path: str) -> Machine:
         for key, leaf in block.items():
             figures[f"{section}.{key}"] = _figure(path, f"{section}.{key}", leaf)
     figures.update(_compute_figures(doc, path))
+    figures.update(_thread_figures(doc, path))
     if "compute.conv_3x3" not in figures and "node.sustained_fraction" not in figures:
         raise MachineError(f"{path}: missing section 'compute' (needs {list(COMPUTE_FIGURES)}); "
                            "measure it with `hpcdl plan --calibrate`")
@@ -198,6 +239,23 @@ def _compute_figures(doc: Mapping[str, Any], path: str) -> dict[str, Figure]:
         raise MachineError(f"{path}: compute is missing {missing} (recalibrate with "
                            "`hpcdl plan --calibrate`, or state each figure with its source)")
     return {f"compute.{k}": _figure(path, f"compute.{k}", v) for k, v in block.items()}
+
+
+def _thread_figures(doc: Mapping[str, Any], path: str) -> dict[str, Figure]:
+    """The optional ``thread_scaling`` section: all of :data:`THREAD_FIGURES` or an error."""
+    block = doc.get("thread_scaling")
+    if block is None:
+        return {}
+    if not isinstance(block, Mapping):
+        raise MachineError(f"{path}: thread_scaling must be a mapping of figures "
+                           f"{THREAD_FIGURES}")
+    missing = [k for k in THREAD_FIGURES if k not in block]
+    if missing:
+        raise MachineError(f"{path}: thread_scaling is missing {missing} (recalibrate with "
+                           "`hpcdl plan --calibrate`, or delete the section to assume linear "
+                           "scaling)")
+    return {f"thread_scaling.{k}": _figure(path, f"thread_scaling.{k}", v)
+            for k, v in block.items()}
 
 
 def load_machine(name: str, machines_dir: str | None = None) -> Machine:

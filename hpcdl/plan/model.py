@@ -12,8 +12,10 @@ An iteration on ``p`` ranks with global batch ``B`` (per-rank batch ``b = B / p`
   bytes they move forward + backward ÷ (the class's fraction × the rank's stream
   bandwidth); each layer adds a fixed dispatch overhead. Train FLOPs are 2 × MACs × 3
   (forward, input gradient, weight gradient; × 2 for the first layer, whose input needs no
-  gradient). A rank's peak is the node's divided by the ranks placed on the node, so more
-  ranks per node than cores slows each rank proportionally (they time-share the cores). A
+  gradient). A rank has cores ÷ ranks of its node as threads: its rate for a class is the
+  one-core rate × that class's *measured* thread speedup (``thread_scaling`` of the machine
+  file, issue 18: a 2-thread rank is not twice a 1-thread one); more ranks than cores slow
+  each rank proportionally (they time-share the cores). A
   legacy machine file without per-class rates uses b × 6 × MACs ÷ (peak × its one
   ``sustained_fraction``).
 * **optimizer** = the LARS update after the allreduce (You et al. ICPP'18, Alg. 1): memory-
@@ -281,19 +283,26 @@ def optimizer_s(machine: Machine, work: Workload, procs_per_node: int) -> float:
 
 
 def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_node: int) -> float:
-    """One operator's forward + backward time on one rank (module docstring, compute)."""
-    share = max(1.0, procs_per_node / machine.cores_per_node)   # ranks time-sharing a core
+    """One operator's forward + backward time on one rank (module docstring, compute).
+
+    A rank gets ``threads`` = cores ÷ ranks of the node (at least one) and, with more ranks
+    than cores, a 1/``share`` of its core; its rate for a class is the one-core rate × the
+    class's measured thread speedup (hpcdl.plan.machine.Machine.thread_speedup) ÷ share."""
+    share = machine.core_share(procs_per_node)
+    threads = machine.threads_per_rank(procs_per_node)
+    speedup = machine.thread_speedup(layer.op_class, threads) / share
     overhead = machine["compute.layer_overhead_s"] * share
     fraction = machine[f"compute.{layer.op_class}"]
     if layer.op_class in COMPUTE_CLASSES:
-        peak = machine.peak_flops_per_node / procs_per_node
-        t = batch_per_rank * layer.train_flops / (fraction * peak)
+        core_peak = machine.peak_flops_per_node / machine.cores_per_node
+        t = batch_per_rank * layer.train_flops / (fraction * core_peak * speedup)
         if layer.op_class == "linear":   # small batch: the weights stream from memory
             t = max(t, LINEAR_WEIGHT_PASSES * layer.param_bytes
                     / rank_memory_Bps(machine, procs_per_node))
         return overhead + t
-    return overhead + (batch_per_rank * layer.memory_bytes()
-                       / (fraction * rank_memory_Bps(machine, procs_per_node)))
+    stream = min(machine["node.core_stream_Bps"] * speedup,
+                 machine["node.memory_bandwidth_Bps"] / procs_per_node)
+    return overhead + batch_per_rank * layer.memory_bytes() / (fraction * stream)
 
 
 def compute_by_class(machine: Machine, work: Workload, batch_per_rank: float,
@@ -375,6 +384,11 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
                      "compute per rank slows proportionally")
 
     work = with_layer_table(machine, work)
+    if (machine.calibrated and machine.has_class_rates and not machine.has_thread_scaling
+            and machine.threads_per_rank(inp.procs_per_node) > 1):
+        notes.append(f"{machine.path} has no measured thread scaling: a rank's "
+                     f"{machine.threads_per_rank(inp.procs_per_node):g} threads are costed as "
+                     "that many cores (linear; recalibrate with `hpcdl plan --calibrate`)")
     if not machine.has_class_rates:
         notes.append(f"{machine.path} has no per-class compute rates: compute costed with one "
                      "sustained fraction (recalibrate with `hpcdl plan --calibrate`)")

@@ -112,8 +112,18 @@ def compute_lines(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) ->
                      if op_class in COMPUTE_CLASSES else
                      f"{_si(t['bytes'] * p.batch_per_rank, 'B')} at "
                      f"{machine[f'compute.{op_class}']:.3g} of stream")
-        lines.append(f"    {op_class:<13}{_ms(seconds)}  {int(t['layers'])} layers, {work_text}")
+        lines.append(f"    {op_class:<13}{_ms(seconds)}  {int(t['layers'])} layers, {work_text}"
+                     + _thread_text(machine, op_class, inp.procs_per_node))
     return lines
+
+
+def _thread_text(machine: Any, op_class: str, procs_per_node: int) -> str:
+    """``, 2 threads x 1.6 measured`` where a rank's threads are priced by thread_scaling."""
+    threads = machine.threads_per_rank(procs_per_node)
+    if threads <= 1 or not machine.has_thread_scaling:
+        return ""
+    return (f", {threads:g} threads x {machine.thread_speedup(op_class, threads):.3g} "
+            "(measured speedup)")
 
 
 def sweep_record(p: Plan) -> dict[str, Any]:

@@ -11,7 +11,9 @@ one machine (the ``local`` machine file):
    --synthetic --json F``, adding ``--batch B --steps S --modes ours --threads T
    --matmul-size 256 --no-breakdown`` (T = cores / np, at least 1, so ranks do not
    oversubscribe threads as well as cores) for each flag the bench's ``--help`` lists,
-   ``--repeats`` times;
+   ``--repeats`` times, in rounds (every row once, then every row again: a validation cut
+   short still covers every row); with ``--validate-budget S`` a run that would end past S
+   seconds is not started, and rows never measured are listed under ``not_measured``;
 3. report predicted ÷ the median measurement (goal: 0.85-1.15 on every row) with the
    spread of the repeats (min, max, and the ratio against each), as ratios
    ``MODEL@SIZE_npN`` and ``within_15_percent`` in the bench JSON.
@@ -32,22 +34,29 @@ this uses no measured time).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-STEP_KEYS = ("step_s", "step_time_s", "time_per_step_s", "mean_step_s", "iteration_s",
-             "seconds_per_step")
+# The median step first (hpcdl bench train's ``step_time_median_s``: one slow step of a few,
+# a neighbour's burst, moves a mean but not a median), then the mean.
+STEP_KEYS = ("step_s", "step_time_median_s", "step_time_s", "time_per_step_s", "mean_step_s",
+             "iteration_s", "seconds_per_step")
 BATCH_KEYS = ("batch_per_rank", "per_rank_batch", "local_batch", "batch")
 RATE_KEYS = ("images_per_s_per_rank", "images_per_s_rank", "img_per_s_per_rank")
 SPLIT_KEYS = {"compute_s": ("compute_s", "compute_time_s", "step_compute_s"),
               "comm_wait_s": ("comm_wait_s", "comm_s", "communication_wait_s"),
               "data_wait_s": ("data_wait_s", "data_s")}
 VALIDATE_PROCS = (1, 2, 4)
+# Seconds a bench train run spends before its first step (interpreter, torch, MPI, model):
+# only the budget's estimate of a row's first run uses it.
+RUN_STARTUP_S = 15.0
 # Held out: calibration times representative layers, never these models' steps.
 VALIDATE_WORKLOADS = "alexnet_bn@224,resnet50@112,resnet50@224"
 
@@ -100,10 +109,18 @@ def measured_step(report: Mapping[str, Any], ranks: int) -> dict[str, float]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def bench_train_help() -> str:
+    """``hpcdl bench train --help``, asked once per process (each ask imports torch: ~2 s a
+    row on 2 cores, 27 times in a default validation)."""
+    base = [sys.executable, "-m", "hpcdl.cli.main", "bench", "train"]
+    return subprocess.run(base + ["--help"], capture_output=True, text=True).stdout
+
+
 def bench_train_command(procs: int, model: str, image_size: int, batch: int, steps: int,
                         json_path: str, mpiexec: str = "mpiexec") -> list[str]:
     base = [sys.executable, "-m", "hpcdl.cli.main", "bench", "train"]
-    help_text = subprocess.run(base + ["--help"], capture_output=True, text=True).stdout
+    help_text = bench_train_help()
     if "--model" not in help_text:
         raise RuntimeError("`hpcdl bench train` is not available in this installation "
                            "(hpcdl/bench/train.py); cannot measure")
@@ -230,20 +247,27 @@ def validate_command(args: argparse.Namespace) -> int:
     if warning:
         print(f"hpcdl plan --validate: {warning}", file=sys.stderr)
     procs_list = args.validate_procs or list(VALIDATE_PROCS)
+    budget = getattr(args, "validate_budget", None)
     print(f"validating machine file {machine.path} against hpcdl bench train (synthetic, "
-          f"{args.batch_per_rank} images per rank, np {procs_list}, {args.repeats} repeats)")
-    records, ratios = [], {}
-    for work in works:
-        for procs in procs_list:
-            record = validate_row(machine, work, procs, args)
-            if record is None:
+          f"{args.batch_per_rank} images per rank, np {procs_list}, {args.repeats} repeats"
+          + (f", {budget:g} s budget" if budget else "") + ")")
+    rows = [ValidationRow(machine, work, procs, args)
+            for work in works for procs in procs_list]
+    deadline = time.monotonic() + budget if budget else None
+    for repeat in range(max(1, args.repeats)):
+        # Round-robin: every row gets its first measurement before any gets its second, so
+        # a validation cut short by its budget still covers every row.
+        for row in rows:
+            if deadline is not None and time.monotonic() + row.estimate_s(args) > deadline:
+                print(f"  {row.label} repeat {repeat + 1}: not run, the --validate-budget "
+                      "would be exceeded", flush=True)
+                continue
+            if not row.measure(args):
                 return 1
-            records.append(record)
-            ratios[f"{work.model}@{work.image_size}_np{procs}"] = record["predicted_vs_measured"]
-            if args.json:   # a long validation stopped early keeps the rows it measured
-                write_json(args.json, validation_report(records, ratios, machine, warning,
-                                                        procs_list, complete=False))
-    report = validation_report(records, ratios, machine, warning, procs_list, complete=True)
+        if args.json:   # a long validation stopped early keeps the rows it measured
+            write_json(args.json, validation_report(rows, machine, warning, procs_list,
+                                                    complete=False))
+    report = validation_report(rows, machine, warning, procs_list, complete=True)
     print(report["bf16"])
     emit(report, ("model", "image_size", "ranks", "batch_per_rank", "predicted_step_s",
                   "measured_step_s", "measured_min_s", "measured_max_s",
@@ -252,44 +276,71 @@ def validate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def validation_report(records: Sequence[Mapping[str, Any]], ratios: Mapping[str, float],
-                      machine: Any, warning: str | None, procs_list: Sequence[int],
-                      complete: bool) -> dict[str, Any]:
-    """The bench JSON of a validation (``complete`` False while rows are still to come)."""
+def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str | None,
+                      procs_list: Sequence[int], complete: bool) -> dict[str, Any]:
+    """The bench JSON of a validation (``complete`` False while rows are still to come); rows
+    never measured (budget) are listed under ``not_measured``."""
     from hpcdl.bench.report import bench_report
 
-    ratios = dict(ratios)
-    ratios["within_15_percent"] = all(0.85 <= r <= 1.15 for r in ratios.values())
-    report = bench_report("plan-validate", list(records), ratios, ranks=max(procs_list))
-    report.update(machine_file=machine.path, bf16=bf16_skip_reason(), complete=complete)
+    records = [row.record() for row in rows if row.runs]
+    ratios: dict[str, Any] = {f"{r['model']}@{r['image_size']}_np{r['ranks']}":
+                              r["predicted_vs_measured"] for r in records}
+    ratios["within_15_percent"] = bool(records) and all(
+        0.85 <= r["predicted_vs_measured"] <= 1.15 for r in records)
+    report = bench_report("plan-validate", records, ratios, ranks=max(procs_list))
+    report.update(machine_file=machine.path, bf16=bf16_skip_reason(), complete=complete,
+                  not_measured=[row.label for row in rows if not row.runs])
     if warning:
         report["cpu_warning"] = warning
     return report
 
 
-def validate_row(machine: Any, work: Any, procs: int,
-                 args: argparse.Namespace) -> dict[str, Any] | None:
-    """Predict one (workload, np), measure it ``args.repeats`` times, compare the median."""
-    bucket = args.bucket_mb or 25.0
-    pred = predict_step(machine, work, procs, args.batch_per_rank, args.allreduce, bucket)
-    print(f"{work.model}@{work.image_size} np={procs}: predicted step {pred.iteration_s:.4g} s "
-          f"(compute {pred.compute_s:.4g} s, exposed comm {pred.comm_exposed_s:.4g} s)",
-          flush=True)
-    runs = []
-    for _ in range(max(1, args.repeats)):
+def predict_row(machine: Any, work: Any, procs: int, args: argparse.Namespace,
+                batch: int | None = None) -> Any:
+    return predict_step(machine, work, procs, batch or args.batch_per_rank, args.allreduce,
+                        args.bucket_mb or 25.0)
+
+
+class ValidationRow:
+    """One (workload, np): its prediction and the bench runs measured so far."""
+
+    def __init__(self, machine: Any, work: Any, procs: int, args: argparse.Namespace) -> None:
+        self.machine, self.work, self.procs = machine, work, procs
+        self.prediction = predict_row(machine, work, procs, args)
+        prediction = self.prediction
+        self.runs: list[dict[str, float]] = []
+        self.run_wall_s: list[float] = []
+        self.label = f"{work.model}@{work.image_size} np={procs}"
+        print(f"{self.label}: predicted step {prediction.iteration_s:.4g} s (compute "
+              f"{prediction.compute_s:.4g} s, exposed comm {prediction.comm_exposed_s:.4g} s)",
+              flush=True)
+
+    def estimate_s(self, args: argparse.Namespace) -> float:
+        """Wall seconds of the next run: the last one's, or the prediction's steps + start-up."""
+        if self.run_wall_s:
+            return self.run_wall_s[-1]
+        return RUN_STARTUP_S + (args.steps + 1) * self.prediction.iteration_s
+
+    def measure(self, args: argparse.Namespace) -> bool:
+        """One bench run; False (after saying why) when it failed."""
+        start = time.monotonic()
         try:
-            runs.append(run_bench_train(procs, work.model, work.image_size, args.batch_per_rank,
-                                        args.steps, timeout_s=args.validate_timeout))
+            run = run_bench_train(self.procs, self.work.model, self.work.image_size,
+                                  args.batch_per_rank, args.steps,
+                                  timeout_s=args.validate_timeout)
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
-            print(f"hpcdl plan --validate: {work.model}@{work.image_size} np={procs}: {exc}",
-                  file=sys.stderr)
-            return None
-    meas = median_measurement(runs)
-    batch = int(meas.get("batch_per_rank", args.batch_per_rank))
-    if batch != args.batch_per_rank:
-        pred = predict_step(machine, work, procs, batch, args.allreduce, bucket)
-    record = validation_record(pred, meas, [r["step_s"] for r in runs])
-    print(f"  measured {record['measured_step_s']:.4g} s (min {record['measured_min_s']:.4g}, "
-          f"max {record['measured_max_s']:.4g}): predicted / measured "
-          f"{record['predicted_vs_measured']:.3f}", flush=True)
-    return record
+            print(f"hpcdl plan --validate: {self.label}: {exc}", file=sys.stderr)
+            return False
+        self.runs.append(run)
+        self.run_wall_s.append(time.monotonic() - start)
+        print(f"  {self.label}: measured {run['step_s']:.4g} s (run {len(self.runs)}, "
+              f"{self.run_wall_s[-1]:.0f} s wall)", flush=True)
+        batch = int(run.get("batch_per_rank", args.batch_per_rank))
+        if batch != self.prediction.batch_per_rank:   # the model is a pure function: redo it
+            self.prediction = predict_row(self.machine, self.work, self.procs, args, batch)
+        return True
+
+    def record(self) -> dict[str, Any]:
+        """The row as the JSON holds it: prediction against the median run."""
+        return validation_record(self.prediction, median_measurement(self.runs),
+                                 [r["step_s"] for r in self.runs])

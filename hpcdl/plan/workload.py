@@ -8,16 +8,15 @@ al. 2020, §2.1; Goyal et al. 2017 count ResNet-50 as ~4 GMACs "FLOPs" forward),
     train_flops_per_image = 3 × 2 × forward_macs
 
 Counting ResNet-50 forward MACs on a real 224 px tensor takes seconds, so results are cached
-per (model, image size) in ``~/.cache/hpcdl/flops.json`` (``$XDG_CACHE_HOME``); models are
+per (model, image size) in ``~/.cache/hpcdl/flops.json`` (hpcdl.plan.cache); models are
 built on PyTorch's ``meta`` device where ``flops`` allows it (no memory, no arithmetic).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 
-from hpcdl.io import atomic_write_text
+from hpcdl.plan.cache import cache_key, cache_path, read_cache, update_cache
 from hpcdl.plan.layers import Layer, layer_table
 
 FLOPS_PER_MAC = 2
@@ -44,21 +43,7 @@ class Workload:
 
 
 def flops_cache_path() -> str:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "hpcdl", "flops.json")
-
-
-def _read_cache(path: str) -> dict[str, dict]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}   # a missing or corrupt cache is recomputed, never fatal
-
-
-def _cache_key(model: str, image_size: int) -> str:
-    return f"{model}@{image_size}"
+    return cache_path("flops.json")
 
 
 def _count(model_name: str, image_size: int) -> tuple[float, int]:
@@ -118,16 +103,11 @@ def workload(model: str, image_size: int = 224, cache_path: str | None = None,
 
 def _totals(model: str, image_size: int, cache_path: str | None) -> Workload:
     path = cache_path or flops_cache_path()
-    key = _cache_key(model, image_size)
-    cached = _read_cache(path).get(key)
+    key = cache_key(model, image_size)
+    cached = read_cache(path).get(key)
     if cached:
         return Workload(model, image_size, float(cached["forward_macs"]),
                         int(cached["parameters"]), f"cached in {path}")
     macs, params = _count(model, image_size)
-    entries = _read_cache(path)
-    entries[key] = {"forward_macs": macs, "parameters": params}
-    try:
-        atomic_write_text(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
-    except OSError:
-        pass   # a read-only home only costs recounting next time
+    update_cache(path, key, {"forward_macs": macs, "parameters": params})
     return Workload(model, image_size, macs, params, "hpcdl.models.flops")
