@@ -117,7 +117,6 @@ class PowerSGDReducer:
         self.matrices = [_Matrix(n, p, *matrix_shape(p.shape)) for n, p in trainable
                          if compresses(p.shape, self.rank, min_compression_rate)]
         compressed = {id(x.param) for x in self.matrices}
-        self.uncompressed = [p for _, p in trainable if id(p) not in compressed]
         # The uncompressed gradients travel in flat buffers packed as the gradient reducer
         # packs its buckets (one per dtype: no size limit, they go in one call anyway).
         self.buckets = layout_buckets([(n, p) for n, p in trainable if id(p) not in compressed],
