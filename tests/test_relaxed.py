@@ -130,3 +130,104 @@ def test_bench_report_compares_bytes_per_step_and_top1_with_sync():
     assert ratios["local_sgd_goal_met"] and not ratios["powersgd_goal_met"]  # -2 points
     # the planner predicts each method at 2,048 sockets: local SGD saves AlexNet-BN time
     assert records[1]["plan_alexnet_bn_min"] < records[0]["plan_alexnet_bn_min"]
+
+
+# -- hpcdl plan: the recipe's comm keys, the synchronous warm-up, the compressor's passes ------
+def plan_args(*argv):
+    import argparse
+
+    from hpcdl.cli import plan as plan_cli
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def write_recipe(tmp_path, **comm):
+    import yaml
+
+    path = tmp_path / "relaxed.yaml"
+    doc = {**recipe(**comm), "model": {"name": "resnet50"}, "batch": {"global": 32768}}
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_plan_reads_the_recipes_comm_keys_as_the_flags_do(tmp_path):
+    from hpcdl.cli.plan import resolve
+    from hpcdl.plan.workload import powersgd_compression_ratio
+
+    local = write_recipe(tmp_path, algorithm="hierarchical_local_sgd", local_steps=8,
+                         sync_warmup_steps=100)
+    values = resolve(plan_args("--recipe", local))
+    assert (values["local_steps"], values["hierarchical_local"], values["sync_warmup_steps"],
+            values["compression_ratio"]) == (8, True, 100, 1.0)
+    # the same run from flags alone
+    flags = resolve(plan_args("--model", "resnet50", "--local-steps", "8", "--hierarchical-local",
+                              "--sync-warmup-steps", "100"))
+    assert {k: flags[k] for k in ("local_steps", "hierarchical_local", "sync_warmup_steps")} == \
+        {k: values[k] for k in ("local_steps", "hierarchical_local", "sync_warmup_steps")}
+    # PowerSGD: the ratio from the recipe's rank and the model's shapes; flags override
+    compressed = write_recipe(tmp_path, algorithm="powersgd", powersgd_rank=2,
+                              sync_warmup_steps=50)
+    values = resolve(plan_args("--recipe", compressed))
+    assert values["compression_ratio"] == pytest.approx(powersgd_compression_ratio("resnet50", 2))
+    assert values["compression_ratio"] > 50 and values["local_steps"] == 1
+    assert resolve(plan_args("--recipe", compressed, "--powersgd-rank", "4"))[
+        "compression_ratio"] == pytest.approx(powersgd_compression_ratio("resnet50", 4))
+    overridden = resolve(plan_args("--recipe", compressed, "--compression-ratio", "10",
+                                   "--sync-warmup-steps", "0"))
+    assert (overridden["compression_ratio"], overridden["sync_warmup_steps"]) == (10.0, 0)
+    # a synchronous recipe sets none of it, whatever H it carries
+    sync = resolve(plan_args("--recipe", write_recipe(tmp_path, local_steps=8)))
+    assert (sync["local_steps"], sync["compression_ratio"], sync["sync_warmup_steps"]) == \
+        (1, 1.0, 0)
+
+
+def test_plan_names_a_bad_comm_key_of_the_recipe(tmp_path):
+    from hpcdl.cli.plan import resolve
+
+    path = write_recipe(tmp_path, algorithm="local_sgd", local_steps=0)
+    with pytest.raises(SystemExit, match=r"relaxed.yaml: comm.local_steps=0"):
+        resolve(plan_args("--recipe", path))
+
+
+@pytest.mark.parametrize("relaxed", [{"local_steps": 8}, {"compression_ratio": 100.0}])
+def test_the_synchronous_warm_up_is_costed_as_synchronous_steps(relaxed):
+    skx = load_machine("skx")
+    base = PlanInputs(32768, 2048, 2, epochs=2, synthetic_data=True)
+    sync = plan(skx, RESNET50, base)
+    fast = plan(skx, RESNET50, PlanInputs(32768, 2048, 2, epochs=2, synthetic_data=True,
+                                          **relaxed))
+    steps = 2 * fast.iterations_per_epoch
+    warm = plan(skx, RESNET50, PlanInputs(32768, 2048, 2, epochs=2, synthetic_data=True,
+                                          sync_warmup_steps=10, **relaxed))
+    assert warm.iteration_s == fast.iteration_s  # the relaxed phase's breakdown
+    assert warm.total_s == pytest.approx(10 * sync.iteration_s + (steps - 10) * fast.iteration_s)
+    assert warm.warmup_s == pytest.approx(10 * sync.iteration_s)
+    # a warm-up longer than the run: every step synchronous
+    whole = plan(skx, RESNET50, PlanInputs(32768, 2048, 2, epochs=2, synthetic_data=True,
+                                           sync_warmup_steps=10 ** 6, **relaxed))
+    assert whole.total_s == pytest.approx(sync.total_s)
+    # a synchronous run has no warm-up to cost
+    assert plan(skx, RESNET50, PlanInputs(32768, 2048, 2, epochs=2, synthetic_data=True,
+                                          sync_warmup_steps=10)).total_s == sync.total_s
+
+
+def test_compression_costs_its_passes_over_the_gradient():
+    from hpcdl.plan.model import (
+        COMPRESSION_BYTES_PER_PARAMETER,
+        OPTIMIZER_BYTES_PER_PARAMETER,
+        optimizer_s,
+    )
+
+    skx = load_machine("skx")
+    dense = plan(skx, RESNET50, PlanInputs(32768, 2048, 2))
+    packed = plan(skx, RESNET50, PlanInputs(32768, 2048, 2, compression_ratio=10))
+    assert dense.compression_s == 0
+    # memory-bound like the LARS update: the same rank stream rate, its bytes per parameter
+    assert packed.compression_s == pytest.approx(
+        optimizer_s(skx, RESNET50, 2) * COMPRESSION_BYTES_PER_PARAMETER
+        / OPTIMIZER_BYTES_PER_PARAMETER)
+    assert packed.iteration_s == pytest.approx(packed.compute_s + packed.optimizer_s
+                                               + packed.compression_s + packed.comm_exposed_s
+                                               + packed.data_exposed_s)

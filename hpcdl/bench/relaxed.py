@@ -17,7 +17,13 @@ run                        what keeps replicas consistent
 ``ddp_post_local_sgd``     PyTorch DDP + gloo, ``post_localSGD_hook`` + ``PostLocalSGDOptimizer``
                            (``PeriodicModelAverager``), subgroups of one rank: the same H
 ``ddp_powersgd``           PyTorch DDP + gloo, ``powerSGD_hook`` at the same rank and warm-up
+``ddp_sync``               PyTorch DDP + gloo, its default allreduce: the anchors' own baseline
+                           (their loop is not the Trainer's; compare each anchor with it too)
 =========================  ===================================================================
+
+``--seeds 0,1,2`` repeats every run per seed (the model's initial weights, the data order and
+PowerSGD's first Q change with it); the report then has one row per run and seed, one row per
+run with the mean over seeds, and the goal is judged on the means.
 
 Per run: final top-1 on the test set, bytes each rank passed to allreduce (counted where they
 are sent; PyTorch's from its own ``PowerSGDState`` statistics and the averager's period),
@@ -40,18 +46,20 @@ COMMAND = "relaxed"
 HELP = "local SGD, hierarchical local SGD, PowerSGD vs synchronous LARS and PyTorch DDP's"
 
 OURS = ("sync", "local_sgd", "hierarchical", "powersgd")
-ANCHORS = ("ddp_post_local_sgd", "ddp_powersgd")
+ANCHORS = ("ddp_post_local_sgd", "ddp_powersgd", "ddp_sync")
 RUNS = OURS + ANCHORS
 ALGORITHM = {"sync": "sync", "local_sgd": "local_sgd", "hierarchical": "hierarchical_local_sgd",
              "powersgd": "powersgd"}
-COLUMNS = ["run", "top1", "top1_minus_sync", "bytes_per_step", "bytes_reduction", "train_s",
-           "plan_alexnet_bn_min", "plan_resnet50_min"]
+COLUMNS = ["run", "seed", "top1", "top1_std", "top1_minus_sync", "bytes_per_step",
+           "bytes_reduction", "train_s", "plan_alexnet_bn_min", "plan_resnet50_min"]
 PLAN_MODELS = {"alexnet_bn": "alexnet_bn_lars_32k", "resnet50": "resnet50_lars_32k"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=float, default=2, help="epochs of every run (2)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated seeds; every run once per seed (0)")
     parser.add_argument("--global-batch", type=int, default=256, help="images per step (256)")
     parser.add_argument("--local-steps", type=int, default=8, help="H of local SGD (8)")
     parser.add_argument("--powersgd-rank", type=int, default=2, help="PowerSGD rank r (2)")
@@ -93,7 +101,7 @@ def recipe(args: argparse.Namespace, run: str, ranks: int, steps_per_epoch: int)
                       "trust_coefficient": args.trust_coefficient},
         "schedule": {"name": "poly", "base_lr": args.lr,
                      "warmup_epochs": args.sync_warmup_epochs, "power": 2.0},
-        "train": {"seed": 0, "eval_every_epochs": 0, "keep_checkpoints": 1,
+        "train": {"seed": getattr(args, "seed", 0), "eval_every_epochs": 0, "keep_checkpoints": 1,
                   "log_every_steps": 50},
         "comm": comm,
     }
@@ -111,11 +119,12 @@ def train_ours(world, args, run: str, shard_dir: str, out: str) -> dict[str, Any
 
     per_node = args.ranks_per_node if run == "hierarchical" else None
     comm = hpcdl.comm.init("mpi", world, ranks_per_node=per_node)
+    seed = getattr(args, "seed", 0)
     try:
         steps_per_epoch = train_steps_per_epoch(comm, shard_dir, args, world.size)
         config = config_from_dict(recipe(args, run, world.size, steps_per_epoch),
                                   origin=f"hpcdl bench relaxed: {run}")
-        trainer = Trainer(config, shard_dir, os.path.join(out, run), comm,
+        trainer = Trainer(config, shard_dir, os.path.join(out, run_dir(run, seed)), comm,
                           options=TrainOptions(max_steps=args.max_steps, progress=False))
         try:
             trainer.resume("auto")
@@ -125,9 +134,14 @@ def train_ours(world, args, run: str, shard_dir: str, out: str) -> dict[str, Any
     finally:
         comm.close()
     traffic = summary["traffic"]
-    return {"run": run, "top1": summary["top1"], "steps": summary["steps"],
+    return {"run": run, "seed": seed, "top1": summary["top1"], "steps": summary["steps"],
             "bytes_per_rank": traffic["bytes_world"], "bytes_node_per_rank": traffic["bytes_node"],
             "train_s": summary["train_s_total"], "traffic": traffic}
+
+
+def run_dir(run: str, seed: int) -> str:
+    """A run's directory under ``--out`` (seed 0 keeps the first pass's name: it resumes)."""
+    return run if seed == 0 else f"{run}-s{seed}"
 
 
 def train_steps_per_epoch(comm, shard_dir: str, args, ranks: int) -> int:
@@ -178,16 +192,17 @@ def train_anchor(world, args, run: str, shard_dir: str) -> dict[str, Any]:
     from hpcdl.train.config import config_from_dict
 
     init_torch_distributed(world)
+    seed = getattr(args, "seed", 0)
     per_rank = args.global_batch // world.size
     loader = ShardedImageNet(shard_dir, split="train", node_index=0, num_nodes=1,
                              local_rank=world.rank, local_size=world.size, batch_size=per_rank,
-                             image_size=28, seed=0, workers=1, min_scale=0.7)
+                             image_size=28, seed=seed, workers=1, min_scale=0.7)
     steps_per_epoch = len(loader)
     config = config_from_dict(recipe(args, "sync", world.size, steps_per_epoch))
     total = max(1, math.ceil(args.epochs * steps_per_epoch))
     last = min(total, args.max_steps or total)
     warmup = warmup_steps(args, steps_per_epoch)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = create_model("resnet_small", num_classes=10, width=args.width)
     ddp = DDP(model, bucket_cap_mb=1, broadcast_buffers=False)  # BN statistics per rank, as ours
     schedule = create_schedule(config.schedule, steps_per_epoch, total)
@@ -203,10 +218,10 @@ def train_anchor(world, args, run: str, shard_dir: str) -> dict[str, Any]:
         optimizer = PostLocalSGDOptimizer(
             optim=optimizer, averager=PeriodicModelAverager(period=args.local_steps,
                                                             warmup_steps=warmup))
-    else:
+    elif run == "ddp_powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None,
                                             matrix_approximation_rank=args.powersgd_rank,
-                                            start_powerSGD_iter=warmup)
+                                            start_powerSGD_iter=warmup, random_seed=seed)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     criterion = torch.nn.CrossEntropyLoss()
     step, start = 0, time.perf_counter()
@@ -224,13 +239,15 @@ def train_anchor(world, args, run: str, shard_dir: str) -> dict[str, Any]:
     if run == "ddp_post_local_sgd":
         averages = len(range(warmup, step, args.local_steps))  # PeriodicModelAverager's
         sent = min(warmup, step) * dense + averages * dense
+    elif run == "ddp_sync":
+        sent = step * dense  # DDP's default hook: every gradient, every step
     else:
         # PowerSGD's own statistics: elements sent after compression (and before, during
         # the hook's vanilla-allreduce warm-up, which they do not count).
         sent = min(warmup, step) * dense + 4 * state.total_numel_after_compression
     top1 = evaluate_anchor(world, model, shard_dir, per_rank)
     dist.barrier()
-    return {"run": run, "top1": top1, "steps": step, "bytes_per_rank": int(sent),
+    return {"run": run, "seed": seed, "top1": top1, "steps": step, "bytes_per_rank": int(sent),
             "bytes_node_per_rank": 0, "train_s": train_s}
 
 
@@ -261,32 +278,11 @@ def evaluate_anchor(world, model, shard_dir: str, per_rank: int) -> float:
 
 
 # -- the planner -----------------------------------------------------------------------------
-def compression_ratio(model_name: str, rank: int, min_rate: float = 1.0) -> float:
-    """Dense bytes / PowerSGD bytes of ``model_name``'s parameters at ``rank`` (``min_rate``:
-    PyTorch's ``min_compression_rate``, a matrix is compressed only above it)."""
-    import torch
-
-    from hpcdl.comm.powersgd import compressed_bytes, matrix_shape
-    from hpcdl.models import create_model
-
-    with torch.device("meta"):
-        model = create_model(model_name, num_classes=1000)
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    dense = sum(math.prod(s) for s in shapes) * 4
-    if min_rate <= 1.0:
-        return dense / compressed_bytes(shapes, rank)
-    sent = 0
-    for s in shapes:
-        n, m = matrix_shape(s) if len(s) > 1 else (s[0], 1)
-        sent += rank * (n + m) if len(s) > 1 and rank * (n + m) * min_rate < n * m else n * m
-    return dense / (4 * sent)
-
-
 def planned_minutes(run: str, args: argparse.Namespace) -> dict[str, float]:
     """``hpcdl plan``'s total for each paper model's 32K recipe at 2,048 skx sockets."""
     from hpcdl.plan.machine import load_machine
-    from hpcdl.plan.model import PlanInputs, plan
-    from hpcdl.plan.workload import workload
+    from hpcdl.plan.model import IMAGENET_TRAIN_IMAGES, PlanInputs, plan
+    from hpcdl.plan.workload import powersgd_compression_ratio, workload
 
     machine = load_machine("skx")
     out = {}
@@ -297,8 +293,11 @@ def planned_minutes(run: str, args: argparse.Namespace) -> dict[str, float]:
         elif run == "hierarchical":
             extra.update(local_steps=args.local_steps, hierarchical_local=True)
         elif run in ("powersgd", "ddp_powersgd"):
-            extra["compression_ratio"] = compression_ratio(
-                model_name, args.powersgd_rank, 2.0 if run == "ddp_powersgd" else 1.0)
+            extra["compression_ratio"] = powersgd_compression_ratio(model_name,
+                                                                    args.powersgd_rank)
+        if extra:  # the same synchronous first phase, in epochs of ImageNet at 32K
+            extra["sync_warmup_steps"] = round(args.sync_warmup_epochs
+                                               * (IMAGENET_TRAIN_IMAGES // 32768))
         inputs = PlanInputs(global_batch=32768, procs=2048,
                             procs_per_node=machine.ranks_per_node,
                             epochs=100 if model_name == "alexnet_bn" else 90, **extra)
@@ -308,24 +307,60 @@ def planned_minutes(run: str, args: argparse.Namespace) -> dict[str, float]:
 
 # -- the report ------------------------------------------------------------------------------
 def finish(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """Per-step bytes, the reduction against ``sync`` and the top-1 difference, in place;
-    returns the ratios (goal per run: reduction ≥ 4 at top1_minus_sync ≥ −0.5)."""
-    by_run = {r["run"]: r for r in records}
+    """Per-step bytes, the reduction against ``sync`` and the top-1 difference against the
+    ``sync`` run of the same seed, in place; with several seeds, one row per run with the
+    means (``seed`` = "mean", ``top1_std`` the sample standard deviation) is appended.
+    Returns the ratios, from the means (goal per run: reduction ≥ 4 at top1_minus_sync ≥
+    −0.5); anchors are also compared with ``ddp_sync`` (``{run}_top1_minus_ddp_sync``)."""
+    plans: dict[str, dict[str, float]] = {}
     for r in records:
+        r.setdefault("seed", 0)
         r["bytes_per_step"] = r["bytes_per_rank"] / max(1, r["steps"])
-        r.update(planned_minutes(r["run"], args))
+        if r["run"] not in plans:
+            plans[r["run"]] = planned_minutes(r["run"], args)
+        r.update(plans[r["run"]])
+    for baseline, key in (("sync", "top1_minus_sync"), ("ddp_sync", "top1_minus_ddp_sync")):
+        base = {r["seed"]: r for r in records if r["run"] == baseline}
+        for r in records:
+            if r["seed"] in base and r["run"] != baseline:
+                r[key] = 100.0 * (r["top1"] - base[r["seed"]]["top1"])
+                if baseline == "sync":
+                    r["bytes_reduction"] = (base[r["seed"]]["bytes_per_step"]
+                                            / max(r["bytes_per_step"], 1e-9))
+    runs = list(dict.fromkeys(r["run"] for r in records))
+    rows = {run: [r for r in records if r["run"] == run] for run in runs}
+    if any(len(group) > 1 for group in rows.values()):
+        for run in runs:
+            records.append(mean_row(run, rows[run]))
+        rows = {run: [records[-len(runs) + i]] for i, run in enumerate(runs)}
     ratios: dict[str, Any] = {}
-    sync = by_run.get("sync")
-    for r in records:
-        if sync is None or r is sync:
+    for run in runs:
+        r = rows[run][0]
+        for key in ("top1_minus_ddp_sync",):
+            if key in r and run.startswith("ddp"):
+                ratios[f"{run}_{key}"] = r[key]
+        if "top1_minus_sync" not in r:
             continue
-        r["bytes_reduction"] = sync["bytes_per_step"] / max(r["bytes_per_step"], 1e-9)
-        r["top1_minus_sync"] = 100.0 * (r["top1"] - sync["top1"])
-        ratios[f"{r['run']}_bytes_reduction"] = r["bytes_reduction"]
-        ratios[f"{r['run']}_top1_minus_sync"] = r["top1_minus_sync"]
-        ratios[f"{r['run']}_goal_met"] = bool(r["bytes_reduction"] >= 4
-                                              and r["top1_minus_sync"] >= -0.5)
+        ratios[f"{run}_bytes_reduction"] = r["bytes_reduction"]
+        ratios[f"{run}_top1_minus_sync"] = r["top1_minus_sync"]
+        ratios[f"{run}_goal_met"] = bool(r["bytes_reduction"] >= 4
+                                         and r["top1_minus_sync"] >= -0.5)
     return ratios
+
+
+def mean_row(run: str, group: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean over seeds of every number of ``group`` (one run's records)."""
+    import statistics
+
+    row: dict[str, Any] = {"run": run, "seed": "mean", "seeds": [r["seed"] for r in group]}
+    for key, value in group[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "seed" \
+                and all(key in r for r in group):
+            row[key] = statistics.fmean(r[key] for r in group)
+    row["top1_std"] = statistics.stdev(r["top1"] for r in group) if len(group) > 1 else 0.0
+    row["top1_min"] = min(r["top1"] for r in group)
+    row["top1_max"] = max(r["top1"] for r in group)
+    return row
 
 
 def plot(path: str, records: list[dict[str, Any]]) -> None:
@@ -337,9 +372,13 @@ def plot(path: str, records: list[dict[str, Any]]) -> None:
     from hpcdl.io import atomic_write_bytes
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for r in records:
+    means = [r for r in records if r.get("seed") == "mean"]  # several seeds: mean, min-max
+    for r in means or records:
         marker = "s" if r["run"].startswith("ddp") else "o"
-        ax.scatter(r["bytes_per_step"] / 1e6, 100 * r["top1"], marker=marker, s=50)
+        spread = ([[100 * (r["top1"] - r["top1_min"])], [100 * (r["top1_max"] - r["top1"])]]
+                  if means else None)
+        ax.errorbar(r["bytes_per_step"] / 1e6, 100 * r["top1"], yerr=spread, fmt=marker,
+                    capsize=3)
         ax.annotate(r["run"], (r["bytes_per_step"] / 1e6, 100 * r["top1"]), fontsize=8,
                     xytext=(4, 4), textcoords="offset points")
     ax.set_xscale("log")
@@ -364,6 +403,17 @@ def parse_runs(text: str) -> list[str]:
     return runs
 
 
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"hpcdl bench relaxed: --seeds {text!r}: give distinct integers, "
+                         f"e.g. 0,1,2")
+    return seeds
+
+
 def run(args: argparse.Namespace) -> int:
     runs = parse_runs(args.runs)
     from mpi4py import MPI
@@ -380,20 +430,23 @@ def run(args: argparse.Namespace) -> int:
         data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
         shard_dir = prepare_shards(world, data_dir, args.source, holdout=False)
         records = []
-        for name in runs:
-            trainer = train_anchor if name in ANCHORS else train_ours
-            extra = (out,) if name in OURS else ()
-            records.append(trainer(world, args, name, shard_dir, *extra))
-            if world.rank == 0:
-                print(f"{name}: top-1 {records[-1]['top1']:.4f}, "
-                      f"{records[-1]['bytes_per_rank'] / 1e6:.1f} MB, "
-                      f"{records[-1]['train_s']:.0f} s", file=sys.stderr, flush=True)
+        for seed in parse_seeds(args.seeds):
+            args.seed = seed
+            for name in runs:
+                trainer = train_anchor if name in ANCHORS else train_ours
+                extra = (out,) if name in OURS else ()
+                records.append(trainer(world, args, name, shard_dir, *extra))
+                if world.rank == 0:
+                    print(f"{name} seed {seed}: top-1 {records[-1]['top1']:.4f}, "
+                          f"{records[-1]['bytes_per_rank'] / 1e6:.1f} MB, "
+                          f"{records[-1]['train_s']:.0f} s", file=sys.stderr, flush=True)
         if world.rank == 0:
             ratios = finish(records, args)
             report = bench_report("relaxed", records, ratios, ranks=world.size)
             report["settings"] = {k: getattr(args, k) for k in (
-                "epochs", "global_batch", "local_steps", "powersgd_rank", "sync_warmup_epochs",
-                "ranks_per_node", "lr", "trust_coefficient", "width", "source")}
+                "seeds", "epochs", "global_batch", "local_steps", "powersgd_rank",
+                "sync_warmup_epochs", "ranks_per_node", "lr", "trust_coefficient", "width",
+                "source")}
             report["total_s"] = time.perf_counter() - start
             emit(report, COLUMNS, args.json)
             if args.plot:

@@ -21,7 +21,9 @@ COMMAND = "plan"
 HELP = "predict time per iteration / epoch / run from machine figures (α-β-γ cost model)"
 
 DEFAULTS = {"model": "resnet50", "image_size": 224, "global_batch": 32768, "epochs": 90.0,
-            "bucket_mb": 25.0, "wire_dtype": "float32"}
+            "bucket_mb": 25.0, "wire_dtype": "float32", "local_steps": 1,
+            "hierarchical_local": False, "compression_ratio": None, "powersgd_rank": None,
+            "sync_warmup_steps": 0}
 WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -46,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("the run to predict (defaults: the recipe, then ResNet-50 "
                                     "at 32K for 90 epochs)")
     run.add_argument("--recipe", help="recipes/X.yaml: take model, image size, batch, epochs, "
-                                      "bucket size and wire dtype from it (flags override)")
+                                      "bucket size, wire dtype and the comm.algorithm keys "
+                                      "from it (flags override)")
     run.add_argument("--model", help="a name from hpcdl.models (default resnet50)")
     run.add_argument("--image-size", type=int, help="training crop in pixels (default 224)")
     run.add_argument("--global-batch", type=int, help="images per iteration, all ranks (32768)")
@@ -61,15 +64,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--bucket-mb", type=float, help="fusion bucket size in MB (default 25)")
     run.add_argument("--wire-dtype", choices=sorted(WIRE_BYTES),
                      help="gradient dtype on the wire (default float32)")
-    run.add_argument("--local-steps", type=int, default=1, metavar="H",
+    run.add_argument("--local-steps", type=int, metavar="H",
                      help="local SGD: average the model every H steps instead of the gradients "
-                          "every step (default 1: synchronous)")
-    run.add_argument("--hierarchical-local", action="store_true",
+                          "every step (default 1: synchronous; recipe: comm.local_steps)")
+    run.add_argument("--hierarchical-local", action="store_true", default=None,
                      help="with --local-steps: average gradients inside each node every step "
-                          "(hierarchical local SGD)")
-    run.add_argument("--compression-ratio", type=float, default=1.0, metavar="C",
-                     help="gradient compression: send 1/C of the bytes (PowerSGD's dense/factor "
-                          "bytes; `hpcdl bench relaxed` prints it per model)")
+                          "(hierarchical local SGD; recipe: comm.algorithm)")
+    run.add_argument("--compression-ratio", type=float, metavar="C",
+                     help="gradient compression: send 1/C of the bytes (default: from "
+                          "--powersgd-rank, else 1)")
+    run.add_argument("--powersgd-rank", type=int, metavar="R",
+                     help="PowerSGD at rank R: the compression ratio from the model's shapes "
+                          "(recipe: comm.powersgd_rank with comm.algorithm powersgd)")
+    run.add_argument("--sync-warmup-steps", type=int, metavar="W",
+                     help="synchronous iterations before local SGD / compression start, "
+                          "costed as such (default 0; recipe: comm.sync_warmup_steps)")
     run.add_argument("--no-overlap", action="store_true",
                      help="cost communication as if none of it hid behind backward")
     run.add_argument("--loader-cores", type=float,
@@ -122,15 +131,38 @@ def _recipe_values(path: str) -> dict:
             doc = yaml.safe_load(f) or {}
     except (OSError, RecipeError) as exc:
         raise SystemExit(f"hpcdl plan: cannot read recipe {path}: {exc}") from exc
+    comm = doc.get("comm") or {}
     found = {
         "model": (doc.get("model") or {}).get("name"),
         "image_size": (doc.get("data") or {}).get("image_size"),
         "global_batch": (doc.get("batch") or {}).get("global"),
         "epochs": doc.get("epochs"),
-        "bucket_mb": (doc.get("comm") or {}).get("bucket_mb"),
-        "wire_dtype": (doc.get("comm") or {}).get("wire_dtype"),
+        "bucket_mb": comm.get("bucket_mb"),
+        "wire_dtype": comm.get("wire_dtype"),
+        **_consistency_values(comm, path),
     }
     return {k: v for k, v in found.items() if v is not None}
+
+
+def _consistency_values(comm: dict, path: str) -> dict:
+    """The planner's inputs of ``comm.algorithm`` and its keys, as the trainer reads them
+    (hpcdl.train.config.CommConfig: same defaults, same errors)."""
+    from hpcdl.train.config import CommConfig, RecipeError
+
+    keys = ("algorithm", "local_steps", "sync_warmup_steps", "powersgd_rank")
+    try:
+        config = CommConfig(**{k: comm[k] for k in keys if k in comm})
+    except (RecipeError, TypeError) as exc:
+        raise SystemExit(f"hpcdl plan: recipe {path}: {exc}") from exc
+    if config.algorithm == "sync":
+        return {}
+    found: dict = {"sync_warmup_steps": config.sync_warmup_steps}
+    if config.algorithm == "powersgd":
+        found["powersgd_rank"] = config.powersgd_rank
+    else:
+        found["local_steps"] = config.local_steps
+        found["hierarchical_local"] = config.algorithm == "hierarchical_local_sgd"
+    return found
 
 
 def resolve(args: argparse.Namespace) -> dict:
@@ -141,6 +173,16 @@ def resolve(args: argparse.Namespace) -> dict:
     for key in DEFAULTS:
         if getattr(args, key, None) is not None:
             values[key] = getattr(args, key)
+    if values["compression_ratio"] is None:
+        values["compression_ratio"] = 1.0
+        if values["powersgd_rank"] is not None:
+            from hpcdl.plan.workload import powersgd_compression_ratio
+
+            try:
+                values["compression_ratio"] = powersgd_compression_ratio(
+                    values["model"], int(values["powersgd_rank"]))
+            except ValueError as exc:
+                raise SystemExit(f"hpcdl plan: {exc}") from exc
     if values["wire_dtype"] not in WIRE_BYTES:
         raise SystemExit(f"hpcdl plan: wire dtype {values['wire_dtype']!r} is not one of "
                          f"{sorted(WIRE_BYTES)}")
@@ -166,8 +208,10 @@ def predict(args: argparse.Namespace) -> int:
             allreduce=args.allreduce, bucket_mb=float(values["bucket_mb"]),
             wire_bytes=WIRE_BYTES[values["wire_dtype"]], overlap=not args.no_overlap,
             loader_cores_per_node=args.loader_cores, synthetic_data=args.synthetic,
-            local_steps=args.local_steps, hierarchical_local=args.hierarchical_local,
-            compression_ratio=args.compression_ratio)
+            local_steps=int(values["local_steps"]),
+            hierarchical_local=bool(values["hierarchical_local"]),
+            compression_ratio=float(values["compression_ratio"]),
+            sync_warmup_steps=int(values["sync_warmup_steps"]))
         result = plan(machine, work, inp)
         procs_list = args.sweep or default_sweep(inp.procs, inp.global_batch)
         rows = sweep(machine, work, inp, [p for p in procs_list if p <= inp.global_batch])

@@ -11,8 +11,9 @@ Per matrix-shaped gradient (a conv weight ``(out, in, kh, kw)`` is reshaped to
     Q ← Mᵀ P̂;  Q ← allreduce_mean(Q)  (lines 6-7; Q is kept for the next step: warm start)
     G ← P̂ Qᵀ;  E ← M − G              (the decompressed average; the residual stays local)
 
-Vectors (biases, batch-norm γ/β) and matrices for which ``r·(n+m) ≥ n·m`` (nothing to gain)
-are sent uncompressed, fused with the P factors into one call. When the average ``Σᵢ Mᵢ/P``
+Vectors (biases, batch-norm γ/β) and matrices for which ``2·r·(n+m) ≥ n·m`` (too little to
+gain: PyTorch's ``min_compression_rate`` of 2) are sent uncompressed, fused with the P
+factors into one call. When the average ``Σᵢ Mᵢ/P``
 has rank ≤ r the result is exact: ``P̂`` spans its columns, so ``P̂ P̂ᵀ mean(M) = mean(M)``.
 
 ``Q`` starts from one seeded Gaussian draw, identical on every rank (it must be: ``P`` is
@@ -35,6 +36,8 @@ from typing import Any
 
 import torch
 
+from hpcdl.comm.reducer import layout_buckets, pack_gradient, unpack_gradient
+
 __all__ = ["PowerSGDReducer", "compressed_bytes", "matrix_shape"]
 
 
@@ -47,22 +50,30 @@ def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     return n, m
 
 
-def compresses(shape: torch.Size | tuple[int, ...], rank: int) -> bool:
+#: PyTorch's ``PowerSGDState.min_compression_rate`` default: a matrix is compressed only when
+#: its factors are at most half its size (below that, the approximation error costs more
+#: than the bytes it saves).
+MIN_COMPRESSION_RATE = 2.0
+
+
+def compresses(shape: torch.Size | tuple[int, ...], rank: int,
+               min_compression_rate: float = MIN_COMPRESSION_RATE) -> bool:
     """Whether a tensor is sent as rank-``rank`` factors: a matrix (≥ 2-D) whose factors
-    ``r·(n+m)`` are smaller than ``n·m``."""
+    ``r·(n+m)`` times ``min_compression_rate`` are smaller than ``n·m`` (PyTorch's
+    ``_should_compress``, the same test so both compress the same tensors)."""
     if len(shape) < 2:
         return False
     n, m = matrix_shape(shape)
-    return rank * (n + m) < n * m
+    return rank * (n + m) * min_compression_rate < n * m
 
 
-def compressed_bytes(shapes: Iterable[tuple[int, ...]], rank: int,
-                     element_bytes: int = 4) -> int:
+def compressed_bytes(shapes: Iterable[tuple[int, ...]], rank: int, element_bytes: int = 4,
+                     min_compression_rate: float = MIN_COMPRESSION_RATE) -> int:
     """Bytes one rank passes to allreduce per step: P and Q factors of compressed tensors,
     every element of the others (what :attr:`PowerSGDReducer.bytes_reduced` counts)."""
     total = 0
     for shape in shapes:
-        if compresses(shape, rank):
+        if compresses(shape, rank, min_compression_rate):
             n, m = matrix_shape(shape)
             total += rank * (n + m)
         else:
@@ -92,7 +103,8 @@ class PowerSGDReducer:
     """
 
     def __init__(self, comm, named_params: Iterable[tuple[str, torch.Tensor]], rank: int = 4,
-                 enabled: bool = True, seed: int = 0) -> None:
+                 enabled: bool = True, seed: int = 0,
+                 min_compression_rate: float = MIN_COMPRESSION_RATE) -> None:
         if rank < 1:
             raise ValueError(f"PowerSGDReducer: rank must be >= 1, got {rank} (set "
                              f"comm.powersgd_rank)")
@@ -103,9 +115,14 @@ class PowerSGDReducer:
         if not trainable:
             raise ValueError("PowerSGDReducer: the model has no parameter that requires grad")
         self.matrices = [_Matrix(n, p, *matrix_shape(p.shape)) for n, p in trainable
-                         if compresses(p.shape, self.rank)]
+                         if compresses(p.shape, self.rank, min_compression_rate)]
         compressed = {id(x.param) for x in self.matrices}
-        self.uncompressed = [p for _, p in trainable if id(p) not in compressed]
+        # The uncompressed gradients travel in flat buffers packed as the gradient reducer
+        # packs its buckets (one per dtype: no size limit, they go in one call anyway).
+        self.buckets = layout_buckets([(n, p) for n, p in trainable if id(p) not in compressed],
+                                      bucket_bytes=2**62)
+        for bucket in self.buckets:
+            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype)
         generator = torch.Generator().manual_seed(seed)
         # Warm start (Alg. 1): Q persists across steps. The first draw is seeded, so it is
         # the same on every rank without a broadcast.
@@ -128,11 +145,18 @@ class PowerSGDReducer:
             return
         start = time.perf_counter()
         ms = [self._with_error(x) for x in self.matrices]
-        ps = [m @ self.q[x.name] for x, m in zip(self.matrices, ms, strict=True)]
-        plain = [self._grad(p) for p in self.uncompressed]
-        self._allreduce(plain + ps)
-        for p, g in zip(self.uncompressed, plain, strict=True):
-            p.grad = g
+        # Q is orthonormalised before use, as PyTorch's hook does: the same subspace (so the
+        # same result in exact arithmetic), but P = M Q then has the condition number of M
+        # on that subspace, not its square, which the warm-started Q = Mᵀ P̂ would give.
+        ps = [m @ torch.linalg.qr(self.q[x.name]).Q for x, m in zip(self.matrices, ms,
+                                                                     strict=True)]
+        for bucket in self.buckets:
+            for position, p in enumerate(bucket.params):
+                pack_gradient(bucket, position, p.grad)
+        self._allreduce([b.buffer for b in self.buckets] + ps)
+        for bucket in self.buckets:
+            for position in range(len(bucket.params)):
+                unpack_gradient(bucket, position)
         p_hats = [torch.linalg.qr(p).Q for p in ps]
         qs = [m.T @ p_hat for m, p_hat in zip(ms, p_hats, strict=True)]
         self._allreduce(qs)
@@ -182,13 +206,10 @@ class PowerSGDReducer:
         self.error = {k: v.clone() for k, v in state["error"].items()}
 
     # -- helpers -----------------------------------------------------------------------------
-    @staticmethod
-    def _grad(p: torch.Tensor) -> torch.Tensor:
-        # A parameter unused this step contributes zeros, so every rank sends the same shapes.
-        return p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-
     def _with_error(self, x: _Matrix) -> torch.Tensor:
-        grad = self._grad(x.param).float().reshape(x.n, x.m)
+        # A parameter unused this step contributes zeros, so every rank sends the same shapes.
+        grad = (x.param.grad.detach().float().reshape(x.n, x.m).clone()
+                if x.param.grad is not None else torch.zeros(x.n, x.m))
         return grad.add_(self.error[x.name])
 
     def _allreduce(self, tensors: list[torch.Tensor]) -> None:

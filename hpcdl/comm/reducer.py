@@ -47,7 +47,8 @@ import torch
 
 from hpcdl.comm.base import yield_waits_in_this_thread
 
-__all__ = ["GradientReducer", "Bucket", "layout_buckets", "DEFAULT_LAST_BUCKET_BYTES"]
+__all__ = ["GradientReducer", "Bucket", "layout_buckets", "pack_gradient", "unpack_gradient",
+           "DEFAULT_LAST_BUCKET_BYTES"]
 
 #: The bucket reduced after backward has finished: small, since nothing hides its reduction.
 DEFAULT_LAST_BUCKET_BYTES = 2**20
@@ -83,6 +84,34 @@ def layout_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: i
         bucket.index = len(buckets)
         buckets.append(bucket)
     return buckets
+
+
+def pack_gradient(bucket: Bucket, position: int, grad: torch.Tensor | None) -> None:
+    """Copy ``grad`` (of ``bucket.params[position]``) into its place in ``bucket.buffer``:
+    zeros when it has none (a parameter unused this step still sends, so every rank sends the
+    same bytes), nothing when it already is that place. The reducer's and PowerSGD's
+    packing (hpcdl/comm/powersgd.py)."""
+    p = bucket.params[position]
+    start = bucket.offsets[position]
+    view = bucket.buffer[start:start + p.numel()]
+    if grad is None:
+        view.zero_()
+    elif grad.data_ptr() != view.data_ptr():  # (equal: the gradient is the bucket view)
+        view.view_as(grad).copy_(grad)  # casts to the wire dtype when it differs
+
+
+def unpack_gradient(bucket: Bucket, position: int) -> None:
+    """Set ``p.grad`` of ``bucket.params[position]`` to its averaged place in the buffer: a
+    view when dtype and layout allow (nothing copied), else a copy in ``p``'s own."""
+    p = bucket.params[position]
+    start = bucket.offsets[position]
+    averaged = bucket.buffer[start:start + p.numel()].view(p.shape)
+    if averaged.dtype == p.dtype and p.is_contiguous():
+        p.grad = averaged       # a view: nothing copied (a no-op when it already is)
+        return
+    if p.grad is None:
+        p.grad = torch.empty_like(p)  # the parameter's dtype and memory layout
+    p.grad.copy_(averaged)
 
 
 def _wire_bytes(p: torch.Tensor, wire_dtype: torch.dtype | None) -> int:
@@ -345,13 +374,7 @@ class GradientReducer:
             self._launch_ready(force=False)
 
     def _pack(self, bucket: Bucket, position: int, grad: torch.Tensor | None) -> None:
-        p = bucket.params[position]
-        start = bucket.offsets[position]
-        view = bucket.buffer[start:start + p.numel()]
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():  # (equal: the gradient is the bucket view)
-            view.view_as(grad).copy_(grad)  # casts to the wire dtype when it differs
+        pack_gradient(bucket, position, grad)
 
     def _fill_missing(self, bucket: Bucket) -> None:
         for position, p in enumerate(bucket.params):
@@ -398,17 +421,10 @@ class GradientReducer:
                 bucket.done.set()
 
     def _unpack(self, bucket: Bucket) -> None:
-        for position, p in enumerate(bucket.params):
-            start = bucket.offsets[position]
-            averaged = bucket.buffer[start:start + p.numel()].view(p.shape)
-            # Every rank sets p.grad, even for a parameter it did not use, so the optimizer
-            # takes the same step on every rank.
-            if averaged.dtype == p.dtype and p.is_contiguous():
-                p.grad = averaged       # a view: nothing copied (a no-op when it already is)
-                continue
-            if p.grad is None:
-                p.grad = torch.empty_like(p)  # the parameter's dtype and memory layout
-            p.grad.copy_(averaged)
+        # Every rank sets p.grad, even for a parameter it did not use, so the optimizer
+        # takes the same step on every rank.
+        for position in range(len(bucket.params)):
+            unpack_gradient(bucket, position)
 
 
 def _aliases(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:

@@ -44,10 +44,16 @@ Relaxed consistency (hpcdl/comm/policy.py, ``hpcdl plan --local-steps H / --comp
   every H steps after the optimizer step, so 1/H of that allreduce is added per iteration and
   none of it hides behind backward. **hierarchical** (``hierarchical_local``): in addition,
   the gradients are averaged inside each node every step (one node's allreduce, shared
-  memory), hidden behind backward as usual. The synchronous warm-up phase is not costed.
+  memory), hidden behind backward as usual.
 * **compression** (``compression_ratio`` c, e.g. PowerSGD's dense bytes ÷ factor bytes): the
   allreduce carries 1/c of the gradient bytes; hpcdl's PowerSGD compresses after backward,
-  so none of it hides. The compression's own matmuls (~6·r FLOP per parameter) are not costed.
+  so none of it hides. Its own work is costed as memory-bound passes over the gradient
+  (``COMPRESSION_BYTES_PER_PARAMETER``), like the LARS update: at small r its matmuls do
+  ~6·r FLOP per 4-byte element read several times, far below any CPU's FLOP/byte balance.
+* **synchronous warm-up** (``sync_warmup_steps`` w, post-local SGD's first phase and
+  PyTorch's ``start_powerSGD_iter``): the first w iterations are synchronous ones, so
+  total = w × (synchronous iteration) + (iterations − w) × (relaxed iteration); the per-
+  iteration breakdown and ``epoch_s`` are the relaxed phase's, ``warmup_s`` the first phase.
 """
 from __future__ import annotations
 
@@ -194,6 +200,18 @@ class PlanInputs:
     local_steps: int = 1             # H: local SGD averages the model every H steps
     hierarchical_local: bool = False  # local SGD: gradients averaged inside the node each step
     compression_ratio: float = 1.0   # dense gradient bytes / bytes sent (PowerSGD)
+    sync_warmup_steps: int = 0       # synchronous iterations before local SGD / compression
+
+    @property
+    def relaxed(self) -> bool:
+        """Whether iterations after the warm-up differ from synchronous ones."""
+        return self.local_steps > 1 or self.compression_ratio > 1
+
+
+#: PowerSGD's passes over each gradient element per step (hpcdl/comm/powersgd.py): read the
+#: gradient and the error (M = G + E, written), read M for P = MQ and again for Q = MᵀP̂,
+#: write P̂Qᵀ, read M and it and write E = M − P̂Qᵀ: 8 passes of 4 bytes.
+COMPRESSION_BYTES_PER_PARAMETER = 32.0
 
 
 @dataclass
@@ -232,12 +250,15 @@ class Plan:
     local_steps: int = 1
     compression_ratio: float = 1.0
     model_average_s: float = 0.0     # per iteration: the model average's allreduce / H
+    compression_s: float = 0.0       # per iteration: the compressor's own memory passes
+    sync_warmup_steps: int = 0       # synchronous iterations first (costed apart)
+    warmup_s: float = 0.0            # their total seconds (part of total_s)
     compute_by_class: dict[str, float] = field(default_factory=dict)   # seconds per class
 
     def per_iteration(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in (
-            "compute_s", "optimizer_s", "comm_s", "comm_hidden_s", "comm_exposed_s", "data_s",
-            "data_exposed_s", "iteration_s")}
+            "compute_s", "optimizer_s", "compression_s", "comm_s", "comm_hidden_s",
+            "comm_exposed_s", "data_s", "data_exposed_s", "iteration_s")}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -340,6 +361,8 @@ def _check(machine: Machine, inp: PlanInputs) -> None:
     if inp.compression_ratio < 1:
         raise ValueError(f"--compression-ratio must be >= 1 (dense bytes / sent bytes), got "
                          f"{inp.compression_ratio}")
+    if inp.sync_warmup_steps < 0:
+        raise ValueError(f"--sync-warmup-steps must be >= 0, got {inp.sync_warmup_steps}")
     if inp.hierarchical_local and inp.local_steps == 1:
         raise ValueError("hierarchical local SGD needs --local-steps H > 1")
     if inp.allreduce not in ALLREDUCE_ALGORITHMS:
@@ -372,6 +395,9 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
     by_class = compute_by_class(machine, work, b, inp.procs_per_node)
     compute = sum(by_class.values())
     optimizer = optimizer_s(machine, work, inp.procs_per_node)
+    compression = (COMPRESSION_BYTES_PER_PARAMETER * work.parameters
+                   / rank_memory_Bps(machine, inp.procs_per_node)
+                   if inp.compression_ratio > 1 else 0.0)
 
     grad_bytes = work.parameters * inp.wire_bytes / inp.compression_ratio
     buckets = bucket_sizes(grad_bytes, inp.bucket_mb * 1e6)
@@ -405,16 +431,27 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
     data = 0.0 if inp.synthetic_data else node_images / decode_rate
     data_exposed = max(0.0, data - (compute + optimizer + comm_exposed))
 
-    iteration = compute + optimizer + comm_exposed + data_exposed
+    iteration = compute + optimizer + compression + comm_exposed + data_exposed
     iterations = inp.dataset_size // inp.global_batch
     epoch = iterations * iteration
+    total = inp.epochs * epoch
+    warmup_steps = min(inp.sync_warmup_steps, inp.epochs * iterations) if inp.relaxed else 0
+    warmup = 0.0
+    if warmup_steps:
+        synchronous = plan(machine, work, replace(inp, local_steps=1, hierarchical_local=False,
+                                                  compression_ratio=1.0, sync_warmup_steps=0))
+        warmup = warmup_steps * synchronous.iteration_s
+        total += warmup - warmup_steps * iteration
+        notes.append(f"the first {warmup_steps:g} iterations are synchronous "
+                     f"({synchronous.iteration_s:.3g} s each): {warmup:.3g} s of the total")
     images_per_s = inp.global_batch / iteration
     # Baseline: one rank alone at the machine's usual placement, same per-rank batch, no
     # communication and no data stall; efficiency = delivered / (p × baseline).
     base_rate = b / (compute_s(machine, work, b, machine.ranks_per_node)
                      + optimizer_s(machine, work, machine.ranks_per_node))
     efficiency = images_per_s / (inp.procs * base_rate)
-    terms = {"compute": compute, "optimizer": optimizer, "communication": comm_exposed,
+    terms = {"compute": compute, "optimizer": optimizer + compression,
+             "communication": comm_exposed,
              "data loading": data_exposed}
     return Plan(
         machine=machine.name, model=work.model, image_size=work.image_size,
@@ -423,13 +460,14 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
         compute_s=compute, optimizer_s=optimizer, comm_s=comm, comm_hidden_s=comm - comm_exposed,
         comm_exposed_s=comm_exposed, data_s=data, data_exposed_s=data_exposed,
         iteration_s=iteration, iterations_per_epoch=iterations, epoch_s=epoch,
-        total_s=inp.epochs * epoch, images_per_s=images_per_s,
+        total_s=total, images_per_s=images_per_s,
         images_per_s_per_rank=images_per_s / inp.procs, scaling_efficiency=efficiency,
         required_images_per_s_per_node=node_images / iteration,
         decode_images_per_s_per_node=decode_rate, gradient_bytes=float(grad_bytes),
         buckets=len(buckets), dominant=max(terms, key=terms.__getitem__), notes=notes,
         local_steps=inp.local_steps, compression_ratio=inp.compression_ratio,
-        model_average_s=model_average, compute_by_class=by_class)
+        model_average_s=model_average, compute_by_class=by_class, compression_s=compression,
+        sync_warmup_steps=int(warmup_steps), warmup_s=warmup)
 
 
 def default_sweep(procs: int, global_batch: int) -> list[int]:

@@ -23,6 +23,7 @@ from hpcdl.plan.layers import COMPUTE_CLASSES, class_totals
 from hpcdl.plan.machine import Machine
 from hpcdl.plan.model import (
     BACKWARD_SHARE,
+    COMPRESSION_BYTES_PER_PARAMETER,
     OPTIMIZER_BYTES_PER_PARAMETER,
     Plan,
     PlanInputs,
@@ -62,6 +63,9 @@ def describe(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> str:
         f"  optimizer      {_ms(p.optimizer_s)}  LARS update: "
         f"{OPTIMIZER_BYTES_PER_PARAMETER:g} B x {work.parameters / 1e6:.4g} M parameters / "
         f"{_si(rank_memory_Bps(machine, inp.procs_per_node), 'B/s')} per rank",
+        *([f"  compression    {_ms(p.compression_s)}  {COMPRESSION_BYTES_PER_PARAMETER:g} B "
+           f"x {work.parameters / 1e6:.4g} M parameters (PowerSGD's passes over the gradient)"]
+          if p.compression_s else []),
         f"  communication  {_ms(p.comm_s)}  {_si(p.gradient_bytes, 'B')} {wire} gradients in "
         f"{p.buckets} bucket(s); alpha {machine['network.latency_s'] * 1e6:g} us, "
         f"1/beta {_si(machine['network.bandwidth_Bps'], 'B/s')} (intra-node "
@@ -81,7 +85,9 @@ def describe(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> str:
         f"  iteration      {_ms(p.iteration_s)}  dominant term: {p.dominant}",
         "per run",
         f"  {p.iterations_per_epoch} iterations/epoch x {p.iteration_s:.4g} s = epoch "
-        f"{p.epoch_s:.4g} s; {inp.epochs:g} epochs = {p.total_s:.4g} s ({p.total_s / 60:.3g} min)",
+        f"{p.epoch_s:.4g} s; {inp.epochs:g} epochs = {p.total_s:.4g} s ({p.total_s / 60:.3g} min)"
+        + (f", the first {p.sync_warmup_steps} iterations synchronous ({p.warmup_s:.4g} s)"
+           if p.sync_warmup_steps else ""),
         f"  {p.images_per_s:,.0f} images/s ({p.images_per_s_per_rank:.4g} per rank); scaling "
         f"efficiency {p.scaling_efficiency:.1%} (vs one rank with no communication)",
     ]

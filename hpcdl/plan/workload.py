@@ -65,6 +65,27 @@ def _count(model_name: str, image_size: int) -> tuple[float, int]:
     return float(macs), int(params)
 
 
+def powersgd_compression_ratio(model_name: str, rank: int) -> float:
+    """Dense gradient bytes ÷ the bytes hpcdl's PowerSGD sends at ``rank`` for ``model_name``
+    (Vogels et al., NeurIPS'19: r·(n+m) per compressed n×m matrix, the rest dense; the same
+    tensors as PyTorch's ``powerSGD_hook``): what ``hpcdl plan --compression-ratio`` takes."""
+    import math
+
+    import torch
+
+    from hpcdl.comm.powersgd import compressed_bytes
+    from hpcdl.models import create_model, list_models
+
+    if model_name not in list_models():
+        raise ValueError(f"unknown model {model_name!r}; known: {list_models()}")
+    if rank < 1:
+        raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+    with torch.device("meta"):
+        model = create_model(model_name)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    return sum(math.prod(s) for s in shapes) * 4 / compressed_bytes(shapes, rank)
+
+
 def workload(model: str, image_size: int = 224, cache_path: str | None = None,
              with_layers: bool = False) -> Workload:
     """The cost of ``model`` at ``image_size``, from the cache or counted once and cached;
