@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from hpcdl.bench.allreduce import bandwidth_ratios, bandwidth_record, parse_size
-from hpcdl.comm.base import describe_meta, mismatch_message, reduction_dtype, signature_hash
-from hpcdl.comm.ring import segment_bounds
+from hpcdl.comm.base import (
+    describe_meta,
+    mismatch_message,
+    reduction_dtype,
+    segment_bounds,
+    signature_hash,
+)
 
 
 @pytest.mark.parametrize("numel,parts", [(0, 4), (3, 4), (10, 3), (12, 4), (1, 1)])

@@ -35,6 +35,15 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks called the same collective with different shapes, dtypes or arguments."""
 
 
+def segment_bounds(numel: int, parts: int) -> list[int]:
+    """Offsets of ``parts`` near-equal segments (the first ``numel % parts`` one longer)."""
+    base, extra = divmod(numel, parts)
+    bounds = [0]
+    for j in range(parts):
+        bounds.append(bounds[-1] + base + (1 if j < extra else 0))
+    return bounds
+
+
 def debug_enabled() -> bool:
     """HPCDL_DEBUG=1: check every collective's signature, not only a layout's first call."""
     return os.environ.get("HPCDL_DEBUG", "0") not in ("", "0", "false", "False")
@@ -262,8 +271,6 @@ class Communicator:
         """Offsets of each rank's slice of a flat buffer of ``numel`` elements: rank ``r``
         owns ``[bounds[r], bounds[r + 1])`` after :meth:`reduce_scatter_flat_` and sends it
         in :meth:`allgather_flat_` (near-equal slices, the first ``numel % size`` longer)."""
-        from hpcdl.comm.ring import segment_bounds
-
         return segment_bounds(int(numel), self.size)
 
     def reduce_scatter_flat_(self, buffer: torch.Tensor, average: bool = True,

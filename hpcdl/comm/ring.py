@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl.comm.base import Communicator, numpy_view, scale_
+from hpcdl.comm.base import Communicator, numpy_view, scale_, segment_bounds
 
 TAG_REDUCE_SCATTER = 71
 TAG_ALLGATHER = 72
@@ -31,15 +31,6 @@ TAG_ALLGATHER = 72
 #: overlap, large enough that per-message Python/MPI overhead stays small (256 KiB-4 MiB measured
 #: within noise at p=4 on 2 busy cores; docs/performance.md).
 DEFAULT_CHUNK_BYTES = 2**20
-
-
-def segment_bounds(numel: int, parts: int) -> list[int]:
-    """Offsets of ``parts`` near-equal segments (the first ``numel % parts`` one longer)."""
-    base, extra = divmod(numel, parts)
-    bounds = [0]
-    for j in range(parts):
-        bounds.append(bounds[-1] + base + (1 if j < extra else 0))
-    return bounds
 
 
 def split_chunks(array: np.ndarray, chunk: int) -> list[np.ndarray]:

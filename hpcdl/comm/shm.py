@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl.comm.base import Communicator, numpy_view, scale_
-from hpcdl.comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce, segment_bounds
+from hpcdl.comm.base import Communicator, numpy_view, scale_, segment_bounds
+from hpcdl.comm.ring import DEFAULT_CHUNK_BYTES, ring_allreduce
 
 #: Reduce this many bytes of the own slice against every peer before moving on, so the
 #: accumulator stays in L2 instead of streaming through memory local_size-1 times.
