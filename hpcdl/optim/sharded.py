@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from hpcdl.optim.lars import LARS, lars_update, local_rates
+from hpcdl.optim.wrapper import OptimizerWrapper
 
 __all__ = ["ShardedOptimizer", "sharding_unsupported"]
 
@@ -77,7 +78,7 @@ def sharding_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
     return type(optimizer).__name__
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(OptimizerWrapper):
     """Step ``optimizer`` on this rank's slice of every bucket of ``reducer``, then allgather.
 
     ``reducer`` must be a :class:`~hpcdl.comm.reducer.GradientReducer` built with
@@ -133,37 +134,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: momentum of this rank's pieces, one flat tensor per piece (None before step 1)
         self._momentum: list[Tensor] | None = None
         self._unsharded = False
-
-    # -- the wrapped optimizer's data, shared --------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
-    def __getattr__(self, name: str) -> Any:
-        optimizer = self.__dict__.get("optimizer")
-        if optimizer is None:
-            raise AttributeError(name)
-        return getattr(optimizer, name)
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.optimizer!r})"

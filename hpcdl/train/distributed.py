@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from hpcdl.comm.reducer import GradientReducer
+from hpcdl.optim.wrapper import OptimizerWrapper
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters",
            "setup_logging"]
@@ -61,7 +62,7 @@ def _named_parameters(model: torch.nn.Module | NamedTensors) -> list[tuple[str, 
     return named
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(OptimizerWrapper):
     """Wrap ``optimizer`` so that ``step()`` applies the world's average gradient.
 
     ``model`` is the module (or its ``named_parameters()``) whose gradients are averaged over
@@ -107,40 +108,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._syncing = True
         self.reducer.arm(last=True)
 
-    # -- the wrapped optimizer's data, shared rather than copied ---------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names the wrapper lacks: the wrapped optimizer's extras and
-        # torch's hook dictionaries (so hooks registered here run on the wrapped step).
+    def _delegate(self) -> Any:
         # With shard_update the sharded step answers first (its scale_momentum_ scales the
         # slices), and passes the rest on to the wrapped optimizer.
-        optimizer = self.__dict__.get("_stepper", self.__dict__.get("optimizer"))
-        if optimizer is None:
-            raise AttributeError(name)
-        return getattr(optimizer, name)
+        return self.__dict__.get("_stepper", self.__dict__.get("optimizer"))
 
     # -- what the training loop calls ----------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

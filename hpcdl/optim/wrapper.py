@@ -1,0 +1,55 @@
+"""A torch optimizer that wraps another and shares its data (Horovod's DistributedOptimizer
+pattern): ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own objects,
+so the schedule's learning rate, ``state_dict`` and torch schedulers act on one set of groups.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["OptimizerWrapper"]
+
+
+class OptimizerWrapper(torch.optim.Optimizer):
+    """Base of :class:`hpcdl.optim.sharded.ShardedOptimizer` and
+    :class:`hpcdl.DistributedOptimizer`. A subclass sets ``self.optimizer`` and does not call
+    ``super().__init__`` (the base constructor would overwrite the shared groups). Names the
+    wrapper lacks go to :meth:`_delegate` (the wrapped optimizer unless overridden)."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def _delegate(self) -> Any:
+        return self.__dict__.get("optimizer")
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the wrapper lacks: the wrapped optimizer's extras and
+        # torch's hook dictionaries (so hooks registered here run on the wrapped step).
+        target = self._delegate()
+        if target is None:
+            raise AttributeError(name)
+        return getattr(target, name)
