@@ -83,3 +83,37 @@ def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> str:
     comm = MPI.COMM_WORLD
     path = str(tmp_path_factory.mktemp("shared")) if comm.rank == 0 else None
     return comm.bcast(path, root=0)
+
+
+@pytest.fixture(scope="module")
+def comm():
+    """An ``mpi``-backend communicator over the world, one per test module (a module that
+    needs another backend or set-up defines its own ``comm``)."""
+    import hpcdl.comm
+
+    communicator = hpcdl.comm.init("mpi", MPI.COMM_WORLD)
+    yield communicator
+    communicator.close()
+
+
+@pytest.fixture(scope="module")
+def make_tiny_shards(tmp_path_factory: pytest.TempPathFactory):
+    """``make(train_per_class=16, val_per_class=4, shards=4)``: a 3-class synthetic ImageNet
+    tree of 24×20 JPEGs sharded at 20 px by rank 0; every rank gets the shard directory."""
+
+    def make(train_per_class: int = 16, val_per_class: int = 4, shards: int = 4) -> str:
+        world = MPI.COMM_WORLD
+        path = None
+        if world.rank == 0:
+            from hpcdl.data_prep.shard import shard_tree
+            from hpcdl.data_prep.synthetic import make_imagenet_tree
+
+            root = tmp_path_factory.mktemp("data")
+            make_imagenet_tree(str(root / "tree"), num_classes=3,
+                               train_per_class=train_per_class, val_per_class=val_per_class,
+                               size=(24, 20))
+            shard_tree(str(root / "tree"), str(root / "shards"), shards=shards, resize=20)
+            path = str(root / "shards")
+        return world.bcast(path, root=0)
+
+    return make

@@ -8,7 +8,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
 
 import hpcdl.comm
 from hpcdl.comm.policy import create_policy
@@ -48,12 +47,6 @@ def lars(model):
     return create_optimizer({"name": "lars", "momentum": 0.9, "weight_decay": 1e-4}, model,
                             lr=0.05)
 
-
-@pytest.fixture(scope="module")
-def comm():
-    c = hpcdl.comm.init("mpi", MPI.COMM_WORLD)
-    yield c
-    c.close()
 
 
 @pytest.mark.min_ranks(2)
@@ -212,19 +205,8 @@ def recipe(size, **comm):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    world = MPI.COMM_WORLD
-    path = None
-    if world.rank == 0:
-        from hpcdl.data_prep.shard import shard_tree
-        from hpcdl.data_prep.synthetic import make_imagenet_tree
-
-        root = tmp_path_factory.mktemp("data")
-        make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=16,
-                           val_per_class=4, size=(24, 20))
-        shard_tree(str(root / "tree"), str(root / "shards"), shards=4, resize=20)
-        path = str(root / "shards")
-    return world.bcast(path, root=0)
+def shards(make_tiny_shards):
+    return make_tiny_shards()
 
 
 def run_trainer(config, shards, run_dir, comm, resume="none", **options):

@@ -38,19 +38,8 @@ def recipe(trainer_size):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    world = MPI.COMM_WORLD
-    path = None
-    if world.rank == 0:
-        from hpcdl.data_prep.shard import shard_tree
-        from hpcdl.data_prep.synthetic import make_imagenet_tree
-
-        root = tmp_path_factory.mktemp("ltfb")
-        make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=16,
-                           val_per_class=2, size=(24, 20))
-        shard_tree(str(root / "tree"), str(root / "shards"), shards=6, resize=20)
-        path = str(root / "shards")
-    return world.bcast(path, root=0)
+def shards(make_tiny_shards):
+    return make_tiny_shards(val_per_class=2, shards=6)
 
 
 def make_ltfb(shards, run_dir, world, interval=1000, exchange="weights", metric="loss",

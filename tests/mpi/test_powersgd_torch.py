@@ -11,9 +11,7 @@ under its ``min_compression_rate`` of 2; hpcdl compressed it before this test), 
 """
 import pytest
 import torch
-from mpi4py import MPI
 
-import hpcdl.comm
 from hpcdl.comm.powersgd import PowerSGDReducer
 
 SHAPES = {"conv": (12, 3, 2, 2), "linear": (10, 20), "square": (6, 6), "bias": (12,)}
@@ -47,12 +45,6 @@ def gradients(rank: int, step: int) -> dict[str, torch.Tensor]:
         out[name] = (low + 0.5 * torch.randn(n, m, generator=own)).reshape(shape)
     return out
 
-
-@pytest.fixture(scope="module")
-def comm():
-    c = hpcdl.comm.init("mpi", MPI.COMM_WORLD)
-    yield c
-    c.close()
 
 
 @pytest.mark.min_ranks(2)

@@ -285,19 +285,8 @@ def recipe(size, shard_update, **comm):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    world = MPI.COMM_WORLD
-    path = None
-    if world.rank == 0:
-        from hpcdl.data_prep.shard import shard_tree
-        from hpcdl.data_prep.synthetic import make_imagenet_tree
-
-        root = tmp_path_factory.mktemp("data")
-        make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=8,
-                           val_per_class=2, size=(24, 20))
-        shard_tree(str(root / "tree"), str(root / "shards"), shards=4, resize=20)
-        path = str(root / "shards")
-    return world.bcast(path, root=0)
+def shards(make_tiny_shards):
+    return make_tiny_shards(train_per_class=8, val_per_class=2)
 
 
 def train(config, shards, run_dir, comm, resume="none", **options):

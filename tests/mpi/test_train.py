@@ -7,7 +7,6 @@ import pytest
 import torch
 from mpi4py import MPI
 
-import hpcdl.comm
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import RecipeError, config_from_dict
 from hpcdl.train.trainer import NonFiniteLossError, Trainer, TrainOptions
@@ -30,26 +29,9 @@ def recipe(size, **train):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    world = MPI.COMM_WORLD
-    path = None
-    if world.rank == 0:
-        from hpcdl.data_prep.shard import shard_tree
-        from hpcdl.data_prep.synthetic import make_imagenet_tree
+def shards(make_tiny_shards):
+    return make_tiny_shards()
 
-        root = tmp_path_factory.mktemp("data")
-        make_imagenet_tree(str(root / "tree"), num_classes=3, train_per_class=16,
-                           val_per_class=4, size=(24, 20))
-        shard_tree(str(root / "tree"), str(root / "shards"), shards=4, resize=20)
-        path = str(root / "shards")
-    return world.bcast(path, root=0)
-
-
-@pytest.fixture(scope="module")
-def comm():
-    c = hpcdl.comm.init("mpi", MPI.COMM_WORLD)
-    yield c
-    c.close()
 
 
 def run_trainer(config, shards, run_dir, comm, resume="none", **options):
