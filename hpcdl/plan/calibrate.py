@@ -58,14 +58,6 @@ from hpcdl.plan.machine import parse_machine, user_machines_dir
 ALLREDUCE_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 
 
-def median_of(fn: Callable[[], Any], repeats: int) -> float:
-    """Median of ``repeats`` timed calls after one untimed warm-up (hpcdl.plan.class_rates.
-    median_time: the same statistic for every figure, so a quiet run gives stable rates)."""
-    from hpcdl.plan.class_rates import median_time
-
-    return median_time(fn, repeats)
-
-
 def cpu_mhz() -> float | None:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -91,11 +83,13 @@ def matmul_flops(threads: int, n: int = 1024, repeats: int = 5) -> float:
     """fp32 GEMM FLOP/s (2n³ per product) with ``threads`` torch threads."""
     import torch
 
+    from hpcdl.plan.class_rates import median_time
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        return 2 * n ** 3 / median_of(lambda: torch.mm(a, b), repeats)
+        return 2 * n ** 3 / median_time(lambda: torch.mm(a, b), repeats)
     finally:
         torch.set_num_threads(before)
 
@@ -104,12 +98,14 @@ def stream_Bps(threads: int, nbytes: int = 64 << 20, repeats: int = 5) -> float:
     """Bytes/s moved by ``a += b`` (read a, read b, write a) with ``threads`` torch threads."""
     import torch
 
+    from hpcdl.plan.class_rates import median_time
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a = torch.ones(nbytes // 4)
         b = torch.ones(nbytes // 4)
-        return 3 * nbytes / median_of(lambda: a.add_(b), repeats)
+        return 3 * nbytes / median_time(lambda: a.add_(b), repeats)
     finally:
         torch.set_num_threads(before)
 
@@ -138,6 +134,7 @@ def decode_images_per_s(image_size: int = 224, images: int = 64) -> float:
     import torch
 
     from hpcdl.data.augment import crop_resize
+    from hpcdl.plan.class_rates import median_time
 
     rng = np.random.default_rng(0)
     # A smooth image with noise compresses like a photograph (pure noise would not).
@@ -155,7 +152,7 @@ def decode_images_per_s(image_size: int = 224, images: int = 64) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(1)   # a rate per core
     try:
-        return images / median_of(work, 3)
+        return images / median_time(work, 3)
     finally:
         torch.set_num_threads(before)
 
@@ -272,6 +269,7 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     when the allreduce bench could not run)."""
     stamp = f"measured {datetime.date.today().isoformat()} by hpcdl plan --calibrate"
     cores = m["cores"]
+    cpu = dict(m.get("cpu") or cpu_identity())
     mhz = m.get("cpu_mhz") or 2000.0
     freq_src = (f"/proc/cpuinfo cpu MHz = {mhz:g} ({stamp})" if m.get("cpu_mhz")
                 else "assumption: 2 GHz (/proc/cpuinfo has no cpu MHz)")
@@ -280,7 +278,7 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     doc: dict[str, Any] = {
         "name": "local",
         "calibrated": True,
-        "description": f"this machine ({_cpu_name()}, {cores} cores), one node",
+        "description": f"this machine ({cpu['model_name']}, {cores} cores), one node",
         "node": {
             "sockets": _fig(1, f"one node as seen by os.cpu_count() ({stamp})"),
             "cores_per_socket": _fig(cores, f"os.cpu_count() = {cores} ({stamp})"),
@@ -324,7 +322,7 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     doc["network"] = {k: {"value": v["value"],
                           "source": f"single node: no network; same as intra_node ({v['source']})"}
                       for k, v in intra.items()}
-    doc["cpu"] = dict(m.get("cpu") or cpu_identity())
+    doc["cpu"] = cpu
     doc["measured"] = {k: v for k, v in m.items() if not isinstance(v, dict | list)}
     if "allreduce" in m:
         doc["measured"]["allreduce_fit"] = m["allreduce"]
@@ -380,12 +378,6 @@ def thread_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
             f"{m['class_rates_threads'][op_class] / 1e9:.4g} G/s, over the same on 1 thread, "
             f"{m['class_rates'][op_class] / 1e9:.4g} G/s (FLOP/s or nominal bytes/s); {load}"))
     return section
-
-
-def _cpu_name() -> str:
-    from hpcdl.cpus import cpu_model_name
-
-    return cpu_model_name()
 
 
 def write_machine(doc: Mapping[str, Any], directory: str) -> str:

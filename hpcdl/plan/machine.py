@@ -34,7 +34,7 @@ shipped in this package (``hpcdl/plan/machines``), which may be read-only on a c
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,8 +213,10 @@ def parse_machine(doc: Any, path: str) -> Machine:
                 raise MachineError(f"{path}: missing figure {section}.{key}")
         for key, leaf in block.items():
             figures[f"{section}.{key}"] = _figure(path, f"{section}.{key}", leaf)
-    figures.update(_compute_figures(doc, path))
-    figures.update(_thread_figures(doc, path))
+    figures.update(_optional_section(doc, path, "compute", COMPUTE_FIGURES,
+                                     "state each figure with its source"))
+    figures.update(_optional_section(doc, path, "thread_scaling", THREAD_FIGURES,
+                                     "delete the section to assume linear scaling"))
     if "compute.conv_3x3" not in figures and "node.sustained_fraction" not in figures:
         raise MachineError(f"{path}: missing section 'compute' (needs {list(COMPUTE_FIGURES)}); "
                            "measure it with `hpcdl plan --calibrate`")
@@ -227,35 +229,20 @@ def parse_machine(doc: Any, path: str) -> Machine:
                    figures=figures, cpu=dict(cpu), calibrated=bool(doc.get("calibrated", False)))
 
 
-def _compute_figures(doc: Mapping[str, Any], path: str) -> dict[str, Figure]:
-    """The optional ``compute`` section: all of :data:`COMPUTE_FIGURES` or an error."""
-    block = doc.get("compute")
+def _optional_section(doc: Mapping[str, Any], path: str, section: str, keys: Sequence[str],
+                      otherwise: str) -> dict[str, Figure]:
+    """An optional section of figures: absent, or every one of ``keys`` (an error naming the
+    missing ones and ``otherwise``, what the user can do instead of recalibrating)."""
+    block = doc.get(section)
     if block is None:
         return {}
     if not isinstance(block, Mapping):
-        raise MachineError(f"{path}: compute must be a mapping of figures {COMPUTE_FIGURES}")
-    missing = [k for k in COMPUTE_FIGURES if k not in block]
+        raise MachineError(f"{path}: {section} must be a mapping of figures {keys}")
+    missing = [k for k in keys if k not in block]
     if missing:
-        raise MachineError(f"{path}: compute is missing {missing} (recalibrate with "
-                           "`hpcdl plan --calibrate`, or state each figure with its source)")
-    return {f"compute.{k}": _figure(path, f"compute.{k}", v) for k, v in block.items()}
-
-
-def _thread_figures(doc: Mapping[str, Any], path: str) -> dict[str, Figure]:
-    """The optional ``thread_scaling`` section: all of :data:`THREAD_FIGURES` or an error."""
-    block = doc.get("thread_scaling")
-    if block is None:
-        return {}
-    if not isinstance(block, Mapping):
-        raise MachineError(f"{path}: thread_scaling must be a mapping of figures "
-                           f"{THREAD_FIGURES}")
-    missing = [k for k in THREAD_FIGURES if k not in block]
-    if missing:
-        raise MachineError(f"{path}: thread_scaling is missing {missing} (recalibrate with "
-                           "`hpcdl plan --calibrate`, or delete the section to assume linear "
-                           "scaling)")
-    return {f"thread_scaling.{k}": _figure(path, f"thread_scaling.{k}", v)
-            for k, v in block.items()}
+        raise MachineError(f"{path}: {section} is missing {missing} (recalibrate with "
+                           f"`hpcdl plan --calibrate`, or {otherwise})")
+    return {f"{section}.{k}": _figure(path, f"{section}.{k}", v) for k, v in block.items()}
 
 
 def load_machine(name: str, machines_dir: str | None = None) -> Machine:

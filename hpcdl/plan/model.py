@@ -269,9 +269,11 @@ def rank_flops(machine: Machine, procs_per_node: int) -> float:
     return machine.sustained_flops_per_node / procs_per_node
 
 
-def rank_memory_Bps(machine: Machine, procs_per_node: int) -> float:
-    """Stream bandwidth of one rank: its cores' rate, capped by its share of the node's."""
-    cores = max(1.0, machine.cores_per_node / procs_per_node)
+def rank_memory_Bps(machine: Machine, procs_per_node: int, cores: float | None = None) -> float:
+    """Stream bandwidth of one rank: ``cores`` one-core rates (default its share of the node's
+    cores; a measured thread speedup where given), capped by its share of the node's."""
+    if cores is None:
+        cores = machine.threads_per_rank(procs_per_node)
     return min(machine["node.core_stream_Bps"] * cores,
                machine["node.memory_bandwidth_Bps"] / procs_per_node)
 
@@ -300,8 +302,7 @@ def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_nod
             t = max(t, LINEAR_WEIGHT_PASSES * layer.param_bytes
                     / rank_memory_Bps(machine, procs_per_node))
         return overhead + t
-    stream = min(machine["node.core_stream_Bps"] * speedup,
-                 machine["node.memory_bandwidth_Bps"] / procs_per_node)
+    stream = rank_memory_Bps(machine, procs_per_node, cores=speedup)
     return overhead + batch_per_rank * layer.memory_bytes() / (fraction * stream)
 
 
@@ -384,10 +385,11 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
                      "compute per rank slows proportionally")
 
     work = with_layer_table(machine, work)
+    threads = machine.threads_per_rank(inp.procs_per_node)
     if (machine.calibrated and machine.has_class_rates and not machine.has_thread_scaling
-            and machine.threads_per_rank(inp.procs_per_node) > 1):
+            and threads > 1):
         notes.append(f"{machine.path} has no measured thread scaling: a rank's "
-                     f"{machine.threads_per_rank(inp.procs_per_node):g} threads are costed as "
+                     f"{threads:g} threads are costed as "
                      "that many cores (linear; recalibrate with `hpcdl plan --calibrate`)")
     if not machine.has_class_rates:
         notes.append(f"{machine.path} has no per-class compute rates: compute costed with one "

@@ -109,23 +109,24 @@ def measured_step(report: Mapping[str, Any], ranks: int) -> dict[str, float]:
     return out
 
 
+BENCH_TRAIN = (sys.executable, "-m", "hpcdl.cli.main", "bench", "train")
+
+
 @functools.lru_cache(maxsize=1)
 def bench_train_help() -> str:
     """``hpcdl bench train --help``, asked once per process (each ask imports torch: ~2 s a
     row on 2 cores, 27 times in a default validation)."""
-    base = [sys.executable, "-m", "hpcdl.cli.main", "bench", "train"]
-    return subprocess.run(base + ["--help"], capture_output=True, text=True).stdout
+    return subprocess.run([*BENCH_TRAIN, "--help"], capture_output=True, text=True).stdout
 
 
 def bench_train_command(procs: int, model: str, image_size: int, batch: int, steps: int,
                         json_path: str, mpiexec: str = "mpiexec") -> list[str]:
-    base = [sys.executable, "-m", "hpcdl.cli.main", "bench", "train"]
     help_text = bench_train_help()
     if "--model" not in help_text:
         raise RuntimeError("`hpcdl bench train` is not available in this installation "
                            "(hpcdl/bench/train.py); cannot measure")
-    cmd = [mpiexec, "-n", str(procs), *base, "--model", model, "--image-size", str(image_size),
-           "--synthetic", "--json", json_path]
+    cmd = [mpiexec, "-n", str(procs), *BENCH_TRAIN, "--model", model, "--image-size",
+           str(image_size), "--synthetic", "--json", json_path]
     threads = max(1, (os.cpu_count() or 1) // procs)
     for flag, value in (("--batch", batch), ("--steps", steps), ("--warmup", 1),
                         ("--modes", "ours"), ("--threads", threads), ("--matmul-size", 256)):
@@ -253,6 +254,7 @@ def validate_command(args: argparse.Namespace) -> int:
           + (f", {budget:g} s budget" if budget else "") + ")")
     rows = [ValidationRow(machine, work, procs, args)
             for work in works for procs in procs_list]
+    bf16 = bf16_skip_reason()
     deadline = time.monotonic() + budget if budget else None
     for repeat in range(max(1, args.repeats)):
         # Round-robin: every row gets its first measurement before any gets its second, so
@@ -265,9 +267,9 @@ def validate_command(args: argparse.Namespace) -> int:
             if not row.measure(args):
                 return 1
         if args.json:   # a long validation stopped early keeps the rows it measured
-            write_json(args.json, validation_report(rows, machine, warning, procs_list,
+            write_json(args.json, validation_report(rows, machine, warning, procs_list, bf16,
                                                     complete=False))
-    report = validation_report(rows, machine, warning, procs_list, complete=True)
+    report = validation_report(rows, machine, warning, procs_list, bf16, complete=True)
     print(report["bf16"])
     emit(report, ("model", "image_size", "ranks", "batch_per_rank", "predicted_step_s",
                   "measured_step_s", "measured_min_s", "measured_max_s",
@@ -277,9 +279,9 @@ def validate_command(args: argparse.Namespace) -> int:
 
 
 def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str | None,
-                      procs_list: Sequence[int], complete: bool) -> dict[str, Any]:
+                      procs_list: Sequence[int], bf16: str, complete: bool) -> dict[str, Any]:
     """The bench JSON of a validation (``complete`` False while rows are still to come); rows
-    never measured (budget) are listed under ``not_measured``."""
+    never measured (budget) are listed under ``not_measured``; ``bf16`` says why no bf16 rows."""
     from hpcdl.bench.report import bench_report
 
     records = [row.record() for row in rows if row.runs]
@@ -288,7 +290,7 @@ def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str 
     ratios["within_15_percent"] = bool(records) and all(
         0.85 <= r["predicted_vs_measured"] <= 1.15 for r in records)
     report = bench_report("plan-validate", records, ratios, ranks=max(procs_list))
-    report.update(machine_file=machine.path, bf16=bf16_skip_reason(), complete=complete,
+    report.update(machine_file=machine.path, bf16=bf16, complete=complete,
                   not_measured=[row.label for row in rows if not row.runs])
     if warning:
         report["cpu_warning"] = warning
@@ -307,18 +309,17 @@ class ValidationRow:
     def __init__(self, machine: Any, work: Any, procs: int, args: argparse.Namespace) -> None:
         self.machine, self.work, self.procs = machine, work, procs
         self.prediction = predict_row(machine, work, procs, args)
-        prediction = self.prediction
         self.runs: list[dict[str, float]] = []
-        self.run_wall_s: list[float] = []
+        self.last_wall_s: float | None = None
         self.label = f"{work.model}@{work.image_size} np={procs}"
-        print(f"{self.label}: predicted step {prediction.iteration_s:.4g} s (compute "
-              f"{prediction.compute_s:.4g} s, exposed comm {prediction.comm_exposed_s:.4g} s)",
-              flush=True)
+        p = self.prediction
+        print(f"{self.label}: predicted step {p.iteration_s:.4g} s (compute "
+              f"{p.compute_s:.4g} s, exposed comm {p.comm_exposed_s:.4g} s)", flush=True)
 
     def estimate_s(self, args: argparse.Namespace) -> float:
         """Wall seconds of the next run: the last one's, or the prediction's steps + start-up."""
-        if self.run_wall_s:
-            return self.run_wall_s[-1]
+        if self.last_wall_s is not None:
+            return self.last_wall_s
         return RUN_STARTUP_S + (args.steps + 1) * self.prediction.iteration_s
 
     def measure(self, args: argparse.Namespace) -> bool:
@@ -332,9 +333,9 @@ class ValidationRow:
             print(f"hpcdl plan --validate: {self.label}: {exc}", file=sys.stderr)
             return False
         self.runs.append(run)
-        self.run_wall_s.append(time.monotonic() - start)
+        self.last_wall_s = time.monotonic() - start
         print(f"  {self.label}: measured {run['step_s']:.4g} s (run {len(self.runs)}, "
-              f"{self.run_wall_s[-1]:.0f} s wall)", flush=True)
+              f"{self.last_wall_s:.0f} s wall)", flush=True)
         batch = int(run.get("batch_per_rank", args.batch_per_rank))
         if batch != self.prediction.batch_per_rank:   # the model is a pure function: redo it
             self.prediction = predict_row(self.machine, self.work, self.procs, args, batch)
