@@ -142,24 +142,40 @@ class SharedMemoryCommunicator(Communicator):
             self._across_nodes(self.cross_comm, mine)
         if average:
             scale_(mine, self.size)
+        self._gather_slices(window, views, bounds)
+
+    def _gather_slices(self, window: SharedWindow, views: list[np.ndarray],
+                       bounds: list[int]) -> None:
+        """The second half of an in-window allreduce: once every slice is final, copy the
+        other ranks' slices out of their regions into mine."""
+        me = self.local_rank
         self._node_sync(window)                 # every slice is final
         for k in range(self.local_size):
             if k != me:
                 np.copyto(views[me][bounds[k]:bounds[k + 1]], views[k][bounds[k]:bounds[k + 1]])
         self._node_sync(window)                 # nobody reads my region any more
 
+    def _one_node_views(self, buffer: torch.Tensor
+                        ) -> tuple[SharedWindow, list[np.ndarray]] | None:
+        """The window holding ``buffer`` and every local rank's view of it, on one node;
+        None elsewhere (several nodes, or a buffer outside the window: MPI's collectives)."""
+        located = self._locate(buffer) if self.num_nodes == 1 else None
+        if located is None:
+            return None
+        window, offset = located
+        return window, window.views(offset, buffer.numel(), numpy_view(buffer[:0]).dtype)
+
     def _reduce_scatter(self, buffer: torch.Tensor, average: bool) -> None:
         """The first half of :meth:`_reduce_in_window` alone: rank j sums slice j of every
         peer's region into its own and stops there, with no copy back (that is the
         allgather's job, after the sharded update). One node and a window buffer only;
         otherwise MPI's Reduce_scatter (ranks on several nodes own world slices)."""
-        located = self._locate(buffer) if self.num_nodes == 1 else None
-        if located is None:
+        one_node = self._one_node_views(buffer)
+        if one_node is None:
             super()._reduce_scatter(buffer, average)
             return
-        window, offset = located
-        views = window.views(offset, buffer.numel(), numpy_view(buffer[:0]).dtype)
-        bounds = segment_bounds(buffer.numel(), self.local_size)
+        window, views = one_node
+        bounds = self.shard_bounds(buffer.numel())
         self._node_sync(window)                 # every rank's data is in the window
         self._reduce_slice(views, bounds)
         if average:
@@ -171,19 +187,12 @@ class SharedMemoryCommunicator(Communicator):
 
     def _allgather(self, buffer: torch.Tensor) -> None:
         """Each rank copies the other slices straight out of its peers' regions."""
-        located = self._locate(buffer) if self.num_nodes == 1 else None
-        if located is None:
+        one_node = self._one_node_views(buffer)
+        if one_node is None:
             super()._allgather(buffer)
             return
-        window, offset = located
-        views = window.views(offset, buffer.numel(), numpy_view(buffer[:0]).dtype)
-        bounds = segment_bounds(buffer.numel(), self.local_size)
-        me = self.local_rank
-        self._node_sync(window)                 # every rank's slice is written
-        for k in range(self.local_size):
-            if k != me:
-                np.copyto(views[me][bounds[k]:bounds[k + 1]], views[k][bounds[k]:bounds[k + 1]])
-        self._node_sync(window)                 # nobody reads my region any more
+        window, views = one_node
+        self._gather_slices(window, views, self.shard_bounds(buffer.numel()))
 
     def publish_flat_(self, buffer: torch.Tensor,
                       bucket: int | None = None) -> list[torch.Tensor]:
@@ -191,14 +200,13 @@ class SharedMemoryCommunicator(Communicator):
         (the allgather's copy into this rank's region is skipped: measured on AlexNet-BN's
         61 M floats at P = 2, 0.19 s against 0.28 s with the copy and the unpack, under
         load; docs/performance.md, issue 16 part 1)."""
-        located = self._locate(buffer) if self.num_nodes == 1 else None
-        if located is None:
+        one_node = self._one_node_views(buffer)
+        if one_node is None:
             return super().publish_flat_(buffer, bucket)
         self._check_sharded(buffer, "publish_flat_")
-        window, offset = located
+        window, views = one_node
         meta = self._flat_meta(buffer, bucket)
         self._collective("publish", meta, lambda: self._node_sync(window))
-        views = window.views(offset, buffer.numel(), numpy_view(buffer[:0]).dtype)
         return [torch.from_numpy(v) for v in views]
 
     def release_flat_(self, buffer: torch.Tensor) -> None:

@@ -133,10 +133,6 @@ class ShardedOptimizer(OptimizerWrapper):
                 piece.group, []).append(i)
         #: momentum of this rank's pieces, one flat tensor per piece (None before step 1)
         self._momentum: list[Tensor] | None = None
-        self._unsharded = False
-
-    def __repr__(self) -> str:
-        return f"ShardedOptimizer({self.optimizer!r})"
 
     # -- layout ----------------------------------------------------------------------------
     def _my_pieces(self) -> list[_Piece]:
@@ -167,12 +163,14 @@ class ShardedOptimizer(OptimizerWrapper):
         if closure is not None:
             raise ValueError("ShardedOptimizer.step: closures are not supported; run "
                              "forward and backward before step()")
-        if self._unsharded or not self.reducer.enabled or self.reducer.buckets[0].buffer is None:
+        if (not self.reducer.reduce_scatter or not self.reducer.enabled
+                or self.reducer.buckets[0].buffer is None):
             return self.optimizer.step()   # no_comm ceiling / one rank: the whole update
         if self._momentum is None:
             self._momentum = [torch.zeros(p.stop - p.start, dtype=p.param.dtype)
                               for p in self._pieces]
-        rates = self._piece_rates()
+        # SGD reads its groups' lr itself: only LARS needs the per-tensor rates
+        rates = self._piece_rates() if isinstance(self.optimizer, LARS) else None
         # Bucket by bucket: update this rank's slice, hand it to the communication thread's
         # allgather, and update the next bucket while that one travels.
         for bucket in self.reducer.buckets:
@@ -214,12 +212,12 @@ class ShardedOptimizer(OptimizerWrapper):
                 rate[sel] = group["lr"]
         return rate
 
-    def _update(self, group: dict[str, Any], chosen: list[int], rates: Tensor) -> None:
+    def _update(self, group: dict[str, Any], chosen: list[int], rates: Tensor | None) -> None:
         pieces = [self._pieces[i] for i in chosen]
         params = [self._param_view(p) for p in pieces]
         grads = [self._grad_view(p) for p in pieces]
         bufs = [self._momentum[i] for i in chosen] if group["momentum"] != 0.0 else []
-        if isinstance(self.optimizer, LARS):
+        if rates is not None:
             lars_update(group, params, grads, bufs,
                         rates[[p.tensor_index for p in pieces]])
             return
@@ -245,11 +243,11 @@ class ShardedOptimizer(OptimizerWrapper):
         sharding, on the same model and buffers (``hpcdl bench train``'s ``ours_allreduce``,
         so both are timed on one instance). The whole update keeps its own momentum (the
         wrapped optimizer's), apart from the slices': for timing, not for training."""
-        self._unsharded, self.reducer.reduce_scatter = True, False
+        self.reducer.reduce_scatter = False
         try:
             yield
         finally:
-            self._unsharded, self.reducer.reduce_scatter = False, True
+            self.reducer.reduce_scatter = True
 
     # -- state in the full layout -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -281,9 +279,9 @@ class ShardedOptimizer(OptimizerWrapper):
         full: dict[Tensor, Tensor] = {}
         for bucket in self.reducer.buckets:
             flat = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype)
-            for piece, buf in zip(self._pieces, self._momentum, strict=True):
-                if piece.bucket is bucket:
-                    flat[piece.bucket_start:piece.bucket_start + buf.numel()].copy_(buf)
+            for i in self._by_bucket.get(bucket.index, []):
+                piece, buf = self._pieces[i], self._momentum[i]
+                flat[piece.bucket_start:piece.bucket_start + buf.numel()].copy_(buf)
             self.comm.allgather_flat_(flat, bucket=None)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 if id(p) in self._group_of and self._group_of[id(p)] in momentum_groups:
@@ -318,9 +316,6 @@ class ShardedOptimizer(OptimizerWrapper):
             torch._foreach_mul_(self._momentum, factor)
         if isinstance(self.optimizer, LARS):
             self.optimizer.scale_momentum_(factor)   # (buffers of no_comm steps, if any)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError("ShardedOptimizer: the slices are laid out once; add the "

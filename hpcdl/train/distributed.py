@@ -127,9 +127,6 @@ class DistributedOptimizer(OptimizerWrapper):
         self.reducer.arm(last=self._syncing)
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate into ``p.grad`` on this rank; the first
@@ -165,9 +162,6 @@ class DistributedOptimizer(OptimizerWrapper):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.optimizer!r})"
 
     def _one_backward_per_step(self, p: torch.Tensor) -> None:
         if not self._syncing:
