@@ -210,8 +210,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm, root: int 
     """Give every rank ``root``'s optimizer state and hyperparameters (momentum buffers after
     a resume, the learning rate of each group). Collective over ``comm``; sent pickled, once
     per run, so no effort goes into speed."""
-    state = optimizer.state_dict() if comm.rank == root else None
-    state = comm.mpi_comm.bcast(state, root=root)
+    # Every rank asks: a sharded optimizer's state_dict() is collective (it gathers the
+    # momentum slices); for the others it is a dict of references, dropped on non-roots.
+    state = optimizer.state_dict()
+    state = comm.mpi_comm.bcast(state if comm.rank == root else None, root=root)
     if comm.rank != root:
         optimizer.load_state_dict(state)
 

@@ -246,6 +246,28 @@ def test_distributed_optimizer_shard_update_matches_the_allreduce(comm, world):
 
 
 @pytest.mark.min_ranks(2)
+def test_broadcast_optimizer_state_of_a_sharded_optimizer_reaches_every_rank(comm, world):
+    """state_dict() of a sharded optimizer gathers the slices, a collective: asked on the
+    root only, the other ranks sat in the broadcast and the job hung."""
+    from hpcdl import broadcast_optimizer_state
+
+    model = make_model()
+    optimizer = DistributedOptimizer(create_optimizer(OPTIMIZERS["lars"], model, lr=1.0),
+                                     model, comm, bucket_bytes=BUCKET_BYTES, shard_update=True)
+    try:
+        x, y = batch(world.rank, 0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.param_groups[0]["lr"] = 0.25 if world.rank == 0 else 9.0
+        broadcast_optimizer_state(optimizer, comm, root=0)
+        assert optimizer.param_groups[0]["lr"] == 0.25
+        mine = momentum_of(optimizer.state_dict())
+        assert mine and all(v.abs().sum() > 0 for v in mine.values())
+    finally:
+        optimizer.close()
+
+
+@pytest.mark.min_ranks(2)
 def test_parameters_the_optimizer_does_not_step_stay_unchanged(comm, world):
     model = make_model()
     frozen = list(model[-1].parameters())   # reduced (they require grad) but not optimized
