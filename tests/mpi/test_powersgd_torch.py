@@ -46,7 +46,6 @@ def gradients(rank: int, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
-
 @pytest.mark.min_ranks(2)
 @pytest.mark.max_ranks(4)
 def test_powersgd_matches_pytorchs_hook_step_by_step(comm, world):
@@ -67,19 +66,8 @@ def test_powersgd_matches_pytorchs_hook_step_by_step(comm, world):
     assert [x.name for x in ours.matrices] == ["conv", "linear"]
     by_shape = {tuple(getattr(theirs, x.name).shape): x.name for x in ours.matrices}
 
-    def seeded_hook(hook_state, bucket):
-        # Before PyTorch's first compressed step, give it our first Q (its layout: the
-        # bucket's compressed gradients in order, (m, r) each), so both start alike.
-        if hook_state.iter >= WARMUP and bucket.index() not in hook_state.q_memory_dict:
-            names = [by_shape[tuple(g.shape)] for g in bucket.gradients()
-                     if tuple(g.shape) in by_shape]
-            hook_state.q_memory_dict[bucket.index()] = torch.cat(
-                [ours.q[name].reshape(-1) for name in names])
-            hook_state.p_memory_dict[bucket.index()] = torch.empty(
-                sum(ours_model.get_parameter(name).shape[0] * RANK for name in names))
-        return powerSGD_hook.powerSGD_hook(hook_state, bucket)
-
-    ddp.register_comm_hook(state, seeded_hook)
+    # PyTorch's first compressed step starts from our first Q, so both start alike
+    ddp.register_comm_hook(state, seed_pytorch_q(powerSGD_hook.powerSGD_hook, ours.q, by_shape))
     compared = 0
     for step in range(STEPS):
         gs = gradients(world.rank, step)

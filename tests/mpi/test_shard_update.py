@@ -18,7 +18,7 @@ from mpi4py import MPI
 import hpcdl.comm
 from hpcdl import DistributedOptimizer
 from hpcdl.comm.reducer import GradientReducer
-from hpcdl.optim import ShardedOptimizer, create_optimizer
+from hpcdl.optim import ShardedOptimizer, create_optimizer, set_learning_rate
 from hpcdl.train.config import RecipeError, config_from_dict
 from hpcdl.train.trainer import Trainer, TrainOptions
 
@@ -104,8 +104,7 @@ class Run:
 
     def steps(self, n, rank):
         for _ in range(n):
-            for group in self.optimizer.param_groups:
-                group["lr"] = LRS[self.step_count % len(LRS)]
+            set_learning_rate(self.optimizer, LRS[self.step_count % len(LRS)])
             self.optimizer.zero_grad(set_to_none=True)
             self.reducer.arm(last=True)
             x, y = batch(rank, self.step_count)
