@@ -131,17 +131,22 @@ def test_matmul_reference_is_a_positive_rate():
     assert bench.matmul_flops_per_s(64, seconds=0.01) > 0
 
 
-@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
-def test_two_ranks_measure_every_mode_into_the_bench_json(tmp_path):
-    out = tmp_path / "train.json"
+def run_bench_train(out, *flags):
+    """``mpiexec -n 2 hpcdl bench train`` on a tiny synthetic model with ``flags``; returns
+    the process (asserted successful) and the bench JSON it wrote to ``out``."""
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "train",
            "--model", "resnet_small", "--num-classes", "10", "--image-size", "16",
-           "--synthetic", "--batch", "4", "--steps", "2", "--warmup", "1",
-           "--matmul-size", "128", "--bucket-mb", "0.01", "--json", str(out)]
+           "--synthetic", "--batch", "4", "--warmup", "1", "--matmul-size", "128",
+           "--bucket-mb", "0.01", "--json", str(out), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "240"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_two_ranks_measure_every_mode_into_the_bench_json(tmp_path):
+    _, report = run_bench_train(tmp_path / "train.json", "--steps", "2")
     assert report["bench"] == "train" and report["machine"]["ranks"] == 2
     by_mode = {r["mode"]: r for r in report["results"]}
     assert set(by_mode) == {"ours", "no_comm", "ddp_gloo"}
@@ -172,15 +177,8 @@ def test_matmul_reference_runs_in_bf16_for_a_bf16_step():
 def test_bf16_mode_measures_every_mode_in_bf16_or_says_why_not(tmp_path):
     from hpcdl.train.trainer import bf16_supported
 
-    out = tmp_path / "train_bf16.json"
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "train",
-           "--model", "resnet_small", "--num-classes", "10", "--image-size", "16",
-           "--synthetic", "--batch", "4", "--steps", "1", "--warmup", "1", "--bf16",
-           "--no-breakdown", "--matmul-size", "128", "--bucket-mb", "0.01", "--json", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "240"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
+    proc, report = run_bench_train(tmp_path / "train_bf16.json", "--steps", "1", "--bf16",
+                                   "--no-breakdown")
     assert report["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     if bf16_supported():
         assert {r["precision"] for r in report["results"]} == {"bfloat16"}
@@ -192,21 +190,14 @@ def test_bf16_mode_measures_every_mode_in_bf16_or_says_why_not(tmp_path):
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 def test_shard_update_flag_shards_ours_and_leaves_the_ceiling_whole(tmp_path):
-    out = tmp_path / "train.json"
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "train",
-           "--model", "resnet_small", "--num-classes", "10", "--image-size", "16",
-           "--synthetic", "--batch", "4", "--steps", "2", "--warmup", "1", "--modes",
-           "ours,no_comm,ours_allreduce", "--shard-update", "--no-breakdown",
-           "--matmul-size", "128",
-           "--bucket-mb", "0.01", "--json", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "240"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    by_mode = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    _, report = run_bench_train(tmp_path / "train.json", "--steps", "2", "--modes",
+                                "ours,no_comm,ours_allreduce", "--shard-update",
+                                "--no-breakdown")
+    by_mode = {r["mode"]: r for r in report["results"]}
     assert by_mode["ours"]["shard_update"] is True
     assert by_mode["no_comm"]["shard_update"] is False
     assert by_mode["ours_allreduce"]["shard_update"] is False
-    ratios = json.loads(out.read_text())["ratios"]
+    ratios = report["ratios"]
     assert ratios["sharded_vs_allreduce"] == pytest.approx(
         by_mode["ours"]["images_per_s_per_rank"]
         / by_mode["ours_allreduce"]["images_per_s_per_rank"])

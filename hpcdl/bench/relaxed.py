@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- recipes -------------------------------------------------------------------------------
-def recipe(args: argparse.Namespace, run: str, ranks: int, steps_per_epoch: int) -> dict:
+def recipe(args: argparse.Namespace, run: str, ranks: int, steps_per_epoch: int,
+           seed: int = 0) -> dict:
     """The run's recipe (hpcdl.train.config schema): every run the same but ``comm``."""
     per_rank, rest = divmod(args.global_batch, ranks)
     if rest:
@@ -101,7 +102,7 @@ def recipe(args: argparse.Namespace, run: str, ranks: int, steps_per_epoch: int)
                       "trust_coefficient": args.trust_coefficient},
         "schedule": {"name": "poly", "base_lr": args.lr,
                      "warmup_epochs": args.sync_warmup_epochs, "power": 2.0},
-        "train": {"seed": getattr(args, "seed", 0), "eval_every_epochs": 0, "keep_checkpoints": 1,
+        "train": {"seed": seed, "eval_every_epochs": 0, "keep_checkpoints": 1,
                   "log_every_steps": 50},
         "comm": comm,
     }
@@ -112,17 +113,17 @@ def warmup_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
 
 
 # -- ours ----------------------------------------------------------------------------------
-def train_ours(world, args, run: str, shard_dir: str, out: str) -> dict[str, Any]:
+def train_ours(world, args, run: str, shard_dir: str, out: str, seed: int = 0
+               ) -> dict[str, Any]:
     import hpcdl.comm
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.trainer import Trainer, TrainOptions
 
     per_node = args.ranks_per_node if run == "hierarchical" else None
     comm = hpcdl.comm.init("mpi", world, ranks_per_node=per_node)
-    seed = getattr(args, "seed", 0)
     try:
         steps_per_epoch = train_steps_per_epoch(comm, shard_dir, args, world.size)
-        config = config_from_dict(recipe(args, run, world.size, steps_per_epoch),
+        config = config_from_dict(recipe(args, run, world.size, steps_per_epoch, seed),
                                   origin=f"hpcdl bench relaxed: {run}")
         trainer = Trainer(config, shard_dir, os.path.join(out, run_dir(run, seed)), comm,
                           options=TrainOptions(max_steps=args.max_steps, progress=False))
@@ -177,7 +178,7 @@ def init_torch_distributed(world) -> None:
                             timeout=timeout)
 
 
-def train_anchor(world, args, run: str, shard_dir: str) -> dict[str, Any]:
+def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[str, Any]:
     """DDP + gloo with PyTorch's hook for ``run``, the same model, data, LARS and schedule."""
     import torch
     import torch.distributed as dist
@@ -192,13 +193,12 @@ def train_anchor(world, args, run: str, shard_dir: str) -> dict[str, Any]:
     from hpcdl.train.config import config_from_dict
 
     init_torch_distributed(world)
-    seed = getattr(args, "seed", 0)
     per_rank = args.global_batch // world.size
     loader = ShardedImageNet(shard_dir, split="train", node_index=0, num_nodes=1,
                              local_rank=world.rank, local_size=world.size, batch_size=per_rank,
                              image_size=28, seed=seed, workers=1, min_scale=0.7)
     steps_per_epoch = len(loader)
-    config = config_from_dict(recipe(args, "sync", world.size, steps_per_epoch))
+    config = config_from_dict(recipe(args, "sync", world.size, steps_per_epoch, seed))
     total = max(1, math.ceil(args.epochs * steps_per_epoch))
     last = min(total, args.max_steps or total)
     warmup = warmup_steps(args, steps_per_epoch)
@@ -329,16 +329,16 @@ def finish(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
                                             / max(r["bytes_per_step"], 1e-9))
     runs = list(dict.fromkeys(r["run"] for r in records))
     rows = {run: [r for r in records if r["run"] == run] for run in runs}
+    # several seeds: a mean row per run, which the ratios then read
+    summary = {run: rows[run][0] for run in runs}
     if any(len(group) > 1 for group in rows.values()):
-        for run in runs:
-            records.append(mean_row(run, rows[run]))
-        rows = {run: [records[-len(runs) + i]] for i, run in enumerate(runs)}
+        summary = {run: mean_row(run, rows[run]) for run in runs}
+        records.extend(summary.values())
     ratios: dict[str, Any] = {}
     for run in runs:
-        r = rows[run][0]
-        for key in ("top1_minus_ddp_sync",):
-            if key in r and run.startswith("ddp"):
-                ratios[f"{run}_{key}"] = r[key]
+        r = summary[run]
+        if "top1_minus_ddp_sync" in r and run.startswith("ddp"):
+            ratios[f"{run}_top1_minus_ddp_sync"] = r["top1_minus_ddp_sync"]
         if "top1_minus_sync" not in r:
             continue
         ratios[f"{run}_bytes_reduction"] = r["bytes_reduction"]
@@ -431,11 +431,11 @@ def run(args: argparse.Namespace) -> int:
         shard_dir = prepare_shards(world, data_dir, args.source, holdout=False)
         records = []
         for seed in parse_seeds(args.seeds):
-            args.seed = seed
             for name in runs:
-                trainer = train_anchor if name in ANCHORS else train_ours
-                extra = (out,) if name in OURS else ()
-                records.append(trainer(world, args, name, shard_dir, *extra))
+                if name in ANCHORS:
+                    records.append(train_anchor(world, args, name, shard_dir, seed=seed))
+                else:
+                    records.append(train_ours(world, args, name, shard_dir, out, seed=seed))
                 if world.rank == 0:
                     print(f"{name} seed {seed}: top-1 {records[-1]['top1']:.4f}, "
                           f"{records[-1]['bytes_per_rank'] / 1e6:.1f} MB, "

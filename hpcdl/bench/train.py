@@ -177,7 +177,9 @@ def trainer_steppers(comm, config, loader, modes: list[str]) -> Iterator[dict[st
     this VM)."""
     from hpcdl.train.trainer import Trainer, TrainOptions
 
-    options = TrainOptions(no_comm="ours" not in modes, progress=False, handle_signals=False,
+    # a Trainer that communicates when any mode does (ours_allreduce suspends sharding only)
+    communicates = bool({"ours", "ours_allreduce"} & set(modes))
+    options = TrainOptions(no_comm=not communicates, progress=False, handle_signals=False,
                            write_files=False, evaluate=False)
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-train-") as run_dir:
         trainer = Trainer(config, None, run_dir, comm, options=options, train_loader=loader)
@@ -556,8 +558,6 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as stack:
             built = {}
             trainer_modes = [m for m in modes if m != "ddp_gloo"]
-            if "ours_allreduce" in trainer_modes and "ours" not in trainer_modes:
-                trainer_modes.append("ours")   # (builds the Trainer that communicates)
             if trainer_modes:
                 built.update(stack.enter_context(
                     trainer_steppers(comm, config, loader, trainer_modes)))
