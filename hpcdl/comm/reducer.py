@@ -282,7 +282,7 @@ class GradientReducer:
         same = [b for b in self.buckets if b.dtype == b.params[0].dtype]
         for bucket in same:
             for position, p in enumerate(bucket.params):
-                self._pack(bucket, position, p.detach())
+                pack_gradient(bucket, position, p.detach())
             self._queue.put((bucket, comm, "parameters"))
             nbytes += bucket.buffer.numel() * bucket.buffer.element_size()
         for bucket in same:
@@ -368,20 +368,17 @@ class GradientReducer:
         if not self._armed:
             return
         bucket, position = self._where[id(p)]
-        self._pack(bucket, position, p.grad)
+        pack_gradient(bucket, position, p.grad)
         with self._lock:
             bucket.filled.add(position)
             self._launch_ready(force=False)
-
-    def _pack(self, bucket: Bucket, position: int, grad: torch.Tensor | None) -> None:
-        pack_gradient(bucket, position, grad)
 
     def _fill_missing(self, bucket: Bucket) -> None:
         for position, p in enumerate(bucket.params):
             if position not in bucket.filled:
                 # Not armed (a caller that forgot arm()) or unused this step: send what
                 # p.grad holds, zeros when it has none.
-                self._pack(bucket, position, p.grad)
+                pack_gradient(bucket, position, p.grad)
                 bucket.filled.add(position)
 
     def _launch_ready(self, force: bool) -> None:
