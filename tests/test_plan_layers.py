@@ -19,6 +19,7 @@ from hpcdl.plan.class_rates import (
 )
 from hpcdl.plan.cpu import cpu_mismatch
 from hpcdl.plan.layers import (
+    LINEAR_WEIGHTS,
     OP_CLASSES,
     PASSES,
     Layer,
@@ -242,8 +243,9 @@ def test_fractions_are_over_the_core_peak_or_the_core_stream():
 def test_every_representative_layer_is_of_its_class():
     for op_class, kind, args, shape, input_grad in REPRESENTATIVE:
         layers = count_layers(build(kind, args), 0, shape, input_grad)
-        assert [la.op_class for la in layers] == [op_class], (kind, args)
-        assert layer_work(layers[0], 2) > 0
+        layer_class = "linear" if op_class == LINEAR_WEIGHTS else op_class
+        assert [la.op_class for la in layers] == [layer_class], (kind, args)
+        assert layer_work(layers[0], 2, op_class) > 0
 
 
 def test_representative_layers_time_after_their_table_is_counted():
@@ -255,7 +257,7 @@ def test_representative_layers_time_after_their_table_is_counted():
             module = build(kind, args)
             count_layers(module, 0, shape, input_grad)
             assert time_layer(module, shape, 2, input_grad, repeats=1) > 0
-    assert {r[0] for r in REPRESENTATIVE} == set(OP_CLASSES)
+    assert {r[0] for r in REPRESENTATIVE} == {*OP_CLASSES, LINEAR_WEIGHTS}
 
 
 # --------------------------------------------------------------------------- CPU check

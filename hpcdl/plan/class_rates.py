@@ -31,7 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcdl.plan.layers import COMPUTE_CLASSES, OP_CLASSES, Layer, count_layers
+from hpcdl.plan.layers import (
+    COMPUTE_CLASSES,
+    LINEAR_WEIGHT_PASSES,
+    LINEAR_WEIGHTS,
+    OP_CLASSES,
+    Layer,
+    count_layers,
+)
 
 # (class, builder name, constructor arguments, input shape (C, H, W) or (features,),
 #  input needs a gradient). Shapes are the kinds found in ResNet-50 and AlexNet at 112-224 px
@@ -62,6 +69,11 @@ REPRESENTATIVE: tuple[tuple[str, str, tuple, tuple, bool], ...] = (
     ("dropout", "dropout", (0.5,), (4096,), True),
     ("lrn", "lrn", (5,), (64, 27, 27), True),
     ("lrn", "lrn", (5,), (192, 13, 13), True),
+    # The weight traffic of a linear layer at `batch` rows (hpcdl.plan.layers.LINEAR_WEIGHTS):
+    # weights of 134 and 100 MB, beyond the caches and glibc's 32 MiB mmap ceiling as
+    # AlexNet's fc6/fc7 are (none of their shapes).
+    ("linear_weights", "linear", (4096, 8192), (4096,), True),
+    ("linear_weights", "linear", (8192, 3072), (8192,), True),
 )
 # Linear layers are timed at this many rows (images) so that they measure the matmul rate,
 # not the weight traffic that the model adds as a separate floor at small batch.
@@ -102,8 +114,11 @@ class AddLearnt(nn.Module):
         return x + self.other.expand_as(x)
 
 
-def layer_work(layer: Layer, rows: int) -> float:
-    """What the planner charges a layer for ``rows`` images: FLOPs, or bytes moved."""
+def layer_work(layer: Layer, rows: int, op_class: str | None = None) -> float:
+    """What the planner charges a layer for ``rows`` images as ``op_class`` (default its own):
+    FLOPs, bytes moved, or for LINEAR_WEIGHTS its weight traffic, which is per step."""
+    if op_class == LINEAR_WEIGHTS:
+        return LINEAR_WEIGHT_PASSES * layer.param_bytes
     if layer.op_class in COMPUTE_CLASSES:
         return rows * layer.train_flops
     return rows * layer.memory_bytes()
@@ -165,14 +180,15 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
         for op_class, kind, args, shape, input_grad in REPRESENTATIVE:
             module = build(kind, args)
             rows = LINEAR_ROWS if op_class == "linear" else batch
+            layer_class = "linear" if op_class == LINEAR_WEIGHTS else op_class
             layers = [layer for layer in count_layers(module, 0, shape, input_grad)
-                      if layer.op_class == op_class]
+                      if layer.op_class == layer_class]
             if not layers:
-                raise RuntimeError(f"representative {kind}{args} was not classed {op_class}")
+                raise RuntimeError(f"representative {kind}{args} was not classed {layer_class}")
             seconds = time_layer(module, shape, rows, input_grad, repeats)
-            samples.append(Sample(op_class, sum(layer_work(la, rows) for la in layers),
-                                  seconds))
-            log(f"  {op_class:<13}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
+            samples.append(Sample(op_class, sum(layer_work(la, rows, op_class)
+                                                for la in layers), seconds))
+            log(f"  {op_class:<15}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
                 f"{seconds * 1e3:.2f} ms")
     finally:
         torch.set_num_threads(before)
@@ -196,7 +212,7 @@ def fit_rates(samples: Sequence[Sample], overhead: float) -> dict[str, float]:
     missing = [c for c in OP_CLASSES if c not in work]
     if missing:
         raise ValueError(f"calibration has no samples of {missing}")
-    return {c: work[c] / busy[c] for c in OP_CLASSES}
+    return {c: work[c] / busy[c] for c in work}   # OP_CLASSES and any optional ones sampled
 
 
 def class_fractions(rates: Mapping[str, float], core_peak_flops: float,

@@ -64,6 +64,13 @@ PASSES: dict[str, tuple[float, float]] = {
 # A linear layer's weight is read forward, read for the input gradient and its gradient
 # written backward: the floor on its time at small batch (the weights stream from memory).
 LINEAR_WEIGHT_PASSES = 3.0
+# That floor's rate is a figure of its own (``compute.linear_weights``, a fraction of the core
+# stream, calibrated on linear layers of 50-134 MB at a few rows), not the stream rate: a
+# weight gradient above glibc's 32 MiB mmap ceiling is a fresh mapping every step, so its
+# write pays first-touch page faults, and a GEMM with 8 rows streams its weight at a fraction
+# of ``a += b``'s rate. Measured (issue 18, 3rd pass): AlexNet-BN's fc6 (151 MB) forward +
+# backward at batch 8 takes ~200 ms on one core, 10x its three passes at the stream rate.
+LINEAR_WEIGHTS = "linear_weights"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ measurement, or a stated assumption with its reasoning), grouped by what they de
               memory_bandwidth_Bps, core_stream_Bps, ranks_per_node}
     compute: {conv_large, conv_1x1, conv_3x3, conv_grouped, linear,   # fraction of peak
               batch_norm, relu, add, pool, dropout, lrn,              # fraction of stream
-              layer_overhead_s}                                       # per layer per step
+              layer_overhead_s,                                       # per layer per step
+              linear_weights}      # optional: a linear layer's weight traffic, of stream
     network: {latency_s, bandwidth_Bps}            # between nodes (alpha, 1/beta)
     intra_node: {latency_s, bandwidth_Bps}         # between ranks of one node (shared memory)
     data:    {decode_images_per_s_per_core, loader_cores_per_node}
@@ -40,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from hpcdl.plan.layers import OP_CLASSES
+from hpcdl.plan.layers import LINEAR_WEIGHTS, OP_CLASSES
 
 PACKAGE_MACHINES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "machines")
 
@@ -172,16 +173,24 @@ class Machine:
         """Ranks time-sharing one core (1 unless more ranks than cores)."""
         return max(1.0, procs_per_node / self.cores_per_node)
 
+    @property
+    def linear_weights_fraction(self) -> float:
+        """``compute.linear_weights`` (hpcdl.plan.layers.LINEAR_WEIGHTS), or 1 where the file
+        predates it: the weights then stream at the core stream rate."""
+        figure = self.figures.get(f"compute.{LINEAR_WEIGHTS}")
+        return figure.value if figure else 1.0
+
     def thread_speedup(self, op_class: str, threads: float) -> float:
         """Rate of ``op_class`` on ``threads`` threads of one rank ÷ its one-thread rate.
 
         Measured speedup s at the calibrated T threads; linear in between (1 at one thread,
         s at T); beyond T the efficiency s/T is kept (an assumption: T is the calibration
         machine's core count, so only a file used for a larger node extrapolates). Without
-        ``thread_scaling``: ``threads`` (linear)."""
+        ``thread_scaling`` (or without this class in it: an optional class that the file
+        predates): ``threads`` (linear)."""
         if threads <= 1:
             return 1.0
-        if not self.has_thread_scaling:
+        if f"thread_scaling.{op_class}" not in self.figures:
             return float(threads)
         cal = self["thread_scaling.threads"]
         speedup = self[f"thread_scaling.{op_class}"]

@@ -61,7 +61,13 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from hpcdl.plan.layers import COMPUTE_CLASSES, LINEAR_WEIGHT_PASSES, Layer, layer_table
+from hpcdl.plan.layers import (
+    COMPUTE_CLASSES,
+    LINEAR_WEIGHT_PASSES,
+    LINEAR_WEIGHTS,
+    Layer,
+    layer_table,
+)
 from hpcdl.plan.machine import Machine
 from hpcdl.plan.workload import Workload
 
@@ -299,11 +305,21 @@ def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_nod
         core_peak = machine.peak_flops_per_node / machine.cores_per_node
         t = batch_per_rank * layer.train_flops / (fraction * core_peak * speedup)
         if layer.op_class == "linear":   # small batch: the weights stream from memory
-            t = max(t, LINEAR_WEIGHT_PASSES * layer.param_bytes
-                    / rank_memory_Bps(machine, procs_per_node))
+            t = max(t, linear_weights_s(machine, layer, procs_per_node))
         return overhead + t
     stream = rank_memory_Bps(machine, procs_per_node, cores=speedup)
     return overhead + batch_per_rank * layer.memory_bytes() / (fraction * stream)
+
+
+def linear_weights_s(machine: Machine, layer: Layer, procs_per_node: int) -> float:
+    """The weight-traffic floor of a linear layer (forward read, input-gradient read, weight
+    gradient written: hpcdl.plan.layers.LINEAR_WEIGHTS) at the calibrated
+    ``compute.linear_weights`` fraction of the rank's stream bandwidth; a file without the
+    figure streams at the full stream rate (the planner's earlier assumption)."""
+    share = machine.core_share(procs_per_node)
+    speedup = machine.thread_speedup(LINEAR_WEIGHTS, machine.threads_per_rank(procs_per_node))
+    stream = rank_memory_Bps(machine, procs_per_node, cores=speedup / share)
+    return LINEAR_WEIGHT_PASSES * layer.param_bytes / (machine.linear_weights_fraction * stream)
 
 
 def compute_by_class(machine: Machine, work: Workload, batch_per_rank: float,

@@ -1,0 +1,91 @@
+"""Issue 18, third pass: a linear layer at small batch is bound by its weight traffic at a
+calibrated rate of its own (``compute.linear_weights``), not at the stream rate. Arithmetic on
+synthetic rates; no timing asserted."""
+import pytest
+from plan_fixtures import CLASS_RATES, calibration_measurements
+from test_plan_threads import fig, machine, threaded
+
+from hpcdl.plan.calibrate import machine_document, write_machine
+from hpcdl.plan.class_rates import REPRESENTATIVE, Sample, build, fit_rates, layer_work
+from hpcdl.plan.layers import LINEAR_WEIGHT_PASSES, LINEAR_WEIGHTS, Layer, count_layers
+from hpcdl.plan.machine import parse_machine
+from hpcdl.plan.model import layer_s
+
+pytestmark = pytest.mark.usefixtures("isolated_plan_dirs")
+
+# AlexNet's fc6 per image: 9216 -> 4096, 151 MB of weights.
+FC6 = Layer("fc6", "linear", macs=9216 * 4096, in_bytes=9216 * 4, out_bytes=4096 * 4,
+            param_bytes=(9216 * 4096 + 4096) * 4)
+
+
+def with_linear_weights(vm, fraction, speedup=None):
+    """``vm`` (test_plan_threads.machine) with ``compute.linear_weights`` (and its thread
+    speedup) added, re-parsed as a file would be."""
+    doc = {"name": vm.name, **_sections(vm)}
+    doc["compute"][LINEAR_WEIGHTS] = fig(fraction)
+    if speedup is not None:
+        doc["thread_scaling"][LINEAR_WEIGHTS] = fig(speedup)
+    return parse_machine(doc, "vm.yaml")
+
+
+def _sections(vm):
+    out: dict = {}
+    for dotted, figure in vm.figures.items():
+        section, key = dotted.split(".", 1)
+        out.setdefault(section, {})[key] = {"value": figure.value, "source": figure.source}
+    return out
+
+
+def test_a_small_batch_linear_layer_streams_its_weights_at_the_calibrated_fraction():
+    vm = machine()             # 10 GB/s per core, one-thread ranks at np 2; 2 images per rank
+    weights_s = LINEAR_WEIGHT_PASSES * FC6.param_bytes
+    assert layer_s(vm, FC6, 2, 2) == pytest.approx(weights_s / 1e10, rel=1e-6)
+    slow = with_linear_weights(vm, 0.1)
+    assert layer_s(slow, FC6, 8, 2) == pytest.approx(weights_s / 1e9, rel=1e-6)
+
+
+def test_at_large_batch_the_flops_bound_the_linear_layer_whatever_the_weight_rate():
+    vm = with_linear_weights(machine(), 0.1)
+    flops_s = 4096 * FC6.train_flops / (0.5 * 64e9)
+    assert layer_s(vm, FC6, 4096, 2) == pytest.approx(flops_s, rel=1e-6)
+
+
+def test_the_weight_rate_scales_with_its_own_measured_thread_speedup():
+    vm = with_linear_weights(machine(speedups={}), 0.1, speedup=1.5)
+    one_thread = layer_s(vm, FC6, 8, 2)
+    assert layer_s(vm, FC6, 8, 1) == pytest.approx(one_thread / 1.5, rel=1e-6)
+    without = machine(speedups={})         # a file that predates the class: linear in threads
+    assert layer_s(without, FC6, 1, 1) == pytest.approx(layer_s(without, FC6, 1, 2) / 2,
+                                                        rel=1e-6)
+
+
+def test_a_weight_sample_counts_three_passes_of_its_weights_whatever_its_rows():
+    op_class, kind, args, shape, grad = next(r for r in REPRESENTATIVE if r[0] == LINEAR_WEIGHTS)
+    (layer,) = count_layers(build(kind, args), 0, shape, grad)
+    work = LINEAR_WEIGHT_PASSES * layer.param_bytes
+    assert layer_work(layer, 8, LINEAR_WEIGHTS) == layer_work(layer, 64, LINEAR_WEIGHTS) == work
+    assert layer.param_bytes > 32 << 20   # beyond glibc's mmap ceiling, as fc6 is
+
+
+def test_calibration_fits_and_writes_the_weight_rate_beside_the_classes(tmp_path):
+    samples = [Sample(c, 1.0, 1.0) for c in CLASS_RATES] + [Sample(LINEAR_WEIGHTS, 2e9, 1.0)]
+    rates = fit_rates(samples, 0.0)
+    assert rates[LINEAR_WEIGHTS] == pytest.approx(2e9)
+    m = calibration_measurements()
+    m["class_rates"] = {**m["class_rates"], LINEAR_WEIGHTS: 2e9}
+    t = threaded(1.6)
+    t["class_rates_threads"][LINEAR_WEIGHTS] = 3e9
+    t["thread_speedups"][LINEAR_WEIGHTS] = 1.5
+    write_machine(machine_document({**m, **t}), str(tmp_path))
+    from hpcdl.plan.machine import load_machine
+
+    local = load_machine("local", str(tmp_path))
+    assert local.linear_weights_fraction == pytest.approx(2e9 / 1e10)   # of the 1-thread stream
+    assert local.thread_speedup(LINEAR_WEIGHTS, 2) == pytest.approx(1.5)
+
+
+def test_a_file_without_the_weight_rate_keeps_the_stream_rate(tmp_path):
+    write_machine(machine_document(calibration_measurements()), str(tmp_path))
+    from hpcdl.plan.machine import load_machine
+
+    assert load_machine("local", str(tmp_path)).linear_weights_fraction == 1.0
