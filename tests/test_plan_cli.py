@@ -56,6 +56,22 @@ def test_recipe_supplies_model_batch_and_epochs_and_flags_override(tmp_path):
     assert doc["inputs"]["epochs"] == 10
 
 
+def test_a_recipe_s_total_steps_set_the_epochs_planned(tmp_path):
+    """train.total_steps (a solver's max_iter: NVCaffe's 32K AlexNet-BN runs 4,000 steps)
+    is what the planner costs, unless --epochs says otherwise."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: alexnet_bn}\nbatch: {global: 32768}\nepochs: 100\n"
+                      "train: {total_steps: 4000}\n")
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--recipe", str(recipe), "--machine", "skx", "--procs", "512",
+                 "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["inputs"]["epochs"] == pytest.approx(
+        4000 * 32768 / 1_281_167)
+    assert main(["plan", "--recipe", str(recipe), "--machine", "skx", "--procs", "512",
+                 "--epochs", "100", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["inputs"]["epochs"] == 100
+
+
 def test_unknown_machine_is_a_clear_error(capsys):
     assert main(["plan", "--machine", "bluegene", "--procs", "8"]) == 2
     assert "unknown machine 'bluegene'" in capsys.readouterr().err

@@ -137,6 +137,7 @@ def _recipe_values(path: str) -> dict:
         "image_size": (doc.get("data") or {}).get("image_size"),
         "global_batch": (doc.get("batch") or {}).get("global"),
         "epochs": doc.get("epochs"),
+        "total_steps": (doc.get("train") or {}).get("total_steps"),
         "bucket_mb": comm.get("bucket_mb"),
         "wire_dtype": comm.get("wire_dtype"),
         **_consistency_values(comm, path),
@@ -170,6 +171,10 @@ def resolve(args: argparse.Namespace) -> dict:
     values = dict(DEFAULTS)
     if args.recipe:
         values.update(_recipe_values(args.recipe))
+    total_steps = values.pop("total_steps", None)
+    if total_steps and getattr(args, "epochs", None) is None:
+        # the recipe's train.total_steps (a source's max_iter) is what the run trains
+        values["epochs"] = total_steps * int(values["global_batch"]) / args.dataset_size
     for key in DEFAULTS:
         if getattr(args, key, None) is not None:
             values[key] = getattr(args, key)

@@ -88,6 +88,10 @@ class TrainConfig:
     # Goyal et al. (arXiv:1706.02677 §2.2): rescale the momentum buffer by lr(t)/lr(t-1)
     # for optimizers whose buffer holds lr·g (LARS); a no-op for torch's SGD.
     momentum_correction: bool = False
+    # The run's optimizer steps when the source gives them rather than epochs (Caffe's
+    # max_iter: NVCaffe's 32K solver runs 4,000 steps, 102.4 epochs of ImageNet at 39 steps
+    # per epoch); null: epochs x steps per epoch. The schedule's decay spans these steps.
+    total_steps: int | None = None
 
 
 #: hpcdl.comm.policy.ALGORITHMS, spelled here so reading a recipe does not initialise MPI
@@ -294,6 +298,9 @@ def _check_values(config: Config, origin: str) -> None:
     for key in ("checkpoint_every_steps", "eval_every_epochs"):
         if getattr(t, key) < 0:
             raise RecipeError(f"{origin}: train.{key} must be >= 0, got {getattr(t, key)}")
+    if t.total_steps is not None and t.total_steps < 1:
+        raise RecipeError(f"{origin}: train.total_steps must be >= 1 or null, got "
+                          f"{t.total_steps}")
     if t.keep_checkpoints < 1:
         raise RecipeError(f"{origin}: train.keep_checkpoints must be >= 1, got "
                           f"{t.keep_checkpoints}")

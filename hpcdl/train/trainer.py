@@ -190,7 +190,7 @@ class Trainer:
             raise ValueError(f"{data_dir}: the training split gives {len(self.train_loader)} "
                              f"batches of {self.per_rank} per rank, fewer than accumulation="
                              f"{self.accumulation}: use more data or a smaller batch")
-        self.total_steps = max(1, math.ceil(config.epochs * self.steps_per_epoch))
+        self.total_steps = self._total_steps()
         self._schedule_from_recipe = schedule is None
         self.schedule = schedule if schedule is not None else self._build_schedule()
         self.optimizer = optimizer if optimizer is not None else self._build_optimizer()
@@ -365,6 +365,13 @@ class Trainer:
             self._metrics.close()
             self._metrics = None
         return summary
+
+    def _total_steps(self) -> int:
+        """``train.total_steps`` where the recipe gives it (a source's max_iter), else
+        ``epochs`` × steps per epoch."""
+        if self.config.train.total_steps is not None:
+            return self.config.train.total_steps
+        return max(1, math.ceil(self.config.epochs * self.steps_per_epoch))
 
     def _last_step(self) -> int:
         if self.options.max_steps is not None:
@@ -616,7 +623,7 @@ class Trainer:
                 f"ranks on {self.comm.num_nodes} node(s)) gives only {available}: some node "
                 f"holds too few images of its shards; resume on the previous node count")
         self.steps_per_epoch = steps
-        self.total_steps = max(1, math.ceil(self.config.epochs * steps))
+        self.total_steps = self._total_steps()
         if self._schedule_from_recipe:
             self.schedule = self._build_schedule()
 

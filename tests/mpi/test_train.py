@@ -185,3 +185,25 @@ def test_fractional_epochs_complete_at_total_steps(shards, comm, world, shared_t
                                    evaluate=False)
     assert summary["stopped"] == "completed"
     assert summary["steps"] == summary["total_steps"] == -(-trainer.steps_per_epoch // 2)
+
+
+def test_total_steps_runs_past_the_nominal_epochs_as_a_solver_s_max_iter(
+        shards, comm, world, shared_tmp):
+    """train.total_steps (Caffe's max_iter, e.g. NVCaffe's 32K solver: 4,000 steps where 100
+    epochs are 3,900) trains exactly that many steps, into the next epoch, and the schedule
+    decays over them."""
+    with pytest.raises(RecipeError, match="train.total_steps must be >= 1"):
+        recipe(world.size, total_steps=0)
+    config = recipe(world.size)
+    config.epochs = 1
+    trainer = Trainer(config, shards, os.path.join(shared_tmp, "one_epoch"), comm,
+                      options=TrainOptions(progress=False, evaluate=False))
+    steps = trainer.steps_per_epoch + 2
+    trainer.close()
+    config.train.total_steps = steps
+    trainer, summary = run_trainer(config, shards, os.path.join(shared_tmp, "max_iter"), comm,
+                                   evaluate=False)
+    assert summary["stopped"] == "completed"
+    assert summary["steps"] == summary["total_steps"] == steps
+    assert trainer.schedule(steps) == pytest.approx(0.0, abs=1e-12)   # poly reaches 0 there
+    assert trainer.schedule(steps - 2) > 0.0
