@@ -2,6 +2,7 @@
 calibrated rate of its own (``compute.linear_weights``), not at the stream rate. Arithmetic on
 synthetic rates; no timing asserted."""
 import pytest
+import torch
 from plan_fixtures import CLASS_RATES, calibration_measurements
 from test_plan_threads import fig, machine, threaded
 
@@ -89,3 +90,31 @@ def test_a_file_without_the_weight_rate_keeps_the_stream_rate(tmp_path):
     from hpcdl.plan.machine import load_machine
 
     assert load_machine("local", str(tmp_path)).linear_weights_fraction == 1.0
+
+
+# --------------------------------------------------------------------------- the optimizer
+def test_the_optimizer_moves_its_bytes_at_the_calibrated_fraction_and_shares_a_core():
+    from hpcdl.plan.layers import OPTIMIZER, OPTIMIZER_BYTES_PER_PARAMETER
+    from hpcdl.plan.model import optimizer_s
+    from hpcdl.plan.workload import Workload
+
+    work = Workload("hand", 32, 1e9, 10_000_000, "test", ())
+    nominal = OPTIMIZER_BYTES_PER_PARAMETER * 10_000_000
+    vm = machine()                                       # 10 GB/s per core, 2 cores
+    assert optimizer_s(vm, work, 2) == pytest.approx(nominal / 1e10)
+    doc = {"name": vm.name, **_sections(vm)}
+    doc["compute"][OPTIMIZER] = fig(0.5)
+    slow = parse_machine(doc, "vm.yaml")
+    assert optimizer_s(slow, work, 2) == pytest.approx(nominal / 0.5e10)
+    # four ranks on two cores: each has half a core (and a quarter of the node's 20 GB/s)
+    assert optimizer_s(slow, work, 4) == pytest.approx(nominal / (0.5 * 0.5e10))
+
+
+def test_calibration_times_hpcdl_s_lars_as_the_optimizer_sample():
+    from hpcdl.plan.class_rates import OPTIMIZER_SHAPES, optimizer_sample
+    from hpcdl.plan.layers import OPTIMIZER, OPTIMIZER_BYTES_PER_PARAMETER
+
+    sample = optimizer_sample(repeats=1)
+    count = sum(torch.Size(s).numel() for s in OPTIMIZER_SHAPES)
+    assert sample.op_class == OPTIMIZER and sample.seconds > 0
+    assert sample.work == OPTIMIZER_BYTES_PER_PARAMETER * count and count * 4 > 32 << 20

@@ -118,6 +118,11 @@ def test_a_speedup_measured_below_a_tenth_is_floored():
     assert thread_speedups({"relu": 1e9}, {"relu": 1e6}) == {"relu": 0.1}
 
 
+def test_a_speedup_above_the_thread_count_is_capped_at_it():
+    assert thread_speedups({"relu": 1e9}, {"relu": 4.4e9}, threads=2) == {"relu": 2.0}
+    assert thread_speedups({"relu": 1e9}, {"relu": 1.5e9}, threads=2) == {"relu": 1.5}
+
+
 def test_a_calibrated_file_without_thread_scaling_says_so_for_multi_thread_ranks(tmp_path):
     write_machine(machine_document(calibration_measurements()), str(tmp_path))
     local = load_machine("local", str(tmp_path))

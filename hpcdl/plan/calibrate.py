@@ -215,7 +215,13 @@ def _fig(value: float, source: str) -> dict[str, Any]:
 def measure(quick: bool = False, batch: int = 8,
             log: Callable[[str], None] = print) -> dict:
     """Every measurement calibration makes, as raw numbers."""
-    from hpcdl.plan.class_rates import fit_rates, measure_samples, overhead_s, thread_speedups
+    from hpcdl.plan.class_rates import (
+        fit_rates,
+        measure_samples,
+        overhead_s,
+        rate_curves,
+        thread_speedups,
+    )
 
     cores = os.cpu_count() or 1
     reps = 3 if quick else 5   # odd: the median is one real call
@@ -240,6 +246,7 @@ def measure(quick: bool = False, batch: int = 8,
     samples = measure_samples(batch, reps, log=log)
     m["class_samples"] = [asdict(x) for x in samples]
     m["class_rates"] = fit_rates(samples, m["layer_overhead_s"])
+    m["class_curves"] = rate_curves(samples, m["layer_overhead_s"])
     if cores > 1:
         # The same layers as one rank's `cores` threads: np = 1 on this node (issue 18).
         log(f"per-class rates on {cores} threads of one rank ...")
@@ -247,7 +254,8 @@ def measure(quick: bool = False, batch: int = 8,
         m["class_threads"] = cores
         m["class_samples_threads"] = [asdict(x) for x in samples_t]
         m["class_rates_threads"] = fit_rates(samples_t, m["layer_overhead_s"])
-        m["thread_speedups"] = thread_speedups(m["class_rates"], m["class_rates_threads"])
+        m["thread_speedups"] = thread_speedups(m["class_rates"], m["class_rates_threads"],
+                                               threads=cores)
     log("JPEG decode + augment ...")
     try:
         m["decode_images_per_s_1_thread"] = decode_images_per_s(images=32 if quick else 64)
@@ -295,6 +303,8 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
             "ranks_per_node": _fig(1, "convention: one rank per machine unless --procs-per-node"),
         },
         "compute": compute_section(m, core_peak, stamp),
+        **({"rate_curves": curves_section(m, core_peak, stamp)} if m.get("class_curves")
+           else {}),
         **({"thread_scaling": thread_section(m, stamp)} if "thread_speedups" in m else {}),
         "data": {
             "decode_images_per_s_per_core": (
@@ -330,7 +340,7 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     for key in ("class_samples", "class_samples_threads"):
         if key in m:
             doc["measured"][key] = list(m[key])
-    for key in ("class_rates", "class_rates_threads", "thread_speedups"):
+    for key in ("class_rates", "class_rates_threads", "thread_speedups", "class_curves"):
         if key in m:
             doc["measured"][key] = dict(m[key])
     return doc
@@ -361,6 +371,23 @@ def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[
     section["layer_overhead_s"] = _fig(m["layer_overhead_s"], (
         f"{stamp}: forward + backward of a one-element ReLU (dispatch + autograd), 1 thread; "
         f"{load}"))
+    return section
+
+
+def curves_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[str, Any]:
+    """The ``rate_curves`` section: per class of hpcdl.plan.class_rates.RATE_CURVE_CLASSES,
+    ``[work of one call, fraction]`` points (fractions as in ``compute``)."""
+    from hpcdl.plan.class_rates import class_fractions
+
+    section = {}
+    for op_class, points in m["class_curves"].items():
+        fractions = [[work, class_fractions({op_class: rate}, core_peak,
+                                            m["stream_Bps_1_thread"])[op_class]]
+                     for work, rate in points]
+        section[op_class] = {"points": fractions, "source": (
+            f"{stamp}: the representative {op_class} layers one by one (work = FLOPs or "
+            f"nominal bytes of one call at batch {m['class_batch']}), 1 thread, less the "
+            "per-layer overhead; the planner interpolates in log-log between them")}
     return section
 
 

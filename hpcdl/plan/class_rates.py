@@ -22,6 +22,8 @@ calibration and prediction cannot disagree on what a FLOP or a byte is.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +38,8 @@ from hpcdl.plan.layers import (
     LINEAR_WEIGHT_PASSES,
     LINEAR_WEIGHTS,
     OP_CLASSES,
+    OPTIMIZER,
+    OPTIMIZER_BYTES_PER_PARAMETER,
     Layer,
     count_layers,
 )
@@ -53,8 +57,14 @@ REPRESENTATIVE: tuple[tuple[str, str, tuple, tuple, bool], ...] = (
     ("conv_3x3", "conv", (64, 64, 3, 1, 1, 1), (64, 28, 28), True),
     ("conv_3x3", "conv", (128, 128, 3, 1, 1, 1), (128, 14, 14), True),
     ("conv_3x3", "conv", (256, 256, 3, 1, 1, 1), (256, 7, 7), True),
+    # Larger GEMMs run nearer the peak (a 1×1 convolution: 45-60 GFLOP/s at 0.6 GFLOP per
+    # call, 66-92 at 2.5-5, issue 18, 3rd pass): one sample per class at 224 px-like sizes, so
+    # that RATE_CURVE_CLASSES' curves span both regimes.
+    ("conv_1x1", "conv", (96, 384, 1, 1, 0, 1), (96, 40, 40), True),
+    ("conv_3x3", "conv", (96, 96, 3, 1, 1, 1), (96, 40, 40), True),
     ("conv_grouped", "conv", (96, 128, 5, 1, 2, 2), (96, 14, 14), True),
     ("conv_grouped", "conv", (192, 192, 3, 1, 1, 2), (192, 13, 13), True),
+    ("conv_grouped", "conv", (128, 256, 3, 1, 1, 2), (128, 28, 28), True),
     ("linear", "linear", (1024, 1024), (1024,), True),
     ("linear", "linear", (2048, 512), (2048,), True),
     ("batch_norm", "batch_norm", (128,), (128, 28, 28), True),
@@ -75,6 +85,16 @@ REPRESENTATIVE: tuple[tuple[str, str, tuple, tuple, bool], ...] = (
     ("linear_weights", "linear", (4096, 8192), (4096,), True),
     ("linear_weights", "linear", (8192, 3072), (8192,), True),
 )
+# Classes whose rate is kept as a curve over the work of one call (rate_curves): the GEMM
+# classes, whose efficiency grows with the GEMM, and the passes whose samples differ only in
+# size (in-cache against beyond-cache tensors). Not pool (a max and an average pooling kernel),
+# dropout, lrn or linear (samples of one size each).
+RATE_CURVE_CLASSES = ("conv_large", "conv_1x1", "conv_3x3", "conv_grouped", "batch_norm",
+                      "relu", "add", LINEAR_WEIGHTS)
+# Calls discarded before timing a layer: a new shape's first calls grow the (retained) heap
+# and fault its pages in; a step in a running job does not (issue 18, 3rd pass: a 25 MB batch
+# norm took 494, 33, 33, 34, 26 ms on its first five calls, 21-29 ms after).
+LAYER_WARMUP = 3
 # Linear layers are timed at this many rows (images) so that they measure the matmul rate,
 # not the weight traffic that the model adds as a separate floor at small batch.
 LINEAR_ROWS = 128
@@ -161,7 +181,7 @@ def time_layer(module: Any, shape: Sequence[int], rows: int, input_grad: bool,
         if inputs:
             torch.autograd.grad(out, inputs, grad_out)
 
-    return median_time(once, repeats)
+    return median_time(once, repeats, warmup=LAYER_WARMUP)
 
 
 def overhead_s(repeats: int = 21) -> float:
@@ -190,9 +210,38 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
                                                 for la in layers), seconds))
             log(f"  {op_class:<15}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
                 f"{seconds * 1e3:.2f} ms")
+        samples.append(optimizer_sample(repeats, threads))
+        log(f"  {OPTIMIZER:<15}LARS step over {len(OPTIMIZER_SHAPES)} tensors, "
+            f"{threads} thread(s): {samples[-1].seconds * 1e3:.2f} ms")
     finally:
         torch.set_num_threads(before)
     return samples
+
+
+# The optimizer sample's parameters: shapes of conv and fc weights and a few vectors, 25.2 M
+# parameters (101 MB, beyond the caches) in 8 tensors; no model's own.
+OPTIMIZER_SHAPES = ((3072, 4096), (2048, 2048), (512, 512, 3, 3), (256, 1024, 1, 1),
+                    (2048, 1000), (4096,), (1000,), (512,))
+
+
+def optimizer_sample(repeats: int, threads: int = 1) -> Sample:
+    """One step of hpcdl's LARS (weight decay, momentum, the trust ratio of every tensor) over
+    OPTIMIZER_SHAPES with ``threads`` torch threads: its nominal bytes
+    (OPTIMIZER_BYTES_PER_PARAMETER per parameter) and median seconds."""
+    from hpcdl.optim.lars import LARS
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        params = [nn.Parameter(torch.randn(shape)) for shape in OPTIMIZER_SHAPES]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = LARS(params, lr=0.1, momentum=0.9, weight_decay=5e-4)
+        seconds = median_time(optimizer.step, repeats, warmup=LAYER_WARMUP)
+    finally:
+        torch.set_num_threads(before)
+    count = sum(p.numel() for p in params)
+    return Sample(OPTIMIZER, OPTIMIZER_BYTES_PER_PARAMETER * count, seconds)
 
 
 def fit_rates(samples: Sequence[Sample], overhead: float) -> dict[str, float]:
@@ -215,6 +264,32 @@ def fit_rates(samples: Sequence[Sample], overhead: float) -> dict[str, float]:
     return {c: work[c] / busy[c] for c in work}   # OP_CLASSES and any optional ones sampled
 
 
+def rate_curves(samples: Sequence[Sample], overhead: float,
+                classes: Sequence[str] = RATE_CURVE_CLASSES) -> dict[str, list[list[float]]]:
+    """Per class of ``classes``: ``[work of one call, rate]`` points sorted by work, samples of
+    equal work merged as :func:`fit_rates` merges a class (Σ work ÷ Σ busy time)."""
+    merged: dict[str, dict[float, list[float]]] = {}
+    for s in samples:
+        if s.op_class in classes:
+            point = merged.setdefault(s.op_class, {}).setdefault(s.work, [0.0, 0.0])
+            point[0] += s.work
+            point[1] += max(s.seconds - overhead, 0.1 * s.seconds)
+    return {c: [[work, total / busy] for work, (total, busy) in sorted(points.items())]
+            for c, points in merged.items()}
+
+
+def interpolate_rate(points: Sequence[Sequence[float]], work: float) -> float:
+    """The rate at ``work`` on a curve of ``[work, rate]`` points: linear in log-log between
+    neighbours, the end point's rate outside them (no extrapolation)."""
+    if work <= points[0][0]:
+        return float(points[0][1])
+    for (w0, r0), (w1, r1) in itertools.pairwise(points):
+        if work <= w1:
+            x = math.log(work / w0) / math.log(w1 / w0)
+            return float(math.exp(math.log(r0) + x * math.log(r1 / r0)))
+    return float(points[-1][1])
+
+
 def class_fractions(rates: Mapping[str, float], core_peak_flops: float,
                     core_stream_Bps: float) -> dict[str, float]:
     """Rates as the machine file holds them: compute classes over one core's peak, memory
@@ -223,12 +298,15 @@ def class_fractions(rates: Mapping[str, float], core_peak_flops: float,
             for c, r in rates.items()}
 
 
-def thread_speedups(rates_1: Mapping[str, float],
-                    rates_t: Mapping[str, float]) -> dict[str, float]:
-    """Per class: the rate of one rank on T threads over its rate on one thread.
+def thread_speedups(rates_1: Mapping[str, float], rates_t: Mapping[str, float],
+                    threads: float | None = None) -> dict[str, float]:
+    """Per class: the rate of one rank on T = ``threads`` threads over its rate on one thread.
 
     Measured, not assumed: intra-op threading splits a convolution's GEMM well, but a batch
     norm or a small pooling layer much less (and on a loaded machine a multi-threaded rank
     waits at every parallel region for a descheduled sibling, issue 18's 0.09 row). A
-    speedup is floored at a tenth: below that the timing measured the scheduler."""
-    return {c: max(0.1, rates_t[c] / rates_1[c]) for c in rates_1 if c in rates_t}
+    speedup is floored at a tenth: below that the timing measured the scheduler; and capped
+    at T: T threads do at most T cores' work, and the super-linear 2.6-4.4 measured for 2
+    threads (issue 18, 3rd pass) was the one-thread pass paying the heap's first growth."""
+    cap = float(threads) if threads else math.inf
+    return {c: min(cap, max(0.1, rates_t[c] / rates_1[c])) for c in rates_1 if c in rates_t}

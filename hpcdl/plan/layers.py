@@ -71,6 +71,12 @@ LINEAR_WEIGHT_PASSES = 3.0
 # of ``a += b``'s rate. Measured (issue 18, 3rd pass): AlexNet-BN's fc6 (151 MB) forward +
 # backward at batch 8 takes ~200 ms on one core, 10x its three passes at the stream rate.
 LINEAR_WEIGHTS = "linear_weights"
+# The LARS update after the allreduce (You et al. ICPP'18, Alg. 1), memory-bound: ||w||, ||g||
+# read w, g (8 B); the update reads g, w, m (12 B), writes m, w (8 B); the final w -= m re-reads
+# them (4 B): ~32 nominal bytes per fp32 parameter, moved at ``compute.optimizer`` (a fraction
+# of the stream, calibrated on hpcdl's LARS: issue 18, 3rd pass measured ~40-47 bytes' worth).
+OPTIMIZER = "optimizer"
+OPTIMIZER_BYTES_PER_PARAMETER = 32.0
 
 
 @dataclass(frozen=True)

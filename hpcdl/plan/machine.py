@@ -10,12 +10,16 @@ measurement, or a stated assumption with its reasoning), grouped by what they de
     compute: {conv_large, conv_1x1, conv_3x3, conv_grouped, linear,   # fraction of peak
               batch_norm, relu, add, pool, dropout, lrn,              # fraction of stream
               layer_overhead_s,                                       # per layer per step
-              linear_weights}      # optional: a linear layer's weight traffic, of stream
+              linear_weights,      # optional: a linear layer's weight traffic, of stream
+              optimizer}           # optional: the LARS update's 32 B/parameter, of stream
     network: {latency_s, bandwidth_Bps}            # between nodes (alpha, 1/beta)
     intra_node: {latency_s, bandwidth_Bps}         # between ranks of one node (shared memory)
     data:    {decode_images_per_s_per_core, loader_cores_per_node}
     thread_scaling: {threads,                      # optional: T threads of one rank, and per
                      conv_large, ..., lrn}         # class the rate at T ÷ the rate at 1 thread
+    rate_curves: {conv_1x1: {points: [[work, fraction], ...], source}, ...}
+                                                   # optional: a class's fraction by the work
+                                                   # of one call (FLOPs or bytes), over `compute`
     cpu:     {model_name, capability, flags}       # the CPU the figures describe (not figures)
     calibrated: true                               # written by --calibrate: check the CPU
 
@@ -135,6 +139,8 @@ class Machine:
     path: str
     figures: dict[str, Figure]          # "section.key" -> Figure
     cpu: Mapping[str, Any] = field(default_factory=dict)   # the CPU the figures describe
+    # class -> ((work of one call, fraction), ...) sorted by work (``rate_curves``)
+    curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     calibrated: bool = False            # measured by --calibrate: rates of cpu, not a spec
 
     def __getitem__(self, dotted: str) -> float:
@@ -173,12 +179,28 @@ class Machine:
         """Ranks time-sharing one core (1 unless more ranks than cores)."""
         return max(1.0, procs_per_node / self.cores_per_node)
 
+    def optional_fraction(self, key: str) -> float:
+        """An optional ``compute`` fraction (``linear_weights``, ``optimizer``), or 1 where the
+        file predates it: that traffic then moves at the core stream rate."""
+        figure = self.figures.get(f"compute.{key}")
+        return figure.value if figure else 1.0
+
     @property
     def linear_weights_fraction(self) -> float:
-        """``compute.linear_weights`` (hpcdl.plan.layers.LINEAR_WEIGHTS), or 1 where the file
-        predates it: the weights then stream at the core stream rate."""
-        figure = self.figures.get(f"compute.{LINEAR_WEIGHTS}")
-        return figure.value if figure else 1.0
+        """``compute.linear_weights`` (hpcdl.plan.layers.LINEAR_WEIGHTS), or 1."""
+        return self.optional_fraction(LINEAR_WEIGHTS)
+
+    def class_fraction(self, op_class: str, work: float) -> float:
+        """The fraction of peak (or stream) of ``op_class`` for a call of ``work`` FLOPs (or
+        bytes): from its ``rate_curves`` points where the file has them (larger GEMMs run
+        nearer the peak), else the class's one ``compute`` figure."""
+        from hpcdl.plan.class_rates import interpolate_rate
+
+        if op_class in self.curves:
+            return interpolate_rate(self.curves[op_class], work)
+        if op_class == LINEAR_WEIGHTS:
+            return self.linear_weights_fraction
+        return self[f"compute.{op_class}"]
 
     def thread_speedup(self, op_class: str, threads: float) -> float:
         """Rate of ``op_class`` on ``threads`` threads of one rank ÷ its one-thread rate.
@@ -229,13 +251,42 @@ def parse_machine(doc: Any, path: str) -> Machine:
     if "compute.conv_3x3" not in figures and "node.sustained_fraction" not in figures:
         raise MachineError(f"{path}: missing section 'compute' (needs {list(COMPUTE_FIGURES)}); "
                            "measure it with `hpcdl plan --calibrate`")
+    curves = _curves(doc.get("rate_curves"), path)
     cpu = doc.get("cpu") or {}
     if not isinstance(cpu, Mapping):
         raise MachineError(f"{path}: cpu must be a mapping (model_name, capability, flags), "
                            f"got {cpu!r}")
     name = doc.get("name") or os.path.splitext(os.path.basename(path))[0]
     return Machine(name=str(name), description=str(doc.get("description", "")), path=path,
-                   figures=figures, cpu=dict(cpu), calibrated=bool(doc.get("calibrated", False)))
+                   figures=figures, cpu=dict(cpu), calibrated=bool(doc.get("calibrated", False)),
+                   curves=curves)
+
+
+def _curves(block: Any, path: str) -> dict[str, tuple[tuple[float, float], ...]]:
+    """The optional ``rate_curves`` section: per class, positive ``[work, fraction]`` points
+    in increasing work, with a source."""
+    if block is None:
+        return {}
+    if not isinstance(block, Mapping):
+        raise MachineError(f"{path}: rate_curves must map a class to {{points, source}}")
+    curves = {}
+    for op_class, curve in block.items():
+        where = f"{path}: rate_curves.{op_class}"
+        if op_class not in (*OP_CLASSES, LINEAR_WEIGHTS):
+            raise MachineError(f"{where}: unknown class (known: {list(OP_CLASSES)}, "
+                               f"{LINEAR_WEIGHTS})")
+        if not isinstance(curve, Mapping) or not str(curve.get("source") or "").strip():
+            raise MachineError(f"{where} must be a mapping with 'points' and a 'source'")
+        try:
+            points = tuple((float(w), float(f)) for w, f in curve.get("points") or ())
+        except (TypeError, ValueError) as exc:
+            raise MachineError(f"{where}.points must be [work, fraction] pairs: {exc}") from exc
+        if not points or any(w <= 0 or f <= 0 for w, f in points) \
+                or any(b[0] <= a[0] for a, b in zip(points, points[1:], strict=False)):
+            raise MachineError(f"{where}.points must be positive [work, fraction] pairs in "
+                               f"increasing work, got {curve.get('points')!r}")
+        curves[op_class] = points
+    return curves
 
 
 def _optional_section(doc: Mapping[str, Any], path: str, section: str, keys: Sequence[str],

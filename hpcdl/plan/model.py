@@ -65,6 +65,8 @@ from hpcdl.plan.layers import (
     COMPUTE_CLASSES,
     LINEAR_WEIGHT_PASSES,
     LINEAR_WEIGHTS,
+    OPTIMIZER,
+    OPTIMIZER_BYTES_PER_PARAMETER,
     Layer,
     layer_table,
 )
@@ -74,9 +76,6 @@ from hpcdl.plan.workload import Workload
 IMAGENET_TRAIN_IMAGES = 1_281_167
 BACKWARD_SHARE = 2.0 / 3.0   # backward = 2 of the 3 forward-equivalents of a training step
 BYTES_TOUCHED_PER_REDUCED_BYTE = 3.0   # a += b reads a and b and writes a
-# LARS step: ||w||, ||g|| read w, g (8 B); update reads g, w, m (12 B), writes m, w (8 B); the
-# final w -= m re-reads them (4 B): ~32 bytes per fp32 parameter.
-OPTIMIZER_BYTES_PER_PARAMETER = 32.0
 
 
 # --------------------------------------------------------------------------- allreduce models
@@ -285,9 +284,14 @@ def rank_memory_Bps(machine: Machine, procs_per_node: int, cores: float | None =
 
 
 def optimizer_s(machine: Machine, work: Workload, procs_per_node: int) -> float:
-    """The LARS update of every parameter, memory-bound (see module docstring)."""
+    """The LARS update of every parameter, memory-bound (see module docstring): its nominal
+    bytes at the calibrated ``compute.optimizer`` fraction of the rank's stream (1 where the
+    file has none), with its measured thread speedup, slowed by ranks sharing a core."""
+    speedup = (machine.thread_speedup(OPTIMIZER, machine.threads_per_rank(procs_per_node))
+               / machine.core_share(procs_per_node))
+    stream = rank_memory_Bps(machine, procs_per_node, cores=speedup)
     return (OPTIMIZER_BYTES_PER_PARAMETER * work.parameters
-            / rank_memory_Bps(machine, procs_per_node))
+            / (machine.optional_fraction(OPTIMIZER) * stream))
 
 
 def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_node: int) -> float:
@@ -300,15 +304,17 @@ def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_nod
     threads = machine.threads_per_rank(procs_per_node)
     speedup = machine.thread_speedup(layer.op_class, threads) / share
     overhead = machine["compute.layer_overhead_s"] * share
-    fraction = machine[f"compute.{layer.op_class}"]
     if layer.op_class in COMPUTE_CLASSES:
+        work = batch_per_rank * layer.train_flops
+        fraction = machine.class_fraction(layer.op_class, work)
         core_peak = machine.peak_flops_per_node / machine.cores_per_node
-        t = batch_per_rank * layer.train_flops / (fraction * core_peak * speedup)
+        t = work / (fraction * core_peak * speedup)
         if layer.op_class == "linear":   # small batch: the weights stream from memory
             t = max(t, linear_weights_s(machine, layer, procs_per_node))
         return overhead + t
     stream = rank_memory_Bps(machine, procs_per_node, cores=speedup)
-    return overhead + batch_per_rank * layer.memory_bytes() / (fraction * stream)
+    work = batch_per_rank * layer.memory_bytes()
+    return overhead + work / (machine.class_fraction(layer.op_class, work) * stream)
 
 
 def linear_weights_s(machine: Machine, layer: Layer, procs_per_node: int) -> float:
@@ -319,7 +325,8 @@ def linear_weights_s(machine: Machine, layer: Layer, procs_per_node: int) -> flo
     share = machine.core_share(procs_per_node)
     speedup = machine.thread_speedup(LINEAR_WEIGHTS, machine.threads_per_rank(procs_per_node))
     stream = rank_memory_Bps(machine, procs_per_node, cores=speedup / share)
-    return LINEAR_WEIGHT_PASSES * layer.param_bytes / (machine.linear_weights_fraction * stream)
+    work = LINEAR_WEIGHT_PASSES * layer.param_bytes
+    return work / (machine.class_fraction(LINEAR_WEIGHTS, work) * stream)
 
 
 def compute_by_class(machine: Machine, work: Workload, batch_per_rank: float,

@@ -19,7 +19,7 @@ from typing import Any
 
 from hpcdl.bench.report import command_line, format_table
 from hpcdl.io import atomic_write_text
-from hpcdl.plan.layers import COMPUTE_CLASSES, class_totals
+from hpcdl.plan.layers import COMPUTE_CLASSES, OPTIMIZER, class_totals
 from hpcdl.plan.machine import Machine
 from hpcdl.plan.model import (
     BACKWARD_SHARE,
@@ -61,7 +61,8 @@ def describe(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> str:
         "per iteration",
         *compute_lines(p, machine, work, inp),
         f"  optimizer      {_ms(p.optimizer_s)}  LARS update: "
-        f"{OPTIMIZER_BYTES_PER_PARAMETER:g} B x {work.parameters / 1e6:.4g} M parameters / "
+        f"{OPTIMIZER_BYTES_PER_PARAMETER:g} B x {work.parameters / 1e6:.4g} M parameters at "
+        f"{machine.optional_fraction(OPTIMIZER):.2g} of "
         f"{_si(rank_memory_Bps(machine, inp.procs_per_node), 'B/s')} per rank",
         *([f"  compression    {_ms(p.compression_s)}  {COMPRESSION_BYTES_PER_PARAMETER:g} B "
            f"x {work.parameters / 1e6:.4g} M parameters (PowerSGD's passes over the gradient)"]
