@@ -118,3 +118,17 @@ def test_calibration_times_hpcdl_s_lars_as_the_optimizer_sample():
     count = sum(torch.Size(s).numel() for s in OPTIMIZER_SHAPES)
     assert sample.op_class == OPTIMIZER and sample.seconds > 0
     assert sample.work == OPTIMIZER_BYTES_PER_PARAMETER * count and count * 4 > 32 << 20
+
+
+def test_a_pass_runs_at_its_own_rate_up_to_its_share_of_the_node():
+    """A roofline, not a product: a pass measured at 0.1 of one core's 10 GB/s runs at 1 GB/s
+    whether or not the node's 12 GB/s is shared by two ranks (6 GB/s each); only a pass faster
+    than the share is capped by it."""
+    from hpcdl.plan.model import pass_rate_Bps
+
+    doc = {"name": "vm", **_sections(machine())}
+    doc["node"]["memory_bandwidth_Bps"] = fig(1.2e10)
+    vm = parse_machine(doc, "vm.yaml")
+    assert pass_rate_Bps(vm, 0.1, 1.0, 2) == pytest.approx(1e9)
+    assert pass_rate_Bps(vm, 0.9, 1.0, 2) == pytest.approx(6e9)
+    assert pass_rate_Bps(vm, 0.1, 1.0, 24) == pytest.approx(5e8)

@@ -283,15 +283,27 @@ def rank_memory_Bps(machine: Machine, procs_per_node: int, cores: float | None =
                machine["node.memory_bandwidth_Bps"] / procs_per_node)
 
 
+def pass_rate_Bps(machine: Machine, fraction: float, cores: float,
+                  procs_per_node: int) -> float:
+    """Bytes/s of a memory-bound pass on one rank: its calibrated ``fraction`` of one core's
+    stream × the rank's ``cores`` (a measured thread speedup ÷ core sharing), capped by the
+    rank's share of the node's bandwidth. A roofline: alone the pass runs at its own rate and
+    no faster than its share of the node. (Scaling the *capped* stream by the fraction counted
+    the contention twice: a pass measured at 3.2 GB/s on one core was costed at 1.9 GB/s for
+    two ranks of a 42 GB/s node, issue 18, 3rd pass.)"""
+    return min(fraction * machine["node.core_stream_Bps"] * cores,
+               machine["node.memory_bandwidth_Bps"] / procs_per_node)
+
+
 def optimizer_s(machine: Machine, work: Workload, procs_per_node: int) -> float:
     """The LARS update of every parameter, memory-bound (see module docstring): its nominal
     bytes at the calibrated ``compute.optimizer`` fraction of the rank's stream (1 where the
     file has none), with its measured thread speedup, slowed by ranks sharing a core."""
     speedup = (machine.thread_speedup(OPTIMIZER, machine.threads_per_rank(procs_per_node))
                / machine.core_share(procs_per_node))
-    stream = rank_memory_Bps(machine, procs_per_node, cores=speedup)
     return (OPTIMIZER_BYTES_PER_PARAMETER * work.parameters
-            / (machine.optional_fraction(OPTIMIZER) * stream))
+            / pass_rate_Bps(machine, machine.optional_fraction(OPTIMIZER), speedup,
+                            procs_per_node))
 
 
 def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_node: int) -> float:
@@ -312,9 +324,9 @@ def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_nod
         if layer.op_class == "linear":   # small batch: the weights stream from memory
             t = max(t, linear_weights_s(machine, layer, procs_per_node))
         return overhead + t
-    stream = rank_memory_Bps(machine, procs_per_node, cores=speedup)
     work = batch_per_rank * layer.memory_bytes()
-    return overhead + work / (machine.class_fraction(layer.op_class, work) * stream)
+    fraction = machine.class_fraction(layer.op_class, work)
+    return overhead + work / pass_rate_Bps(machine, fraction, speedup, procs_per_node)
 
 
 def linear_weights_s(machine: Machine, layer: Layer, procs_per_node: int) -> float:
@@ -324,9 +336,9 @@ def linear_weights_s(machine: Machine, layer: Layer, procs_per_node: int) -> flo
     figure streams at the full stream rate (the planner's earlier assumption)."""
     share = machine.core_share(procs_per_node)
     speedup = machine.thread_speedup(LINEAR_WEIGHTS, machine.threads_per_rank(procs_per_node))
-    stream = rank_memory_Bps(machine, procs_per_node, cores=speedup / share)
     work = LINEAR_WEIGHT_PASSES * layer.param_bytes
-    return work / (machine.class_fraction(LINEAR_WEIGHTS, work) * stream)
+    return work / pass_rate_Bps(machine, machine.class_fraction(LINEAR_WEIGHTS, work),
+                                speedup / share, procs_per_node)
 
 
 def compute_by_class(machine: Machine, work: Workload, batch_per_rank: float,
