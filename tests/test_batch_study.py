@@ -20,6 +20,7 @@ def study_args(**changes) -> argparse.Namespace:
     args = parser.parse_args(["--study"])
     args.batch_list = [128, 384, 768, 1536, 3072]
     args.grid_list = [0.5, 1.0, 2.0]
+    args.extend_edges = 0          # the grid alone, unless a test asks for the extension
     for key, value in changes.items():
         setattr(args, key, value)
     return args
@@ -85,6 +86,37 @@ def test_study_tunes_on_holdout_then_runs_three_seeds_of_the_chosen_lr(tmp_path)
     assert result["ratios"]["lars_minus_sgd_top1_b3072"] == pytest.approx(
         100 * 0.02 * math.log2(3072 / 128))
     assert result["ratios"]["lars_drop_top1_b128_to_b3072"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_a_best_lr_at_an_edge_widens_that_batch_s_grid_for_both_optimizers(tmp_path):
+    """fake_top1's LARS peaks at 2x its centre, the top of the x0.5/x1/x2 grid: every batch is
+    widened by x0.25 and x4, for SGD (whose best is inside) as for LARS."""
+    trainer = FakeTrainer()
+    args = study_args(extend_edges=1, batch_list=[128, 3072])
+    result = study.execute_study(args, trainer, str(tmp_path))
+    tune = [r for r in trainer.calls if r.phase == "tune"]
+    for batch in (128, 3072):
+        for opt in study.OPTIMIZERS:
+            factors = sorted(round(r.lr / study.centre_lr(opt, batch, args), 6) for r in tune
+                             if r.batch == batch and r.optimizer == opt)
+            assert factors == pytest.approx([0.25, 0.5, 1.0, 2.0, 4.0], rel=1e-5)
+    chosen = {(row["optimizer"], row["global_batch"]):
+              round(row["lr"] / study.centre_lr(row["optimizer"], row["global_batch"], args), 3)
+              for row in result["rows"]}
+    assert chosen == {("lars", 128): 2.0, ("sgd", 128): 1.0, ("lars", 3072): 2.0,
+                      ("sgd", 3072): 1.0}                       # still the true optima
+    assert trainer.calls == tune + [r for r in trainer.calls if r.phase == "final"]
+
+
+def test_a_batch_is_widened_only_when_a_best_lr_is_at_an_edge_of_its_grid(tmp_path):
+    trainer = FakeTrainer()
+    args = study_args(extend_edges=1, batch_list=[384], grid_list=[1.0, 2.0, 4.0])
+    study.execute_study(args, trainer, str(tmp_path))   # LARS best x2, SGD x1: SGD at an edge
+    assert sum(r.phase == "tune" for r in trainer.calls) == 10
+    trainer = FakeTrainer()
+    args = study_args(extend_edges=1, batch_list=[384], grid_list=[0.5, 1.0, 2.0, 4.0])
+    study.execute_study(args, trainer, str(tmp_path / "b"))   # both inside: no extension
+    assert sum(r.phase == "tune" for r in trainer.calls) == 8
 
 
 def test_an_interrupted_study_resumes_without_redoing_finished_runs(tmp_path):

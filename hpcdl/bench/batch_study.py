@@ -16,6 +16,11 @@ How the comparison is kept fair, choice by choice:
   LARS's global rate (lr = lars_lr·√(B/1536); LARS's η fixed, as in the papers' tables that tune
   only the base rate per batch). Warm-up, poly(2) decay, weight decay, epochs, model, data and
   the per-forward batch are the same for both.
+- **Edges extended, for both.** Where either optimizer's best holdout lr at a batch is the
+  smallest or the largest value tried there, that batch's grid is extended by one step of the
+  grid's ratio on both sides, for both optimizers (``--extend-edges`` times, default once), so
+  every optimizer keeps the same number of values at every batch and no chosen lr is a
+  boundary of its grid unless the extension also chose it.
 - **Holdout, then test once.** Tuning runs train on the first 50,000 training images and
   evaluate on the last 10,000 (``--holdout`` of the three-run bench); the lr with the best
   holdout top-1 (ties: the smaller) is then trained on all 60,000 with ``--seeds`` seeds and
@@ -45,7 +50,8 @@ from typing import Any
 
 from hpcdl.io import atomic_write_text
 
-__all__ = ["StudyRun", "OPTIMIZERS", "centre_lr", "tuning_runs", "select_lr", "final_runs",
+__all__ = ["StudyRun", "OPTIMIZERS", "centre_lr", "tuning_runs", "edge_extensions", "select_lr",
+           "final_runs",
            "study_recipe", "study_micro_batch", "aggregate", "execute_study", "plot_study",
            "STUDY_COLUMNS"]
 
@@ -102,6 +108,37 @@ def tuning_runs(args: argparse.Namespace) -> list[StudyRun]:
     of values for each optimizer at each batch."""
     return [StudyRun("tune", opt, batch, round(centre_lr(opt, batch, args) * factor, 6), 0)
             for batch in args.batch_list for opt in OPTIMIZERS for factor in args.grid_list]
+
+
+def grid_step(grid: Sequence[float]) -> float:
+    """The ratio between neighbouring grid factors (2 for ×0.5, ×1, ×2); 2 for a single value."""
+    values = sorted(grid)
+    return values[1] / values[0] if len(values) > 1 else 2.0
+
+
+def edge_extensions(args: argparse.Namespace, records: dict[str, dict[str, Any]],
+                    runs: Sequence[StudyRun], factors: dict[int, list[float]]
+                    ) -> list[StudyRun]:
+    """The tuning runs one extension adds: at every batch where either optimizer's best holdout
+    lr is the smallest or the largest tried there, one grid step below the smallest and one
+    above the largest of that batch's ``factors`` (updated here), for both optimizers (the
+    same count for each)."""
+    extra = []
+    for batch in args.batch_list:
+        at_edge = False
+        for opt in OPTIMIZERS:
+            lrs = sorted(r.lr for r in runs if r.phase == "tune" and r.optimizer == opt
+                         and r.batch == batch)
+            best, _ = select_lr(records, runs, opt, batch)
+            at_edge |= best in (lrs[0], lrs[-1])
+        if not at_edge:
+            continue
+        step = grid_step(args.grid_list)
+        new = [factors[batch][0] / step, factors[batch][-1] * step]
+        factors[batch] = sorted([*factors[batch], *new])
+        extra += [StudyRun("tune", opt, batch, round(centre_lr(opt, batch, args) * factor, 6), 0)
+                  for factor in new for opt in OPTIMIZERS]
+    return extra
 
 
 def _score(record: dict[str, Any] | None) -> float:
@@ -289,6 +326,14 @@ def execute_study(args: argparse.Namespace, runner: Runner, out: str, write: boo
     tune = tuning_runs(args)
     if not _do_runs(tune, runner, out, records, write, barrier):
         return None
+    factors = {batch: sorted(args.grid_list) for batch in args.batch_list}
+    for _ in range(getattr(args, "extend_edges", 0)):
+        extra = edge_extensions(args, records, tune, factors)
+        if not extra:
+            break
+        tune += extra
+        if not _do_runs(extra, runner, out, records, write, barrier):
+            return None
     chosen, holdout = {}, {}
     for batch in args.batch_list:
         for opt in OPTIMIZERS:
@@ -310,6 +355,10 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", default="0.5,1,2",
                         help="--study: lr multipliers of each method's centre lr, the same "
                              "count for both (default 0.5,1,2)")
+    parser.add_argument("--extend-edges", type=int, default=1,
+                        help="--study: times a batch's grid is widened by one step on both "
+                             "sides, for both optimizers, where either's best lr is at an edge "
+                             "(default 1; 0: the grid alone)")
     parser.add_argument("--seeds", type=int, default=3, help="--study: seeds per final point")
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="--study: write the top-1 vs batch plot here (default "
@@ -334,6 +383,8 @@ def run_study(args: argparse.Namespace) -> int:
     args.grid_list = parse_list(args.grid, float, "--grid")
     if args.seeds < 1:
         raise SystemExit("hpcdl bench convergence: --seeds must be >= 1")
+    if args.extend_edges < 0:
+        raise SystemExit("hpcdl bench convergence: --extend-edges must be >= 0")
     world = MPI.COMM_WORLD
     # Pinned in study.json: another rank count (hence another per-rank batch) on the same
     # --out is refused instead of mixing batch-norm batches.
