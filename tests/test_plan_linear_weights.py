@@ -132,3 +132,58 @@ def test_a_pass_runs_at_its_own_rate_up_to_its_share_of_the_node():
     assert pass_rate_Bps(vm, 0.1, 1.0, 2) == pytest.approx(1e9)
     assert pass_rate_Bps(vm, 0.9, 1.0, 2) == pytest.approx(6e9)
     assert pass_rate_Bps(vm, 0.1, 1.0, 24) == pytest.approx(5e8)
+
+
+# --------------------------------------------------------------------------- contention
+def with_contention(vm, factors, ranks=2):
+    doc = {"name": vm.name, **_sections(vm)}
+    doc["contention"] = {"ranks": fig(ranks), **{c: fig(f) for c, f in factors.items()}}
+    return parse_machine(doc, "vm.yaml")
+
+
+def test_ranks_that_fill_the_node_run_at_the_measured_contention():
+    conv = Layer("c", "conv_3x3", macs=1e9)
+    vm = machine()
+    crowded = with_contention(vm, {"conv_3x3": 0.8})
+    alone = layer_s(vm, conv, 8, 2)
+    assert layer_s(crowded, conv, 8, 2) == pytest.approx(alone / 0.8, rel=1e-6)
+    assert layer_s(crowded, conv, 8, 1) == pytest.approx(layer_s(vm, conv, 8, 1), rel=1e-9)
+    # four ranks on two cores: half a core each, and the node's contention once
+    assert layer_s(crowded, conv, 8, 4) == pytest.approx(2 * alone / 0.8, rel=1e-6)
+    assert crowded.contention_factor("relu", 2) == 1.0          # a class not measured
+
+
+def test_contention_is_interpolated_from_one_rank_to_the_calibrated_count():
+    vm = with_contention(machine(cores=8), {"conv_3x3": 0.6}, ranks=8)
+    assert vm.contention_factor("conv_3x3", 1) == 1.0
+    assert vm.contention_factor("conv_3x3", 8) == pytest.approx(0.6)
+    assert vm.contention_factor("conv_3x3", 4) == pytest.approx(1 - 0.4 * 3 / 7)
+
+
+def test_contention_is_a_rate_ratio_kept_within_a_tenth_and_one():
+    from hpcdl.plan.class_rates import contention
+
+    assert contention({"a": 1e9, "b": 1e9, "c": 1e9}, {"a": 8e8, "b": 1.2e9, "c": 1e6}) == {
+        "a": pytest.approx(0.8), "b": 1.0, "c": 0.1}
+
+
+def test_calibration_writes_the_contention_section(tmp_path):
+    from hpcdl.plan.machine import load_machine
+
+    m = {**calibration_measurements(), "class_rates_corun":
+         {c: r * 0.9 for c, r in CLASS_RATES.items()}}
+    m["contention"] = {c: 0.9 for c in CLASS_RATES}
+    write_machine(machine_document(m), str(tmp_path))
+    local = load_machine("local", str(tmp_path))
+    assert local["contention.ranks"] == 2 and local.contention_factor("batch_norm", 2) == 0.9
+
+
+def test_co_running_ranks_time_the_same_layers_at_once_in_separate_processes():
+    """Real processes (spawn), two tiny layers: each rank returns its own sample of each."""
+    from hpcdl.plan.class_rates import corun_samples
+
+    layers = (("relu", "relu", (), (8, 8, 8), True),
+              ("conv_3x3", "conv", (8, 8, 3, 1, 1, 1), (8, 8, 8), True))
+    samples = corun_samples(batch=2, repeats=1, ranks=2, layers=layers, optimizer=False)
+    assert sorted(s.op_class for s in samples) == ["conv_3x3", "conv_3x3", "relu", "relu"]
+    assert all(s.seconds > 0 and s.work > 0 for s in samples)

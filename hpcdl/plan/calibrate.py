@@ -216,6 +216,8 @@ def measure(quick: bool = False, batch: int = 8,
             log: Callable[[str], None] = print) -> dict:
     """Every measurement calibration makes, as raw numbers."""
     from hpcdl.plan.class_rates import (
+        contention,
+        corun_samples,
         fit_rates,
         measure_samples,
         overhead_s,
@@ -256,6 +258,11 @@ def measure(quick: bool = False, batch: int = 8,
         m["class_rates_threads"] = fit_rates(samples_t, m["layer_overhead_s"])
         m["thread_speedups"] = thread_speedups(m["class_rates"], m["class_rates_threads"],
                                                threads=cores)
+        # The same layers in `cores` single-threaded processes at once: mpiexec -n cores.
+        log(f"per-class rates with {cores} single-threaded ranks running at once ...")
+        corun = corun_samples(batch, reps, cores)
+        m["class_rates_corun"] = fit_rates(corun, m["layer_overhead_s"])
+        m["contention"] = contention(m["class_rates"], m["class_rates_corun"])
     log("JPEG decode + augment ...")
     try:
         m["decode_images_per_s_1_thread"] = decode_images_per_s(images=32 if quick else 64)
@@ -306,6 +313,7 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
         **({"rate_curves": curves_section(m, core_peak, stamp)} if m.get("class_curves")
            else {}),
         **({"thread_scaling": thread_section(m, stamp)} if "thread_speedups" in m else {}),
+        **({"contention": contention_section(m, stamp)} if "contention" in m else {}),
         "data": {
             "decode_images_per_s_per_core": (
                 _fig(m["decode_images_per_s_1_thread"], (
@@ -340,7 +348,8 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     for key in ("class_samples", "class_samples_threads"):
         if key in m:
             doc["measured"][key] = list(m[key])
-    for key in ("class_rates", "class_rates_threads", "thread_speedups", "class_curves"):
+    for key in ("class_rates", "class_rates_threads", "thread_speedups", "class_curves",
+                "class_rates_corun", "contention"):
         if key in m:
             doc["measured"][key] = dict(m[key])
     return doc
@@ -404,6 +413,20 @@ def thread_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
             f"{stamp}: the representative {op_class} layers on {threads} threads of one rank, "
             f"{m['class_rates_threads'][op_class] / 1e9:.4g} G/s, over the same on 1 thread, "
             f"{m['class_rates'][op_class] / 1e9:.4g} G/s (FLOP/s or nominal bytes/s); {load}"))
+    return section
+
+
+def contention_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
+    """The ``contention`` figures: per class, one single-threaded rank's rate while ``ranks``
+    (all the cores) run at once, over its rate alone (hpcdl.plan.class_rates.contention)."""
+    ranks = m["cores"]
+    section = {"ranks": _fig(ranks, f"{stamp}: os.cpu_count() = {ranks} single-threaded "
+                                    "processes timing each layer at the same moment")}
+    for op_class, factor in m["contention"].items():
+        section[op_class] = _fig(factor, (
+            f"{stamp}: the representative {op_class} layers in {ranks} processes at once, "
+            f"{m['class_rates_corun'][op_class] / 1e9:.4g} G/s per rank, over one alone, "
+            f"{m['class_rates'][op_class] / 1e9:.4g} G/s"))
     return section
 
 

@@ -190,14 +190,21 @@ def overhead_s(repeats: int = 21) -> float:
 
 
 def measure_samples(batch: int, repeats: int, threads: int = 1,
-                    log: Callable[[str], None] = print) -> list[Sample]:
-    """Time every representative layer with ``threads`` torch threads and count its work."""
+                    log: Callable[[str], None] = print,
+                    before_each: Callable[[], Any] | None = None,
+                    layers: Sequence[tuple] = REPRESENTATIVE,
+                    optimizer: bool = True) -> list[Sample]:
+    """Time every layer of ``layers`` (and the optimizer) with ``threads`` torch threads and
+    count its work (``before_each`` is called before each is timed: co-running ranks'
+    barrier)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     samples = []
     try:
-        for op_class, kind, args, shape, input_grad in REPRESENTATIVE:
+        for op_class, kind, args, shape, input_grad in layers:
+            if before_each is not None:
+                before_each()
             module = build(kind, args)
             rows = LINEAR_ROWS if op_class == "linear" else batch
             layer_class = "linear" if op_class == LINEAR_WEIGHTS else op_class
@@ -210,9 +217,12 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
                                                 for la in layers), seconds))
             log(f"  {op_class:<15}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
                 f"{seconds * 1e3:.2f} ms")
-        samples.append(optimizer_sample(repeats, threads))
-        log(f"  {OPTIMIZER:<15}LARS step over {len(OPTIMIZER_SHAPES)} tensors, "
-            f"{threads} thread(s): {samples[-1].seconds * 1e3:.2f} ms")
+        if optimizer:
+            if before_each is not None:
+                before_each()
+            samples.append(optimizer_sample(repeats, threads))
+            log(f"  {OPTIMIZER:<15}LARS step over {len(OPTIMIZER_SHAPES)} tensors, "
+                f"{threads} thread(s): {samples[-1].seconds * 1e3:.2f} ms")
     finally:
         torch.set_num_threads(before)
     return samples
@@ -242,6 +252,52 @@ def optimizer_sample(repeats: int, threads: int = 1) -> Sample:
         torch.set_num_threads(before)
     count = sum(p.numel() for p in params)
     return Sample(OPTIMIZER, OPTIMIZER_BYTES_PER_PARAMETER * count, seconds)
+
+
+def _corun_worker(batch: int, repeats: int, barrier: Any, results: Any,
+                  layers: Sequence[tuple], optimizer: bool) -> None:
+    """One of :func:`corun_samples`' ranks: every layer timed at the same moment as the
+    others' (a barrier before each), one thread, the bench's allocator policy."""
+    from hpcdl.bench.train import retain_freed_memory
+
+    retain_freed_memory()
+    samples = measure_samples(batch, repeats, threads=1, log=lambda _line: None,
+                              before_each=barrier.wait, layers=layers, optimizer=optimizer)
+    results.put([(x.op_class, x.work, x.seconds) for x in samples])
+
+
+def corun_samples(batch: int, repeats: int, ranks: int,
+                  layers: Sequence[tuple] = REPRESENTATIVE, optimizer: bool = True
+                  ) -> list[Sample]:
+    """The representative layers timed in ``ranks`` single-threaded processes at once (each
+    layer started together): what a rank's rate is when every core of the node computes, as
+    ``mpiexec -n cores`` runs (shared caches and memory; :func:`contention`)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(ranks), ctx.Queue()
+    workers = [ctx.Process(target=_corun_worker,
+                           args=(batch, repeats, barrier, results, tuple(layers), optimizer))
+               for _ in range(ranks)]
+    for w in workers:
+        w.start()
+    try:
+        gathered = [results.get(timeout=1800) for _ in workers]
+    finally:
+        for w in workers:
+            w.join(timeout=60)
+            if w.is_alive():
+                w.terminate()
+    return [Sample(*x) for per_rank in gathered for x in per_rank]
+
+
+def contention(rates_alone: Mapping[str, float],
+               rates_corun: Mapping[str, float]) -> dict[str, float]:
+    """Per class: one rank's rate while every core runs a rank ÷ its rate alone, in (0.1, 1]:
+    the node's shared caches and memory, which a rank alone does not meet (issue 18, 3rd
+    pass: predicted ÷ measured fell from 0.92-1.0 at one rank to 0.78-0.85 at four)."""
+    return {c: min(1.0, max(0.1, rates_corun[c] / rates_alone[c]))
+            for c in rates_alone if c in rates_corun}
 
 
 def fit_rates(samples: Sequence[Sample], overhead: float) -> dict[str, float]:

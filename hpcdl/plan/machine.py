@@ -17,6 +17,8 @@ measurement, or a stated assumption with its reasoning), grouped by what they de
     data:    {decode_images_per_s_per_core, loader_cores_per_node}
     thread_scaling: {threads,                      # optional: T threads of one rank, and per
                      conv_large, ..., lrn}         # class the rate at T ÷ the rate at 1 thread
+    contention: {ranks, conv_large, ..., optimizer}  # optional: a 1-thread rank's rate with
+                                                   # `ranks` running at once ÷ its rate alone
     rate_curves: {conv_1x1: {points: [[work, fraction], ...], source}, ...}
                                                    # optional: a class's fraction by the work
                                                    # of one call (FLOPs or bytes), over `compute`
@@ -202,6 +204,21 @@ class Machine:
             return self.linear_weights_fraction
         return self[f"compute.{op_class}"]
 
+    def contention_factor(self, op_class: str, procs_per_node: int) -> float:
+        """A rank's rate of ``op_class`` among ``procs_per_node`` ranks of its node ÷ its rate
+        alone: the measured ``contention`` at the calibrated rank count (the node's cores),
+        linear from 1 at one rank; ranks beyond the cores time-share them (core_share) and
+        add none. 1 without the section or the class (a spec file: its fractions are of a
+        full node already)."""
+        key = f"contention.{op_class}"
+        if procs_per_node < 2 or key not in self.figures:
+            return 1.0
+        cal = self["contention.ranks"]
+        running = min(float(procs_per_node), self.cores_per_node, cal)
+        if cal <= 1:
+            return 1.0
+        return 1.0 + (self[key] - 1.0) * (running - 1.0) / (cal - 1.0)
+
     def thread_speedup(self, op_class: str, threads: float) -> float:
         """Rate of ``op_class`` on ``threads`` threads of one rank ÷ its one-thread rate.
 
@@ -251,6 +268,8 @@ def parse_machine(doc: Any, path: str) -> Machine:
     if "compute.conv_3x3" not in figures and "node.sustained_fraction" not in figures:
         raise MachineError(f"{path}: missing section 'compute' (needs {list(COMPUTE_FIGURES)}); "
                            "measure it with `hpcdl plan --calibrate`")
+    figures.update(_optional_section(doc, path, "contention", ("ranks",),
+                                     "delete the section to assume none"))
     curves = _curves(doc.get("rate_curves"), path)
     cpu = doc.get("cpu") or {}
     if not isinstance(cpu, Mapping):

@@ -300,6 +300,7 @@ def optimizer_s(machine: Machine, work: Workload, procs_per_node: int) -> float:
     bytes at the calibrated ``compute.optimizer`` fraction of the rank's stream (1 where the
     file has none), with its measured thread speedup, slowed by ranks sharing a core."""
     speedup = (machine.thread_speedup(OPTIMIZER, machine.threads_per_rank(procs_per_node))
+               * machine.contention_factor(OPTIMIZER, procs_per_node)
                / machine.core_share(procs_per_node))
     return (OPTIMIZER_BYTES_PER_PARAMETER * work.parameters
             / pass_rate_Bps(machine, machine.optional_fraction(OPTIMIZER), speedup,
@@ -311,10 +312,12 @@ def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_nod
 
     A rank gets ``threads`` = cores ÷ ranks of the node (at least one) and, with more ranks
     than cores, a 1/``share`` of its core; its rate for a class is the one-core rate × the
-    class's measured thread speedup (hpcdl.plan.machine.Machine.thread_speedup) ÷ share."""
+    class's measured thread speedup (hpcdl.plan.machine.Machine.thread_speedup) × its measured
+    contention among the node's ranks (Machine.contention_factor) ÷ share."""
     share = machine.core_share(procs_per_node)
     threads = machine.threads_per_rank(procs_per_node)
-    speedup = machine.thread_speedup(layer.op_class, threads) / share
+    speedup = (machine.thread_speedup(layer.op_class, threads)
+               * machine.contention_factor(layer.op_class, procs_per_node) / share)
     overhead = machine["compute.layer_overhead_s"] * share
     if layer.op_class in COMPUTE_CLASSES:
         work = batch_per_rank * layer.train_flops
@@ -335,7 +338,8 @@ def linear_weights_s(machine: Machine, layer: Layer, procs_per_node: int) -> flo
     ``compute.linear_weights`` fraction of the rank's stream bandwidth; a file without the
     figure streams at the full stream rate (the planner's earlier assumption)."""
     share = machine.core_share(procs_per_node)
-    speedup = machine.thread_speedup(LINEAR_WEIGHTS, machine.threads_per_rank(procs_per_node))
+    speedup = (machine.thread_speedup(LINEAR_WEIGHTS, machine.threads_per_rank(procs_per_node))
+               * machine.contention_factor(LINEAR_WEIGHTS, procs_per_node))
     work = LINEAR_WEIGHT_PASSES * layer.param_bytes
     return work / pass_rate_Bps(machine, machine.class_fraction(LINEAR_WEIGHTS, work),
                                 speedup / share, procs_per_node)
