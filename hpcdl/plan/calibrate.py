@@ -400,34 +400,38 @@ def curves_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[s
     return section
 
 
+def ratio_section(count_key: str, count: float, count_source: str,
+                  ratios: Mapping[str, float], source: Callable[[str], str]) -> dict[str, Any]:
+    """A section of per-class ratios measured at ``count`` (threads or ranks): the count's
+    figure, then each class's ratio with ``source(op_class)``."""
+    return {count_key: _fig(count, count_source),
+            **{op_class: _fig(ratio, source(op_class)) for op_class, ratio in ratios.items()}}
+
+
 def thread_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
     """The ``thread_scaling`` figures: per class, the rate of one rank on ``class_threads``
     threads over its one-thread rate (hpcdl.plan.class_rates.thread_speedups)."""
     threads = m["class_threads"]
     load = (f"load average {m['load_average_before']:.1f} -> {m['load_average_after']:.1f}"
             if "load_average_after" in m else "load average not recorded")
-    section = {"threads": _fig(threads, f"{stamp}: os.cpu_count() = {threads}, the threads "
-                                        "of one rank alone on this node")}
-    for op_class, speedup in m["thread_speedups"].items():
-        section[op_class] = _fig(speedup, (
-            f"{stamp}: the representative {op_class} layers on {threads} threads of one rank, "
-            f"{m['class_rates_threads'][op_class] / 1e9:.4g} G/s, over the same on 1 thread, "
-            f"{m['class_rates'][op_class] / 1e9:.4g} G/s (FLOP/s or nominal bytes/s); {load}"))
-    return section
+    return ratio_section(
+        "threads", threads, f"{stamp}: os.cpu_count() = {threads}, the threads of one rank "
+        "alone on this node", m["thread_speedups"],
+        lambda c: (f"{stamp}: the representative {c} layers on {threads} threads of one rank, "
+                   f"{m['class_rates_threads'][c] / 1e9:.4g} G/s, over the same on 1 thread, "
+                   f"{m['class_rates'][c] / 1e9:.4g} G/s (FLOP/s or nominal bytes/s); {load}"))
 
 
 def contention_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
     """The ``contention`` figures: per class, one single-threaded rank's rate while ``ranks``
     (all the cores) run at once, over its rate alone (hpcdl.plan.class_rates.contention)."""
     ranks = m["cores"]
-    section = {"ranks": _fig(ranks, f"{stamp}: os.cpu_count() = {ranks} single-threaded "
-                                    "processes timing each layer at the same moment")}
-    for op_class, factor in m["contention"].items():
-        section[op_class] = _fig(factor, (
-            f"{stamp}: the representative {op_class} layers in {ranks} processes at once, "
-            f"{m['class_rates_corun'][op_class] / 1e9:.4g} G/s per rank, over one alone, "
-            f"{m['class_rates'][op_class] / 1e9:.4g} G/s"))
-    return section
+    return ratio_section(
+        "ranks", ranks, f"{stamp}: os.cpu_count() = {ranks} single-threaded processes timing "
+        "each layer at the same moment", m["contention"],
+        lambda c: (f"{stamp}: the representative {c} layers in {ranks} processes at once, "
+                   f"{m['class_rates_corun'][c] / 1e9:.4g} G/s per rank, over one alone, "
+                   f"{m['class_rates'][c] / 1e9:.4g} G/s"))
 
 
 def write_machine(doc: Mapping[str, Any], directory: str) -> str:
