@@ -157,7 +157,8 @@ def test_contention_is_interpolated_from_one_rank_to_the_calibrated_count():
     vm = with_contention(machine(cores=8), {"conv_3x3": 0.6}, ranks=8)
     assert vm.contention_factor("conv_3x3", 1) == 1.0
     assert vm.contention_factor("conv_3x3", 8) == pytest.approx(0.6)
-    assert vm.contention_factor("conv_3x3", 4) == pytest.approx(1 - 0.4 * 3 / 7)
+    # 4 ranks x 2 threads: the other 6 busy cores of 7 possible others
+    assert vm.contention_factor("conv_3x3", 4) == pytest.approx(1 - 0.4 * 6 / 7)
 
 
 def test_contention_is_a_rate_ratio_kept_within_a_tenth_and_one():
@@ -187,3 +188,11 @@ def test_co_running_ranks_time_the_same_layers_at_once_in_separate_processes():
     samples = corun_samples(batch=2, repeats=1, ranks=2, layers=layers, optimizer=False)
     assert sorted(s.op_class for s in samples) == ["conv_3x3", "conv_3x3", "relu", "relu"]
     assert all(s.seconds > 0 and s.work > 0 for s in samples)
+
+
+def test_a_multi_thread_rank_sees_only_the_other_ranks_share_of_contention():
+    vm = with_contention(machine(cores=48), {"conv_3x3": 0.6}, ranks=16)
+    assert vm.contention_factor("conv_3x3", 1) == 1.0             # one rank, 48 threads
+    assert vm.contention_factor("conv_3x3", 2) == pytest.approx(0.6)   # 24 busy others > 15
+    vm8 = with_contention(machine(cores=8), {"conv_3x3": 0.6}, ranks=8)
+    assert vm8.contention_factor("conv_3x3", 2) == pytest.approx(1 - 0.4 * 4 / 7)  # 2 x 4

@@ -208,6 +208,12 @@ def allreduce_records(mpiexec: str = "mpiexec", timeout_s: float = 600) -> list[
 
 
 # --------------------------------------------------------------------------- the file
+# Co-running processes of the contention measurement, at most: each holds ~1 GB of samples
+# (the 134 MB linear layer, the optimizer's 25 M parameters); a larger node's contention is
+# taken as at this count (hpcdl.plan.machine.Machine.contention_factor).
+CORUN_MAX_RANKS = 16
+
+
 def _fig(value: float, source: str) -> dict[str, Any]:
     return {"value": float(value), "source": source}
 
@@ -259,8 +265,10 @@ def measure(quick: bool = False, batch: int = 8,
         m["thread_speedups"] = thread_speedups(m["class_rates"], m["class_rates_threads"],
                                                threads=cores)
         # The same layers in `cores` single-threaded processes at once: mpiexec -n cores.
-        log(f"per-class rates with {cores} single-threaded ranks running at once ...")
-        corun = corun_samples(batch, reps, cores)
+        corun_ranks = min(cores, CORUN_MAX_RANKS)
+        log(f"per-class rates with {corun_ranks} single-threaded ranks running at once ...")
+        corun = corun_samples(batch, reps, corun_ranks)
+        m["corun_ranks"] = corun_ranks
         m["class_rates_corun"] = fit_rates(corun, m["layer_overhead_s"])
         m["contention"] = contention(m["class_rates"], m["class_rates_corun"])
     log("JPEG decode + augment ...")
@@ -424,8 +432,9 @@ def thread_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
 
 def contention_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
     """The ``contention`` figures: per class, one single-threaded rank's rate while ``ranks``
-    (all the cores) run at once, over its rate alone (hpcdl.plan.class_rates.contention)."""
-    ranks = m["cores"]
+    (the cores, at most CORUN_MAX_RANKS) run at once, over its rate alone
+    (hpcdl.plan.class_rates.contention)."""
+    ranks = m.get("corun_ranks", m["cores"])
     return ratio_section(
         "ranks", ranks, f"{stamp}: os.cpu_count() = {ranks} single-threaded processes timing "
         "each layer at the same moment", m["contention"],

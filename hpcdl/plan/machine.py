@@ -206,18 +206,23 @@ class Machine:
 
     def contention_factor(self, op_class: str, procs_per_node: int) -> float:
         """A rank's rate of ``op_class`` among ``procs_per_node`` ranks of its node ÷ its rate
-        alone: the measured ``contention`` at the calibrated rank count (the node's cores),
-        linear from 1 at one rank; ranks beyond the cores time-share them (core_share) and
-        add none. 1 without the section or the class (a spec file: its fractions are of a
-        full node already)."""
+        alone. ``contention`` holds the factor measured with ``ranks`` single-threaded
+        processes at once; a rank sees the share of it that the *other* ranks' busy cores
+        make, ``(busy cores − its threads) ÷ (ranks − 1)`` (at most 1; its own threads'
+        contention is in its thread speedup): a 1-thread rank among 2 on 2 cores gets all of
+        it, 2 ranks × 24 threads on 48 cores about half, one rank on every core none. Ranks
+        beyond the cores time-share them (core_share) and add none. 1 without the section or
+        the class (a spec file: its fractions are of a full node already)."""
         key = f"contention.{op_class}"
         if procs_per_node < 2 or key not in self.figures:
             return 1.0
         cal = self["contention.ranks"]
-        running = min(float(procs_per_node), self.cores_per_node, cal)
+        threads = self.threads_per_rank(procs_per_node)
+        busy = min(procs_per_node * threads, self.cores_per_node)
         if cal <= 1:
             return 1.0
-        return 1.0 + (self[key] - 1.0) * (running - 1.0) / (cal - 1.0)
+        share = min(1.0, max(0.0, (busy - threads) / (cal - 1.0)))
+        return 1.0 + (self[key] - 1.0) * share
 
     def thread_speedup(self, op_class: str, threads: float) -> float:
         """Rate of ``op_class`` on ``threads`` threads of one rank ÷ its one-thread rate.
