@@ -208,13 +208,13 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
             module = build(kind, args)
             rows = LINEAR_ROWS if op_class == "linear" else batch
             layer_class = "linear" if op_class == LINEAR_WEIGHTS else op_class
-            layers = [layer for layer in count_layers(module, 0, shape, input_grad)
-                      if layer.op_class == layer_class]
-            if not layers:
+            counted = [layer for layer in count_layers(module, 0, shape, input_grad)
+                       if layer.op_class == layer_class]
+            if not counted:
                 raise RuntimeError(f"representative {kind}{args} was not classed {layer_class}")
             seconds = time_layer(module, shape, rows, input_grad, repeats)
             samples.append(Sample(op_class, sum(layer_work(la, rows, op_class)
-                                                for la in layers), seconds))
+                                                for la in counted), seconds))
             log(f"  {op_class:<15}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
                 f"{seconds * 1e3:.2f} ms")
         if optimizer:
@@ -263,7 +263,7 @@ def _corun_worker(batch: int, repeats: int, barrier: Any, results: Any,
     retain_freed_memory()
     samples = measure_samples(batch, repeats, threads=1, log=lambda _line: None,
                               before_each=barrier.wait, layers=layers, optimizer=optimizer)
-    results.put([(x.op_class, x.work, x.seconds) for x in samples])
+    results.put(samples)
 
 
 def corun_samples(batch: int, repeats: int, ranks: int,
@@ -288,7 +288,7 @@ def corun_samples(batch: int, repeats: int, ranks: int,
             w.join(timeout=60)
             if w.is_alive():
                 w.terminate()
-    return [Sample(*x) for per_rank in gathered for x in per_rank]
+    return [sample for per_rank in gathered for sample in per_rank]
 
 
 def contention(rates_alone: Mapping[str, float],

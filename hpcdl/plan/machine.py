@@ -47,7 +47,7 @@ from typing import Any
 
 import yaml
 
-from hpcdl.plan.layers import LINEAR_WEIGHTS, OP_CLASSES
+from hpcdl.plan.layers import LINEAR_WEIGHTS, OP_CLASSES, OPTIMIZER
 
 PACKAGE_MACHINES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "machines")
 
@@ -61,6 +61,8 @@ REQUIRED_FIGURES: dict[str, tuple[str, ...]] = {
 }
 # The per-class compute figures (hpcdl.plan.layers.OP_CLASSES) plus the per-layer overhead.
 COMPUTE_FIGURES: tuple[str, ...] = (*OP_CLASSES, "layer_overhead_s")
+# Optional compute fractions: a file without one moves that traffic at the core stream rate.
+OPTIONAL_FRACTIONS: tuple[str, ...] = (LINEAR_WEIGHTS, OPTIMIZER)
 # The optional measured thread scaling: the thread count T and every class's speedup at T.
 THREAD_FIGURES: tuple[str, ...] = ("threads", *OP_CLASSES)
 
@@ -200,8 +202,8 @@ class Machine:
 
         if op_class in self.curves:
             return interpolate_rate(self.curves[op_class], work)
-        if op_class == LINEAR_WEIGHTS:
-            return self.linear_weights_fraction
+        if op_class in OPTIONAL_FRACTIONS:
+            return self.optional_fraction(op_class)
         return self[f"compute.{op_class}"]
 
     def contention_factor(self, op_class: str, procs_per_node: int) -> float:

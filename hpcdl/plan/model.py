@@ -274,13 +274,19 @@ def rank_flops(machine: Machine, procs_per_node: int) -> float:
     return machine.sustained_flops_per_node / procs_per_node
 
 
-def rank_memory_Bps(machine: Machine, procs_per_node: int, cores: float | None = None) -> float:
-    """Stream bandwidth of one rank: ``cores`` one-core rates (default its share of the node's
-    cores; a measured thread speedup where given), capped by its share of the node's."""
-    if cores is None:
-        cores = machine.threads_per_rank(procs_per_node)
-    return min(machine["node.core_stream_Bps"] * cores,
+def rank_memory_Bps(machine: Machine, procs_per_node: int) -> float:
+    """Stream bandwidth of one rank: its cores' rate, capped by its share of the node's."""
+    return min(machine["node.core_stream_Bps"] * machine.threads_per_rank(procs_per_node),
                machine["node.memory_bandwidth_Bps"] / procs_per_node)
+
+
+def rank_cores(machine: Machine, op_class: str, procs_per_node: int) -> float:
+    """One rank's cores for ``op_class``, in one-core rates: its threads' measured speedup
+    (Machine.thread_speedup) × its measured contention among the node's ranks
+    (Machine.contention_factor) ÷ the ranks time-sharing its core (Machine.core_share)."""
+    return (machine.thread_speedup(op_class, machine.threads_per_rank(procs_per_node))
+            * machine.contention_factor(op_class, procs_per_node)
+            / machine.core_share(procs_per_node))
 
 
 def pass_rate_Bps(machine: Machine, fraction: float, cores: float,
@@ -295,16 +301,21 @@ def pass_rate_Bps(machine: Machine, fraction: float, cores: float,
                machine["node.memory_bandwidth_Bps"] / procs_per_node)
 
 
+def memory_pass_s(machine: Machine, op_class: str, nbytes: float, procs_per_node: int) -> float:
+    """Seconds of a memory-bound pass of ``op_class`` moving ``nbytes`` (nominal) on one rank:
+    its fraction (Machine.class_fraction) at the rank's cores for the class, capped by the
+    rank's share of the node (:func:`pass_rate_Bps`)."""
+    fraction = machine.class_fraction(op_class, nbytes)
+    cores = rank_cores(machine, op_class, procs_per_node)
+    return nbytes / pass_rate_Bps(machine, fraction, cores, procs_per_node)
+
+
 def optimizer_s(machine: Machine, work: Workload, procs_per_node: int) -> float:
     """The LARS update of every parameter, memory-bound (see module docstring): its nominal
     bytes at the calibrated ``compute.optimizer`` fraction of the rank's stream (1 where the
     file has none), with its measured thread speedup, slowed by ranks sharing a core."""
-    speedup = (machine.thread_speedup(OPTIMIZER, machine.threads_per_rank(procs_per_node))
-               * machine.contention_factor(OPTIMIZER, procs_per_node)
-               / machine.core_share(procs_per_node))
-    return (OPTIMIZER_BYTES_PER_PARAMETER * work.parameters
-            / pass_rate_Bps(machine, machine.optional_fraction(OPTIMIZER), speedup,
-                            procs_per_node))
+    return memory_pass_s(machine, OPTIMIZER, OPTIMIZER_BYTES_PER_PARAMETER * work.parameters,
+                         procs_per_node)
 
 
 def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_node: int) -> float:
@@ -314,22 +325,17 @@ def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_nod
     than cores, a 1/``share`` of its core; its rate for a class is the one-core rate × the
     class's measured thread speedup (hpcdl.plan.machine.Machine.thread_speedup) × its measured
     contention among the node's ranks (Machine.contention_factor) ÷ share."""
-    share = machine.core_share(procs_per_node)
-    threads = machine.threads_per_rank(procs_per_node)
-    speedup = (machine.thread_speedup(layer.op_class, threads)
-               * machine.contention_factor(layer.op_class, procs_per_node) / share)
-    overhead = machine["compute.layer_overhead_s"] * share
+    overhead = machine["compute.layer_overhead_s"] * machine.core_share(procs_per_node)
     if layer.op_class in COMPUTE_CLASSES:
         work = batch_per_rank * layer.train_flops
         fraction = machine.class_fraction(layer.op_class, work)
         core_peak = machine.peak_flops_per_node / machine.cores_per_node
-        t = work / (fraction * core_peak * speedup)
+        t = work / (fraction * core_peak * rank_cores(machine, layer.op_class, procs_per_node))
         if layer.op_class == "linear":   # small batch: the weights stream from memory
             t = max(t, linear_weights_s(machine, layer, procs_per_node))
         return overhead + t
-    work = batch_per_rank * layer.memory_bytes()
-    fraction = machine.class_fraction(layer.op_class, work)
-    return overhead + work / pass_rate_Bps(machine, fraction, speedup, procs_per_node)
+    return overhead + memory_pass_s(machine, layer.op_class,
+                                    batch_per_rank * layer.memory_bytes(), procs_per_node)
 
 
 def linear_weights_s(machine: Machine, layer: Layer, procs_per_node: int) -> float:
@@ -337,12 +343,8 @@ def linear_weights_s(machine: Machine, layer: Layer, procs_per_node: int) -> flo
     gradient written: hpcdl.plan.layers.LINEAR_WEIGHTS) at the calibrated
     ``compute.linear_weights`` fraction of the rank's stream bandwidth; a file without the
     figure streams at the full stream rate (the planner's earlier assumption)."""
-    share = machine.core_share(procs_per_node)
-    speedup = (machine.thread_speedup(LINEAR_WEIGHTS, machine.threads_per_rank(procs_per_node))
-               * machine.contention_factor(LINEAR_WEIGHTS, procs_per_node))
-    work = LINEAR_WEIGHT_PASSES * layer.param_bytes
-    return work / pass_rate_Bps(machine, machine.class_fraction(LINEAR_WEIGHTS, work),
-                                speedup / share, procs_per_node)
+    return memory_pass_s(machine, LINEAR_WEIGHTS, LINEAR_WEIGHT_PASSES * layer.param_bytes,
+                         procs_per_node)
 
 
 def compute_by_class(machine: Machine, work: Workload, batch_per_rank: float,
