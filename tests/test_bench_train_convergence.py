@@ -56,7 +56,8 @@ def test_bf16_run_is_the_lars_recipe_in_bf16_autocast_only():
     differ = {k for k in fp32 if fp32[k] != bf16[k]}
     assert differ == {"name", "train"}
     keys = set(fp32["train"]) | set(bf16["train"])
-    assert {k for k in keys if fp32["train"].get(k) != bf16["train"].get(k)} == {"bf16"}
+    assert {k for k in keys if fp32["train"].get(k) != bf16["train"].get(k)} == {
+        "bf16", "bf16_emulated"}
     ratios = bench.convergence_ratios({"lars": {"top1": 0.880}, "lars_bf16": {"top1": 0.878}})
     assert ratios["lars_bf16_minus_lars_top1"] == pytest.approx(-0.2)
     assert bench.parse_runs("lars,lars_bf16") == ["lars", "lars_bf16"]
@@ -124,3 +125,21 @@ def test_two_rank_run_writes_the_table_json(tmp_path):
     assert (tmp_path / "runs" / "lars-e1" / "summary.json").exists()
     assert json.loads((tmp_path / "runs" / "baseline-e1" / "summary.json").read_text())[
         "resumed_from"].endswith("ckpt-000000002.pt")
+
+
+def test_the_bf16_run_trains_in_bf16_even_where_it_is_emulated(monkeypatch):
+    # Without bf16_emulated the trainer falls back to float32 on such a CPU, and the check
+    # would compare float32 with itself.
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpcdl.train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "bf16_supported", lambda: False)
+    recipe = bench.run_recipes(default_args(epochs=3))["lars_bf16"]
+    config = config_from_dict(recipe)
+    dtype = trainer_module.Trainer._autocast_dtype(SimpleNamespace(config=config))
+    assert dtype is torch.bfloat16
+    config.train.bf16_emulated = False
+    assert trainer_module.Trainer._autocast_dtype(SimpleNamespace(config=config)) is None

@@ -85,6 +85,10 @@ class TrainConfig:
     log_every_steps: int = 10
     channels_last: bool = False
     bf16: bool = False
+    # bf16 on a CPU without native bf16 (AVX512-BF16/AMX): emulate it, several times slower
+    # with the same rounding, instead of training in float32. For accuracy checks (bench
+    # convergence's lars_bf16), never for speed.
+    bf16_emulated: bool = False
     # Goyal et al. (arXiv:1706.02677 §2.2): rescale the momentum buffer by lr(t)/lr(t-1)
     # for optimizers whose buffer holds lr·g (LARS); a no-op for torch's SGD.
     momentum_correction: bool = False

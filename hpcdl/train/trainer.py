@@ -291,8 +291,12 @@ class Trainer:
         if not self.config.train.bf16:
             return None
         if not bf16_supported():
+            if self.config.train.bf16_emulated:
+                log.info("train.bf16: this CPU has no native bf16 (AVX512-BF16/AMX); "
+                         "emulated (train.bf16_emulated): slower, the same rounding")
+                return torch.bfloat16
             log.warning("train.bf16: this CPU has no native bf16 (AVX512-BF16/AMX); training "
-                        "in float32 instead")
+                        "in float32 instead (train.bf16_emulated=true emulates it, slowly)")
             return None
         return torch.bfloat16
 
