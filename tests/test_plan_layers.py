@@ -92,6 +92,9 @@ def test_layer_table_records_every_operator_with_its_class_and_work():
     assert reduce.macs == 6 * 8 * 8 * 8 and conv3.macs == 8 * 8 * 8 * 6 * 9
     assert add.out_bytes == 8 * 8 * 8 * 4                 # caught outside any module
     assert fc.macs == 10 * 8 and fc.param_bytes == (8 * 10 + 10) * 4
+    # a convolution's GEMM rows per image are its output positions; other layers have none
+    assert (stem.pixels, reduce.pixels, conv3.pixels) == (16 * 16, 8 * 8, 8 * 8)
+    assert bn.pixels == fc.pixels == add.pixels == 0
 
 
 def test_grouped_convolution_lrn_and_dropout_are_handled_generically():
@@ -134,6 +137,20 @@ def test_layer_table_is_counted_once_then_read_from_the_cache(tmp_path, monkeypa
                         lambda *a, **k: pytest.fail("recounted despite the cache"))
     assert layer_table("resnet_small", 16, str(cache)) == first
     assert {la.op_class for la in first} >= {"conv_large", "conv_3x3", "batch_norm", "add"}
+
+
+def test_tables_cached_before_gemm_rows_are_not_read(tmp_path, monkeypatch):
+    # a v1 record (no 'pixels') would cost every convolution without its rows
+    from hpcdl.plan import layers as layers_module
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "hpcdl").mkdir()
+    (tmp_path / "hpcdl" / "layers.json").write_text(json.dumps(
+        {"resnet_small@16": [{"name": "x", "op_class": "conv_3x3", "macs": 1.0}]}))
+    monkeypatch.setattr(layers_module, "_MEMO", {})
+    table = layer_table("resnet_small", 16)
+    assert len(table) > 1 and any(la.pixels > 0 for la in table)
+    assert layers_module.layers_cache_path() == str(tmp_path / "hpcdl" / "layers-v2.json")
 
 
 # --------------------------------------------------------------------------- per-class cost

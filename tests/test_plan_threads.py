@@ -170,7 +170,7 @@ def test_a_read_only_cache_only_costs_recounting(tmp_path):
 def test_flops_and_layer_tables_share_one_cache_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert workload_module.flops_cache_path() == str(tmp_path / "hpcdl" / "flops.json")
-    assert layers_module.layers_cache_path() == str(tmp_path / "hpcdl" / "layers.json")
+    assert layers_module.layers_cache_path() == str(tmp_path / "hpcdl" / "layers-v2.json")
     assert not hasattr(workload_module, "_read_cache") and not hasattr(layers_module,
                                                                        "_read_cache")
 

@@ -393,18 +393,21 @@ def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[
 
 def curves_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[str, Any]:
     """The ``rate_curves`` section: per class of hpcdl.plan.class_rates.RATE_CURVE_CLASSES,
-    ``[work of one call, fraction]`` points (fractions as in ``compute``)."""
-    from hpcdl.plan.class_rates import class_fractions
+    ``[x, fraction]`` points (fractions as in ``compute``), x on the class's ``axis``."""
+    from hpcdl.plan.class_rates import ROWS_AXIS, class_fractions, curve_axis
 
     section = {}
     for op_class, points in m["class_curves"].items():
-        fractions = [[work, class_fractions({op_class: rate}, core_peak,
-                                            m["stream_Bps_1_thread"])[op_class]]
-                     for work, rate in points]
-        section[op_class] = {"points": fractions, "source": (
-            f"{stamp}: the representative {op_class} layers one by one (work = FLOPs or "
-            f"nominal bytes of one call at batch {m['class_batch']}), 1 thread, less the "
-            "per-layer overhead; the planner interpolates in log-log between them")}
+        fractions = [[x, class_fractions({op_class: rate}, core_peak,
+                                         m["stream_Bps_1_thread"])[op_class]]
+                     for x, rate in points]
+        axis = curve_axis(op_class)
+        what = ("GEMM rows of one call: batch x output positions" if axis == ROWS_AXIS
+                else "work of one call: FLOPs or nominal bytes")
+        section[op_class] = {"points": fractions, "axis": axis, "source": (
+            f"{stamp}: the representative {op_class} layers one by one ({what}, at batch "
+            f"{m['class_batch']}), 1 thread, less the per-layer overhead; the planner "
+            "interpolates in log-log between them")}
     return section
 
 

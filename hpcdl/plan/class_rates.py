@@ -62,6 +62,10 @@ REPRESENTATIVE: tuple[tuple[str, str, tuple, tuple, bool], ...] = (
     # that RATE_CURVE_CLASSES' curves span both regimes.
     ("conv_1x1", "conv", (96, 384, 1, 1, 0, 1), (96, 40, 40), True),
     ("conv_3x3", "conv", (96, 96, 3, 1, 1, 1), (96, 40, 40), True),
+    # And at 4x4 positions (128 GEMM rows at batch 8), where a convolution runs furthest
+    # below its FLOP rate: the last stage of a 112 px ResNet (issue 18, 4th pass).
+    ("conv_1x1", "conv", (768, 192, 1, 1, 0, 1), (768, 4, 4), True),
+    ("conv_3x3", "conv", (320, 320, 3, 1, 1, 1), (320, 4, 4), True),
     ("conv_grouped", "conv", (96, 128, 5, 1, 2, 2), (96, 14, 14), True),
     ("conv_grouped", "conv", (192, 192, 3, 1, 1, 2), (192, 13, 13), True),
     ("conv_grouped", "conv", (128, 256, 3, 1, 1, 2), (128, 28, 28), True),
@@ -85,12 +89,22 @@ REPRESENTATIVE: tuple[tuple[str, str, tuple, tuple, bool], ...] = (
     ("linear_weights", "linear", (4096, 8192), (4096,), True),
     ("linear_weights", "linear", (8192, 3072), (8192,), True),
 )
-# Classes whose rate is kept as a curve over the work of one call (rate_curves): the GEMM
-# classes, whose efficiency grows with the GEMM, and the passes whose samples differ only in
-# size (in-cache against beyond-cache tensors). Not pool (a max and an average pooling kernel),
-# dropout, lrn or linear (samples of one size each).
+# Classes whose rate is kept as a curve (rate_curves): the convolutions, whose efficiency
+# grows with their GEMMs, and the passes whose samples differ only in size (in-cache against
+# beyond-cache tensors). Not pool (a max and an average pooling kernel), dropout, lrn or linear
+# (samples of one size each).
 RATE_CURVE_CLASSES = ("conv_large", "conv_1x1", "conv_3x3", "conv_grouped", "batch_norm",
                       "relu", "add", LINEAR_WEIGHTS)
+# A convolution's curve is over the GEMM rows of one call (batch x output positions), the
+# others' over the work of one call (bytes). Over work, three 1x1 samples of 0.6 GFLOP at
+# 392-6,272 rows were one point, and a 4x4 layer of 128 rows was costed at the rate of 392.
+ROWS_AXIS, WORK_AXIS = "gemm_rows", "work"
+ROWS_CURVE_CLASSES = ("conv_large", "conv_1x1", "conv_3x3", "conv_grouped")
+
+
+def curve_axis(op_class: str) -> str:
+    """What a class's rate curve is over: ROWS_AXIS for a convolution, else WORK_AXIS."""
+    return ROWS_AXIS if op_class in ROWS_CURVE_CLASSES else WORK_AXIS
 # Calls discarded before timing a layer: a new shape's first calls grow the (retained) heap
 # and fault its pages in; a step in a running job does not (issue 18, 3rd pass: a 25 MB batch
 # norm took 494, 33, 33, 34, 26 ms on its first five calls, 21-29 ms after).
@@ -102,11 +116,17 @@ LINEAR_ROWS = 128
 
 @dataclass(frozen=True)
 class Sample:
-    """One representative layer: its class, its work (FLOPs or bytes) and measured seconds."""
+    """One representative layer: its class, its work (FLOPs or bytes), measured seconds and,
+    for a convolution, the GEMM rows of the call (batch × output positions)."""
 
     op_class: str
     work: float
     seconds: float
+    rows: float = 0.0
+
+    def curve_x(self) -> float:
+        """Where the sample sits on its class's curve (:func:`curve_axis`)."""
+        return self.rows if curve_axis(self.op_class) == ROWS_AXIS else self.work
 
 
 def build(kind: str, args: tuple) -> Any:
@@ -214,7 +234,8 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
                 raise RuntimeError(f"representative {kind}{args} was not classed {layer_class}")
             seconds = time_layer(module, shape, rows, input_grad, repeats)
             samples.append(Sample(op_class, sum(layer_work(la, rows, op_class)
-                                                for la in counted), seconds))
+                                                for la in counted), seconds,
+                                  rows=rows * sum(la.pixels for la in counted)))
             log(f"  {op_class:<15}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
                 f"{seconds * 1e3:.2f} ms")
         if optimizer:
@@ -322,27 +343,28 @@ def fit_rates(samples: Sequence[Sample], overhead: float) -> dict[str, float]:
 
 def rate_curves(samples: Sequence[Sample], overhead: float,
                 classes: Sequence[str] = RATE_CURVE_CLASSES) -> dict[str, list[list[float]]]:
-    """Per class of ``classes``: ``[work of one call, rate]`` points sorted by work, samples of
-    equal work merged as :func:`fit_rates` merges a class (Σ work ÷ Σ busy time)."""
+    """Per class of ``classes``: ``[x, rate]`` points sorted by x, the sample's place on its
+    class's axis (:func:`curve_axis`: GEMM rows of a convolution, else work of one call);
+    samples at equal x merged as :func:`fit_rates` merges a class (Σ work ÷ Σ busy time)."""
     merged: dict[str, dict[float, list[float]]] = {}
     for s in samples:
-        if s.op_class in classes:
-            point = merged.setdefault(s.op_class, {}).setdefault(s.work, [0.0, 0.0])
+        if s.op_class in classes and s.curve_x() > 0:
+            point = merged.setdefault(s.op_class, {}).setdefault(s.curve_x(), [0.0, 0.0])
             point[0] += s.work
             point[1] += max(s.seconds - overhead, 0.1 * s.seconds)
-    return {c: [[work, total / busy] for work, (total, busy) in sorted(points.items())]
+    return {c: [[x, total / busy] for x, (total, busy) in sorted(points.items())]
             for c, points in merged.items()}
 
 
-def interpolate_rate(points: Sequence[Sequence[float]], work: float) -> float:
-    """The rate at ``work`` on a curve of ``[work, rate]`` points: linear in log-log between
+def interpolate_rate(points: Sequence[Sequence[float]], x: float) -> float:
+    """The rate at ``x`` on a curve of ``[x, rate]`` points: linear in log-log between
     neighbours, the end point's rate outside them (no extrapolation)."""
-    if work <= points[0][0]:
+    if x <= points[0][0]:
         return float(points[0][1])
-    for (w0, r0), (w1, r1) in itertools.pairwise(points):
-        if work <= w1:
-            x = math.log(work / w0) / math.log(w1 / w0)
-            return float(math.exp(math.log(r0) + x * math.log(r1 / r0)))
+    for (x0, r0), (x1, r1) in itertools.pairwise(points):
+        if x <= x1:
+            t = math.log(x / x0) / math.log(x1 / x0)
+            return float(math.exp(math.log(r0) + t * math.log(r1 / r0)))
     return float(points[-1][1])
 
 

@@ -20,14 +20,17 @@ Classes (:func:`conv_class` decides a convolution's):
   (:data:`PASSES`), at the rank's stream bandwidth.
 
 Each :class:`Layer` holds per image: forward MACs, input and output activation bytes (fp32),
-parameter bytes, and whether backward must compute a gradient for the input (not for the
-first layer, whose input is the image: its backward is the weight gradient alone).
+parameter bytes, whether backward must compute a gradient for the input (not for the
+first layer, whose input is the image: its backward is the weight gradient alone), and for a
+convolution its output positions, the rows of its GEMMs per image: a convolution's rate
+follows its rows (batch × positions), not its FLOPs alone (ResNet-50's 4×4 layer4 at 112 px,
+128 rows at batch 8, runs at 0.65-0.8 of what its FLOPs predicted; issue 18, 4th pass).
 
 The table comes from one eval-mode forward of a zero image at the real size with autograd on
 (so ``requires_grad`` tells which inputs need a gradient), with forward hooks on the leaf
 modules and a ``TorchFunctionMode`` that catches the operators a model calls outside any
 leaf module (ResNet's ``out + identity``, a functional ``F.relu``). Results are cached per
-(model, image size) in ``~/.cache/hpcdl/layers.json`` by hpcdl.plan.cache, beside the flops
+(model, image size) in ``~/.cache/hpcdl/layers-v2.json`` by hpcdl.plan.cache, beside the flops
 cache of hpcdl.plan.workload.
 """
 from __future__ import annotations
@@ -90,6 +93,7 @@ class Layer:
     out_bytes: float = 0.0       # output activation
     param_bytes: float = 0.0
     input_grad: bool = True      # backward computes the input's gradient
+    pixels: float = 0.0          # a convolution's output positions: its GEMM rows per image
 
     @property
     def train_flops(self) -> float:
@@ -153,6 +157,15 @@ def _macs(module: Any, output: Any) -> float:
     return 0.0
 
 
+def _pixels(module: Any, output: Any) -> float:
+    """Output positions per image of a convolution (its GEMM rows per image), else 0."""
+    from torch import nn
+
+    if isinstance(module, nn.modules.conv._ConvNd) and hasattr(output, "shape"):
+        return float(math.prod(output.shape[2:]))
+    return 0.0
+
+
 def _nbytes(t: Any) -> float:
     return float(_per_image(t) * BYTES_PER_ELEMENT)
 
@@ -190,7 +203,8 @@ def count_layers(model: Any, image_size: int, input_shape: Sequence[int] | None 
         layers.append(Layer(names.get(module, type(module).__name__), module_class(module),
                             macs=_macs(module, output), in_bytes=_nbytes(first),
                             out_bytes=_nbytes(output), param_bytes=float(params),
-                            input_grad=bool(getattr(first, "requires_grad", False))))
+                            input_grad=bool(getattr(first, "requires_grad", False)),
+                            pixels=_pixels(module, output)))
 
     shape = tuple(input_shape) if input_shape else (3, image_size, image_size)
     hooks = []
@@ -233,8 +247,13 @@ def class_totals(layers: Iterable[Layer]) -> dict[str, dict[str, float]]:
 
 
 # --------------------------------------------------------------------------- cache
+# v2: tables with ``pixels``. A v1 record would load with pixels 0 and silently cost its
+# convolutions without their rows, so v2 is a new file, not a new field in the old one.
+LAYERS_CACHE_FILE = "layers-v2.json"
+
+
 def layers_cache_path() -> str:
-    return cache_path("layers.json")
+    return cache_path(LAYERS_CACHE_FILE)
 
 
 def layers_from_records(records: Sequence[Mapping[str, Any]]) -> tuple[Layer, ...]:

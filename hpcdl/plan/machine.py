@@ -19,7 +19,7 @@ measurement, or a stated assumption with its reasoning), grouped by what they de
                      conv_large, ..., lrn}         # class the rate at T ÷ the rate at 1 thread
     contention: {ranks, conv_large, ..., optimizer}  # optional: a 1-thread rank's rate with
                                                    # `ranks` running at once ÷ its rate alone
-    rate_curves: {conv_1x1: {points: [[work, fraction], ...], source}, ...}
+    rate_curves: {conv_1x1: {points: [[x, fraction], ...], axis, source}, ...}
                                                    # optional: a class's fraction by the work
                                                    # of one call (FLOPs or bytes), over `compute`
     cpu:     {model_name, capability, flags}       # the CPU the figures describe (not figures)
@@ -143,8 +143,10 @@ class Machine:
     path: str
     figures: dict[str, Figure]          # "section.key" -> Figure
     cpu: Mapping[str, Any] = field(default_factory=dict)   # the CPU the figures describe
-    # class -> ((work of one call, fraction), ...) sorted by work (``rate_curves``)
+    # class -> ((x, fraction), ...) sorted by x (``rate_curves``), x on the class's axis
     curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # class -> what its curve is over: "gemm_rows" (a convolution's rows per call) or "work"
+    curve_axes: Mapping[str, str] = field(default_factory=dict)
     calibrated: bool = False            # measured by --calibrate: rates of cpu, not a spec
 
     def __getitem__(self, dotted: str) -> float:
@@ -194,14 +196,19 @@ class Machine:
         """``compute.linear_weights`` (hpcdl.plan.layers.LINEAR_WEIGHTS), or 1."""
         return self.optional_fraction(LINEAR_WEIGHTS)
 
-    def class_fraction(self, op_class: str, work: float) -> float:
+    def class_fraction(self, op_class: str, work: float, rows: float = 0.0) -> float:
         """The fraction of peak (or stream) of ``op_class`` for a call of ``work`` FLOPs (or
-        bytes): from its ``rate_curves`` points where the file has them (larger GEMMs run
-        nearer the peak), else the class's one ``compute`` figure."""
-        from hpcdl.plan.class_rates import interpolate_rate
+        bytes) and, for a convolution, ``rows`` GEMM rows: from its ``rate_curves`` points
+        where the file has them (larger GEMMs run nearer the peak) -- at ``rows`` on a
+        curve over rows, at ``work`` on one over work -- else the class's one ``compute``
+        figure (also where a curve is over rows and the layer has none counted)."""
+        from hpcdl.plan.class_rates import ROWS_AXIS, interpolate_rate
 
         if op_class in self.curves:
-            return interpolate_rate(self.curves[op_class], work)
+            if self.curve_axes.get(op_class) != ROWS_AXIS:
+                return interpolate_rate(self.curves[op_class], work)
+            if rows > 0:
+                return interpolate_rate(self.curves[op_class], rows)
         if op_class in OPTIONAL_FRACTIONS:
             return self.optional_fraction(op_class)
         return self[f"compute.{op_class}"]
@@ -277,7 +284,7 @@ def parse_machine(doc: Any, path: str) -> Machine:
                            "measure it with `hpcdl plan --calibrate`")
     figures.update(_optional_section(doc, path, "contention", ("ranks",),
                                      "delete the section to assume none"))
-    curves = _curves(doc.get("rate_curves"), path)
+    curves, curve_axes = _curves(doc.get("rate_curves"), path)
     cpu = doc.get("cpu") or {}
     if not isinstance(cpu, Mapping):
         raise MachineError(f"{path}: cpu must be a mapping (model_name, capability, flags), "
@@ -285,17 +292,21 @@ def parse_machine(doc: Any, path: str) -> Machine:
     name = doc.get("name") or os.path.splitext(os.path.basename(path))[0]
     return Machine(name=str(name), description=str(doc.get("description", "")), path=path,
                    figures=figures, cpu=dict(cpu), calibrated=bool(doc.get("calibrated", False)),
-                   curves=curves)
+                   curves=curves, curve_axes=curve_axes)
 
 
-def _curves(block: Any, path: str) -> dict[str, tuple[tuple[float, float], ...]]:
-    """The optional ``rate_curves`` section: per class, positive ``[work, fraction]`` points
-    in increasing work, with a source."""
+def _curves(block: Any, path: str) -> tuple[dict[str, tuple[tuple[float, float], ...]],
+                                            dict[str, str]]:
+    """The optional ``rate_curves`` section: per class, positive ``[x, fraction]`` points in
+    increasing x, with a source and the ``axis`` x is on (``work``, the default of files
+    written before axes existed, or ``gemm_rows``). Returns the curves and their axes."""
+    from hpcdl.plan.class_rates import ROWS_AXIS, WORK_AXIS
+
     if block is None:
-        return {}
+        return {}, {}
     if not isinstance(block, Mapping):
         raise MachineError(f"{path}: rate_curves must map a class to {{points, source}}")
-    curves = {}
+    curves, axes = {}, {}
     for op_class, curve in block.items():
         where = f"{path}: rate_curves.{op_class}"
         if op_class not in (*OP_CLASSES, LINEAR_WEIGHTS):
@@ -311,8 +322,12 @@ def _curves(block: Any, path: str) -> dict[str, tuple[tuple[float, float], ...]]
                 or any(b[0] <= a[0] for a, b in zip(points, points[1:], strict=False)):
             raise MachineError(f"{where}.points must be positive [work, fraction] pairs in "
                                f"increasing work, got {curve.get('points')!r}")
-        curves[op_class] = points
-    return curves
+        axis = str(curve.get("axis", WORK_AXIS))
+        if axis not in (WORK_AXIS, ROWS_AXIS):
+            raise MachineError(f"{where}.axis must be {WORK_AXIS!r} or {ROWS_AXIS!r}, "
+                               f"got {axis!r}")
+        curves[op_class], axes[op_class] = points, axis
+    return curves, axes
 
 
 def _optional_section(doc: Mapping[str, Any], path: str, section: str, keys: Sequence[str],

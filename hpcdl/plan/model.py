@@ -328,7 +328,7 @@ def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_nod
     overhead = machine["compute.layer_overhead_s"] * machine.core_share(procs_per_node)
     if layer.op_class in COMPUTE_CLASSES:
         work = batch_per_rank * layer.train_flops
-        fraction = machine.class_fraction(layer.op_class, work)
+        fraction = machine.class_fraction(layer.op_class, work, batch_per_rank * layer.pixels)
         core_peak = machine.peak_flops_per_node / machine.cores_per_node
         t = work / (fraction * core_peak * rank_cores(machine, layer.op_class, procs_per_node))
         if layer.op_class == "linear":   # small batch: the weights stream from memory

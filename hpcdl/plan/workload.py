@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, replace
 
 from hpcdl.plan.cache import cache_key, cache_path, read_cache, update_cache
-from hpcdl.plan.layers import Layer, layer_table
+from hpcdl.plan.layers import LAYERS_CACHE_FILE, Layer, layer_table
 
 FLOPS_PER_MAC = 2
 TRAIN_FORWARDS = 3   # forward + backward-data + backward-weights, each ≈ one forward
@@ -95,7 +95,7 @@ def workload(model: str, image_size: int = 224, cache_path: str | None = None,
         raise ValueError(f"image size must be > 0, got {image_size}")
     work = _totals(model, image_size, cache_path)
     if with_layers:
-        layers_path = (os.path.join(os.path.dirname(cache_path), "layers.json")
+        layers_path = (os.path.join(os.path.dirname(cache_path), LAYERS_CACHE_FILE)
                        if cache_path else None)
         work = replace(work, layers=layer_table(model, image_size, layers_path))
     return work
