@@ -105,6 +105,8 @@ ROWS_CURVE_CLASSES = ("conv_large", "conv_1x1", "conv_3x3", "conv_grouped")
 def curve_axis(op_class: str) -> str:
     """What a class's rate curve is over: ROWS_AXIS for a convolution, else WORK_AXIS."""
     return ROWS_AXIS if op_class in ROWS_CURVE_CLASSES else WORK_AXIS
+
+
 # Calls discarded before timing a layer: a new shape's first calls grow the (retained) heap
 # and fault its pages in; a step in a running job does not (issue 18, 3rd pass: a 25 MB batch
 # norm took 494, 33, 33, 34, 26 ms on its first five calls, 21-29 ms after).

@@ -20,8 +20,10 @@ measurement, or a stated assumption with its reasoning), grouped by what they de
     contention: {ranks, conv_large, ..., optimizer}  # optional: a 1-thread rank's rate with
                                                    # `ranks` running at once ÷ its rate alone
     rate_curves: {conv_1x1: {points: [[x, fraction], ...], axis, source}, ...}
-                                                   # optional: a class's fraction by the work
-                                                   # of one call (FLOPs or bytes), over `compute`
+                                                   # optional: a class's fraction by the GEMM
+                                                   # rows (axis gemm_rows: convolutions) or the
+                                                   # work (axis work, the default) of one call,
+                                                   # over `compute`
     cpu:     {model_name, capability, flags}       # the CPU the figures describe (not figures)
     calibrated: true                               # written by --calibrate: check the CPU
 
