@@ -143,3 +143,9 @@ def test_the_bf16_run_trains_in_bf16_even_where_it_is_emulated(monkeypatch):
     assert dtype is torch.bfloat16
     config.train.bf16_emulated = False
     assert trainer_module.Trainer._autocast_dtype(SimpleNamespace(config=config)) is None
+
+
+def test_seed_reaches_every_recipe():
+    recipes = bench.run_recipes(default_args(epochs=3, seed=4))
+    assert {config_from_dict(r).train.seed for r in recipes.values()} == {4}
+    assert config_from_dict(bench.run_recipes(default_args())["lars"]).train.seed == 0

@@ -89,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-scale", type=float, default=0.7,
                         help="random-resized-crop minimum area of every run (0.7: milder "
                              "crops than ImageNet's 0.08 suit 28 px garments; the demo's)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="every run's seed (weights, data order, augmentation); a seed "
+                             "pair's spread is the noise a difference between runs is read "
+                             "against (e.g. lars vs lars_bf16)")
     parser.add_argument("--model", default="resnet_small", help="a model of hpcdl.models")
     parser.add_argument("--width", type=int, default=16, help="resnet_small width")
     parser.add_argument("--source", default="debian",
@@ -129,7 +133,7 @@ def run_recipes(args: argparse.Namespace, ranks: int = 2) -> dict[str, dict[str,
         "epochs": args.epochs,
         # Evaluate once at the end (the table's number); checkpoints at epoch ends let an
         # interrupted bench resume with the same --out.
-        "train": {"seed": 0, "eval_every_epochs": 0, "keep_checkpoints": 1,
+        "train": {"seed": args.seed, "eval_every_epochs": 0, "keep_checkpoints": 1,
                   "log_every_steps": 20, "channels_last": True},
         "comm": {"backend": args.backend, "bucket_mb": 1},
     }
@@ -218,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             configure_threads(comm)
             for name in runs:
-                run_dir = os.path.join(out, f"{name}-e{args.epochs:g}")
+                seed = f"-s{args.seed}" if args.seed else ""   # seed 0: the earlier name
+                run_dir = os.path.join(out, f"{name}-e{args.epochs:g}{seed}")
                 log.info("run %s: %s", name, recipes[name]["name"])
                 summary = train_run(comm, recipes[name], shard_dir, run_dir, args.max_steps)
                 if summary["stopped"] == "signal":
