@@ -20,7 +20,8 @@ run             global batch  optimizer and schedule
 issue 16's bf16 check: the same recipe, seed and data order, so the difference
 ``lars_bf16_minus_lars_top1`` (goal ≥ −0.3 points) is bf16's rounding alone. On a CPU without
 AVX512-BF16/AMX the run sets ``train.bf16_emulated`` (the trainer would otherwise fall back to
-float32 and the check would compare fp32 with itself): slower, with the same rounding.
+float32 and the check would compare fp32 with itself): slower, with the same rounding. Which
+of the two it was is in every bench JSON's ``machine.bf16_native``.
 
 Every run computes each forward pass (hence batch norm) on the baseline's per-rank batch, 64 on
 2 ranks; the large batch accumulates 12 of them per step, as the paper's 32K batch is many
@@ -175,10 +176,6 @@ def convergence_ratios(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     fp32, bf16 = records.get("lars"), records.get("lars_bf16")
     if fp32 and bf16 and fp32["top1"] is not None and bf16["top1"] is not None:
         ratios["lars_bf16_minus_lars_top1"] = 100.0 * (bf16["top1"] - fp32["top1"])
-    if bf16:
-        from hpcdl.train.trainer import bf16_supported
-
-        ratios["lars_bf16_native"] = bf16_supported()   # False: emulated, the same rounding
     return ratios
 
 

@@ -28,6 +28,8 @@ def machine_info(ranks: int = 1) -> dict[str, Any]:
     """What a reader needs to compare numbers across machines."""
     import torch
 
+    from hpcdl.train.trainer import bf16_supported
+
     try:
         from mpi4py import MPI
 
@@ -38,6 +40,7 @@ def machine_info(ranks: int = 1) -> dict[str, Any]:
         "cpu": cpu_model(),
         # AVX2 vs AVX512 (and bf16) changes every kernel's speed and rounding: always record it.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_native": bf16_supported(),   # False: bf16 autocast is emulated (slow) here
         "cores": os.cpu_count(),
         "ranks": ranks,
         "mpi": mpi,

@@ -439,7 +439,8 @@ def contention_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
     (hpcdl.plan.class_rates.contention)."""
     ranks = m.get("corun_ranks", m["cores"])
     return ratio_section(
-        "ranks", ranks, f"{stamp}: os.cpu_count() = {ranks} single-threaded processes timing "
+        "ranks", ranks, f"{stamp}: {ranks} single-threaded processes (os.cpu_count() = "
+        f"{m['cores']}, at most {CORUN_MAX_RANKS}) timing "
         "each layer at the same moment", m["contention"],
         lambda c: (f"{stamp}: the representative {c} layers in {ranks} processes at once, "
                    f"{m['class_rates_corun'][c] / 1e9:.4g} G/s per rank, over one alone, "

@@ -99,7 +99,7 @@ RATE_CURVE_CLASSES = ("conv_large", "conv_1x1", "conv_3x3", "conv_grouped", "bat
 # others' over the work of one call (bytes). Over work, three 1x1 samples of 0.6 GFLOP at
 # 392-6,272 rows were one point, and a 4x4 layer of 128 rows was costed at the rate of 392.
 ROWS_AXIS, WORK_AXIS = "gemm_rows", "work"
-ROWS_CURVE_CLASSES = ("conv_large", "conv_1x1", "conv_3x3", "conv_grouped")
+ROWS_CURVE_CLASSES = tuple(c for c in COMPUTE_CLASSES if c != "linear")   # the convolutions
 
 
 def curve_axis(op_class: str) -> str:

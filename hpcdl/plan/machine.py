@@ -322,8 +322,8 @@ def _curves(block: Any, path: str) -> tuple[dict[str, tuple[tuple[float, float],
             raise MachineError(f"{where}.points must be [work, fraction] pairs: {exc}") from exc
         if not points or any(w <= 0 or f <= 0 for w, f in points) \
                 or any(b[0] <= a[0] for a, b in zip(points, points[1:], strict=False)):
-            raise MachineError(f"{where}.points must be positive [work, fraction] pairs in "
-                               f"increasing work, got {curve.get('points')!r}")
+            raise MachineError(f"{where}.points must be positive [x, fraction] pairs in "
+                               f"increasing x, got {curve.get('points')!r}")
         axis = str(curve.get("axis", WORK_AXIS))
         if axis not in (WORK_AXIS, ROWS_AXIS):
             raise MachineError(f"{where}.axis must be {WORK_AXIS!r} or {ROWS_AXIS!r}, "
