@@ -33,7 +33,7 @@ for mpi in "${matrix[@]}"; do
 done &
 venv_builds=$!
 
-stage serial python3 -m pytest tests --ignore=tests/mpi -m "not mpi_matrix" -q -rs \
+stage serial python3 -m pytest tests --ignore=tests/mpi --ignore=tests/cluster -m "not mpi_matrix" -q -rs \
     --junitxml="$results/serial.xml"
 for n in 2 3 4; do
     stage "mpi-n$n" mpiexec -n "$n" python3 -m pytest tests/mpi -q -rs \
@@ -58,8 +58,12 @@ for mpi in "${matrix[@]}"; do
         done
     done
 done
-stage slurm-mpi python3 -m pytest tests --ignore=tests/mpi -m mpi_matrix -q -rs \
+stage slurm-mpi python3 -m pytest tests --ignore=tests/mpi --ignore=tests/cluster -m mpi_matrix -q -rs \
     --junitxml="$results/slurm-mpi.xml"
+
+# The test cluster (tests/cluster/cluster.sh): hosts made of namespaces, each with its own
+# hostname, eth0, /tmp and /dev/shm; every MPI across them, Slurm across them, and the faults.
+stage cluster python3 -m pytest tests/cluster -q -rs --junitxml="$results/cluster.xml"
 
 python3 tests/summarize.py "$results" || status=1
 exit $status
