@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 16 part 1: weight-update sharding on the quiet 2-core machine, with a spread.
+# The training step with weight-update sharding (`hpcdl bench train --shard-update`) against the
+# same Trainer's allreduce step, the no-comm ceiling and DDP+gloo, repeated for a spread.
 #
-#   benchmarks/issue16_shard_update.sh [OUT_DIR] [REPEATS]
+#   benchmarks/train_step_shard_update.sh [OUT_DIR] [REPEATS]
 #
 # Each `hpcdl bench train --shard-update` run times, taking turns on ONE Trainer, ours
 # (sharded: reduce-scatter, LARS on each rank's slice, allgather), ours_allreduce (the same
@@ -10,7 +11,7 @@
 # REPEATS (default 3) times: about 11 minutes on the quiet 2-core VM. Prints one table with
 # every run and the median [min-max] of each ratio; the JSON of every run stays in OUT_DIR.
 set -euo pipefail
-OUT=${1:-docs/results/issue16-shard-update-$(date -u +%F)}
+OUT=${1:-docs/results/shard-update-$(date -u +%F)}
 REPEATS=${2:-3}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
