@@ -17,6 +17,7 @@ This module is the ground floor (like ``hpcdl.io``): it imports nothing of hpcdl
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,22 +49,23 @@ def agree_on(mpi_comm: Any, error: BaseException | None) -> None:
     """Collective over ``mpi_comm``: raise on every rank if ``error`` is set on any rank.
 
     The raised error is this rank's own when it failed, else a :class:`BadInputError` carrying
-    the lowest failing rank's message prefixed with that rank (``rank 3 of 8: ...``), so the
-    one line rank 0 prints names the rank that saw the problem.
+    the lowest failing rank's message prefixed with that rank and its host (``rank 3 of 8 on
+    c401-002: ...``), so the one line rank 0 prints names where the problem is (a host that
+    lacks its staged shards, say).
     """
     size = mpi_comm.Get_size() if mpi_comm is not None else 1
     if size == 1:
         if error is not None:
             raise mark_agreed(error) if isinstance(error, BadInputError) else error
         return
-    messages = mpi_comm.allgather(None if error is None else str(error))
+    messages = mpi_comm.allgather(None if error is None else (socket.gethostname(), str(error)))
     failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
     if not failed:
         return
     if isinstance(error, BadInputError) and failed[0][0] == mpi_comm.Get_rank():
         raise mark_agreed(error)
-    rank, text = failed[0]
-    where = "" if len(failed) == size else f"rank {rank} of {size}: "
+    rank, (host, text) = failed[0]
+    where = "" if len(failed) == size else f"rank {rank} of {size} on {host}: "
     raise mark_agreed(BadInputError(f"{where}{text}")) from error
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import socket
 import sys
 import traceback
 from collections.abc import Sequence
@@ -79,8 +80,8 @@ def report_bad_input(command: str, error: BadInputError, debug: bool = False) ->
     if rank == 0 or alone:
         if debug:
             traceback.print_exception(error, file=sys.stderr)
-        where = f"rank {rank} of {size}: " if alone and not str(error).startswith("rank ") \
-            else ""
+        where = f"rank {rank} of {size} on {socket.gethostname()}: " \
+            if alone and not str(error).startswith("rank ") else ""
         print(f"hpcdl {command}: {where}{error}", file=sys.stderr, flush=True)
     if alone:
         from hpcdl.debug.faults import abort_after_output

@@ -262,7 +262,11 @@ wait_for() {  # wait_for SECONDS WHAT COMMAND...
     done
 }
 
-nodes_idle() { [ "$(sinfo -h -N -o %T | sort -u)" = idle ]; }
+# Slurm's clients run inside a host: the controller's address exists only on the cluster's
+# bridge, and from the root namespace 10.99.0.1 would be routed off the machine.
+on_h1() { in_host h1 env SLURM_CONF="$dir/run/slurm.conf" "$@"; }
+
+nodes_idle() { [ "$(on_h1 sinfo -h -N -o %T | sort -u)" = idle ]; }
 
 slurm_up() {
     local n h
@@ -272,7 +276,7 @@ slurm_up() {
     [ -s "$dir/run/size" ] || die "slurm up: no cluster (tests/cluster/cluster.sh up N first)"
     n=$(cat "$dir/run/size")
     export SLURM_CONF=$dir/run/slurm.conf
-    if [ -s "$SLURM_CONF" ] && sinfo -h >/dev/null 2>&1; then echo "SLURM_CONF=$SLURM_CONF"; return 0; fi
+    if [ -s "$SLURM_CONF" ] && on_h1 sinfo -h >/dev/null 2>&1; then echo "SLURM_CONF=$SLURM_CONF"; return 0; fi
     mkdir -p "$dir/run/munge" "$dir/run/slurm-state" && chmod 755 "$dir/run/munge"
     # munged in the root namespace: its socket is a file in the shared state directory, which
     # every host's mount namespace sees (a unix socket crosses network namespaces).
@@ -295,7 +299,7 @@ slurm_down() {
     local f pid
     export SLURM_CONF=$dir/run/slurm.conf
     if [ -s "$SLURM_CONF" ]; then
-        timeout 10 scancel --user=root 2>/dev/null || true
+        holder h1 >/dev/null && { on_h1 timeout 10 scancel --user=root 2>/dev/null || true; }
     fi
     for f in "$dir"/run/*.pid.slurm; do
         [ -s "$f" ] || continue

@@ -144,3 +144,18 @@ def require_mpi(mpi: str) -> None:
         if os.environ.get("HPCDL_REQUIRE_MPI_MATRIX"):
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+def slurm_env(cluster: Cluster) -> dict[str, str]:
+    return {"SLURM_CONF": str(cluster.directory / "run" / "slurm.conf")}
+
+
+def on_controller(cluster: Cluster, command: str, timeout: float = 600,
+                  check: bool = True) -> subprocess.CompletedProcess:
+    """A Slurm client command, run on h1: the controller's address exists only on the bridge."""
+    return cluster.run("h1", command, env=slurm_env(cluster), timeout=timeout, check=check)
+
+
+def job_field(cluster: Cluster, job: str, name: str) -> str:
+    shown = on_controller(cluster, f"scontrol show job {job}").stdout
+    return shown.split(f"{name}=", 1)[1].split()[0]

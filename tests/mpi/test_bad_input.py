@@ -2,6 +2,7 @@
 found by one rank is raised on every rank, naming that rank, and a clean block stays clean."""
 import os
 import shutil
+import socket
 
 import pytest
 from mpi4py import MPI
@@ -34,7 +35,7 @@ def test_an_error_on_one_rank_is_raised_on_every_rank_naming_it(world):
                 raise BadInputError(f"bad value on {culprit}")
     assert info.value.agreed
     expected = f"bad value on {culprit}" if world.rank == culprit else \
-        f"rank {culprit} of {world.size}: bad value on {culprit}"
+        f"rank {culprit} of {world.size} on {socket.gethostname()}: bad value on {culprit}"
     assert str(info.value) == expected
 
 
@@ -44,7 +45,7 @@ def test_the_lowest_failing_rank_is_the_one_reported(world):
             if world.rank >= 1:
                 raise BadInputError(f"rank says {world.rank}")
     if world.rank == 0:
-        assert str(info.value) == f"rank 1 of {world.size}: rank says 1"
+        assert str(info.value) == f"rank 1 of {world.size} on {socket.gethostname()}: rank says 1"
 
 
 def test_a_clean_block_raises_nowhere(world):
@@ -68,4 +69,4 @@ def test_a_truncated_shard_only_one_node_reads_stops_every_rank(world, shared_tm
             ShardedImageNet(data, node_index=world.rank, num_nodes=world.size, batch_size=1,
                             image_size=16, workers=0).close()
     if world.rank != world.size - 1:
-        assert str(info.value).startswith(f"rank {world.size - 1} of {world.size}: ")
+        assert str(info.value).startswith(f"rank {world.size - 1} of {world.size} on ")
