@@ -3,6 +3,8 @@
     hpcdl plan --model resnet50 --global-batch 32768 --procs 2048 --machine knl
     hpcdl plan --recipe recipes/alexnet_bn_lars_32k.yaml --procs 2048 --machine skx --plot a.png
     hpcdl plan --calibrate                  # measure this machine into `local`
+    hpcdl plan --machine skx --procs 2048 --simulate --placement random
+                                            # the allreduce on the fat tree, in SimGrid
     hpcdl plan --validate --json FILE       # predict, then run `hpcdl bench train`: AlexNet-BN
                                             # 224, ResNet-50 112 and 224 px at np 1, 2, 4
 
@@ -96,6 +98,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(default: powers of two up to 2 x --procs)")
     out.add_argument("--plot", metavar="FILE", help="write the sweep as a PNG")
     out.add_argument("--json", metavar="FILE", help="write the prediction as JSON")
+    sim = parser.add_argument_group("--simulate: the allreduce on a fat tree in SimGrid "
+                                    "(optional; docs/planner.md)")
+    sim.add_argument("--simulate", action="store_true",
+                     help="also simulate the gradient allreduce of the run and the sweep on "
+                          "the machine file's fabric (hpcdl.plan.simulate)")
+    sim.add_argument("--placement", metavar="HOW",
+                     help="contiguous, scattered (random nodes in list order), random "
+                          "(random order), or a Slurm node list like c[001-004,010] "
+                          "(default: fabric.placement, else contiguous)")
+    sim.add_argument("--fabric-set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a fabric figure, e.g. leaf_uplinks=28 or levels=1 "
+                          "(repeatable)")
+    sim.add_argument("--placement-seed", type=int, default=0,
+                     help="seed of scattered / random placement (default 0)")
     cal = parser.add_argument_group("--calibrate / --validate")
     cal.add_argument("--quick", action="store_true",
                      help="fewer repetitions (for tests and busy machines)")
@@ -229,12 +245,23 @@ def predict(args: argparse.Namespace) -> int:
     print(describe(result, machine, work, inp))
     print(f"\nsweep: global batch {inp.global_batch} fixed, {inp.procs_per_node} ranks per node")
     print(sweep_table(rows))
+    simulated = None
+    if args.simulate:
+        from hpcdl.plan.simulate import simulate, simulation_table
+
+        runs = sorted({q.procs: q for q in (*rows, result)}.values(), key=lambda q: q.procs)
+        simulated = simulate(machine, inp, runs, args.placement, args.fabric_set,
+                             args.placement_seed)
+        print(simulation_table(simulated))
     if args.plot:
         plot_sweep(args.plot, rows, f"{work.model} {work.image_size}px, batch "
                    f"{inp.global_batch}, {machine.name}, {inp.allreduce}")
         print(f"wrote {args.plot}")
     if args.json:
-        write_plan_json(args.json, plan_json(result, rows, machine, work, replace(inp)))
+        doc = plan_json(result, rows, machine, work, replace(inp))
+        if simulated is not None:
+            doc["simulation"] = simulated.to_dict()
+        write_plan_json(args.json, doc)
         print(f"wrote {args.json}")
     return 0
 
