@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,14 @@ HOSTS = 3
 
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
+    """Hosts h1..h3, up for the session. Each pytest session makes its own cluster (its own
+    namespaces and directory) unless HPCDL_CLUSTER_DIR names one, so two sessions on one
+    machine never tear down each other's hosts."""
     reason = cannot_make_hosts()
     if reason:
         pytest.skip(reason)
-    directory = Path(os.environ.get("HPCDL_CLUSTER_DIR", "/var/tmp/hpcdl-cluster"))
+    given = os.environ.get("HPCDL_CLUSTER_DIR")
+    directory = Path(given or f"/var/tmp/hpcdl-test-cluster-{os.getpid()}")
     handle = Cluster(directory)
     handle.script("up", str(HOSTS))
     handle.hosts = handle.script("hosts").split()
@@ -23,3 +28,5 @@ def cluster() -> Cluster:
         yield handle
     finally:
         handle.script("down", check=False)
+        if not given:
+            shutil.rmtree(directory, ignore_errors=True)
