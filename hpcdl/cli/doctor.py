@@ -49,13 +49,19 @@ def run(args: argparse.Namespace) -> int:
         diagnose,
         exit_code,
         format_report,
+        hosts_reach_each_other,
         report_json,
     )
+    from hpcdl.debug.hosts import probe_clock
 
     world = MPI.COMM_WORLD
+    if not hosts_reach_each_other(world):
+        world.Abort(1)
     # A missing --staging on some node is a finding (an error naming the host), not an early
     # exit: a rank that returned here would leave the others waiting in the gather.
-    ranks = world.gather(collect_rank_info(world, args.staging, args.data), root=0)
+    info = collect_rank_info(world, args.staging, args.data)
+    info["clock_offset_s"] = probe_clock(world)
+    ranks = world.gather(info, root=0)
     code = 0
     if world.rank == 0:
         findings = diagnose(ranks)

@@ -5,11 +5,18 @@
 
 ``init`` also installs fail-fast (hpcdl/debug/faults.py) unless ``fail_fast=False``: an uncaught
 exception on one rank prints that rank's traceback and aborts the whole job, instead of leaving
-the other ranks blocked in their next allreduce until the scheduler's time limit.
+the other ranks blocked in their next allreduce until the scheduler's time limit. And it installs
+the stall watchdog (hpcdl/debug/stall.py) unless ``watchdog=False``: a collective that waits
+``HPCDL_STALL_WARN_S`` (60 s) gets a report naming the ranks and hosts not heard from, one that
+waits ``HPCDL_STALL_ABORT_S`` (600 s) ends the job, and a rank whose MPI_Abort reaches no one
+ends itself ``HPCDL_STALL_EXIT_GRACE_S`` (10 s) later. The defaults are the trainer's: long
+enough for a checkpoint on a slow shared file system, short beside an allocation's hours; every
+entry point built on ``init`` (a user's own loop, the demo, LTFB, the benches) has it.
 
 Backends (one algorithm each): ``mpi`` (MPI_Allreduce), ``ring`` (bandwidth-optimal ring,
 Patarasuk & Yuan 2009), ``shm`` (hierarchical: node-shared-memory reduce-scatter, then
-across nodes), ``gloo`` and ``ccl`` (torch.distributed process groups).
+across nodes), ``gloo`` (a torch.distributed process group) and ``ccl`` (Intel oneCCL's C API,
+through ctypes).
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from hpcdl.comm.base import (
 )
 from hpcdl.data.nodes import split_nodes
 from hpcdl.debug.faults import install_fail_fast
+from hpcdl.debug.monitor import watch_collectives
 from hpcdl.errors import BadInputError
 
 __all__ = ["BACKENDS", "BackendError", "CollectiveMismatchError", "Communicator",
@@ -64,7 +72,8 @@ def auto_backend(world: MPI.Intracomm) -> str:
 def init(backend: str = "auto", world: MPI.Intracomm | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          wire_dtype: torch.dtype | str | None = None,
-         ranks_per_node: int | None = None, fail_fast: bool = True) -> Communicator:
+         ranks_per_node: int | None = None, fail_fast: bool = True,
+         watchdog: bool = True) -> Communicator:
     """Build the communicator for ``world`` (default COMM_WORLD). Collective over ``world``.
 
     ``bucket_bytes`` is the fusion bucket size of :meth:`Communicator.allreduce_`;
@@ -74,6 +83,9 @@ def init(backend: str = "auto", world: MPI.Intracomm | None = None,
     ``HPCDL_RANKS_PER_NODE``, and without it asks MPI which ranks share memory.
     ``fail_fast=False`` leaves ``sys.excepthook``/``threading.excepthook`` alone (a caller that
     handles a dead rank itself); by default an uncaught exception aborts the whole job.
+    ``watchdog=False`` installs no stall watchdog (``HPCDL_STALL_WARN_S=0 HPCDL_STALL_ABORT_S=0``
+    does the same from outside); ``hpcdl.debug.watch_collectives(comm, run_dir)`` replaces the
+    default one to keep heartbeats and stall dumps in a run directory.
     Unknown names raise :class:`BackendError`; a backend whose optional library is missing
     raises its own :class:`~hpcdl.errors.BadInputError` saying how to get it.
     """
@@ -94,5 +106,8 @@ def init(backend: str = "auto", world: MPI.Intracomm | None = None,
         wire_dtype = names[wire_dtype.lower()]
     module_name, class_name = BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(world=world, bucket_bytes=bucket_bytes, wire_dtype=wire_dtype,
+    comm = cls(world=world, bucket_bytes=bucket_bytes, wire_dtype=wire_dtype,
                ranks_per_node=ranks_per_node)
+    if watchdog:
+        watch_collectives(comm)
+    return comm

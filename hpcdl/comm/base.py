@@ -11,10 +11,12 @@ the mismatch check runs and where hpcdl/debug attaches recording and the stall w
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,6 +78,35 @@ def oversubscribed(local_size: int) -> bool:
 
 
 _thread_waits = threading.local()
+
+#: Communicators not yet closed, by creation number (weak: one the program dropped is not kept
+#: alive).
+_open_communicators: weakref.WeakValueDictionary[int, Communicator] = \
+    weakref.WeakValueDictionary()
+_created = iter(range(1 << 62))
+
+
+def release_open_communicators() -> None:
+    """At exit, release what a communicator the program left open must not keep past the
+    interpreter's end (``atexit``), newest first.
+
+    Why: a torch process group (``gloo``) owns C++ worker threads that drop their last tensor
+    references *after* ``work.wait()`` returns. Dropping a tensor needs the GIL; once
+    ``Py_FinalizeEx`` has begun, CPython 3.11 ends any thread that asks for it with
+    ``pthread_exit``, whose unwinding through torch's ``noexcept`` destructor is
+    ``std::terminate`` -- "terminate called without an active exception", exit 9 under
+    mpiexec, about 1 run in 4 at -n 3 (docs/debugging.md). ``atexit`` runs before finalization
+    (and before mpi4py's MPI_Finalize), while threads may still take the GIL. Local only -- no
+    barrier, no MPI_Comm_free: a rank that exits alone (its error not shared) must not wait at
+    exit for ranks that never come; MPI_Finalize reclaims the MPI objects.
+    """
+    for number in sorted(_open_communicators.keys(), reverse=True):
+        comm = _open_communicators.get(number)
+        if comm is not None:
+            comm._release_at_exit()
+
+
+atexit.register(release_open_communicators)
 
 
 def yield_waits_in_this_thread() -> None:
@@ -179,6 +210,8 @@ class Communicator:
         self._checked: set[int] = set()
         self._staging: dict[torch.dtype, torch.Tensor] = {}
         self._closed = False
+        self._number = next(_created)
+        _open_communicators[self._number] = self
 
     # -- topology ------------------------------------------------------------------------
     def _init_topology(self) -> None:
@@ -380,10 +413,26 @@ class Communicator:
             return
         self._closed = True
         self._staging.clear()
-        self._close_backend()
-        for comm in (self.leader_comm, self.node_comm, self._check_comm, self._comm):
-            if comm != MPI.COMM_NULL:
-                comm.Free()
+        try:
+            # watched: a peer that never reaches close (gone, cut off) is the stall watchdog's
+            with self._monitor.watch("close", {}):
+                self._close_backend()
+            for comm in (self.leader_comm, self.node_comm, self._check_comm, self._comm):
+                if comm != MPI.COMM_NULL:
+                    comm.Free()
+        finally:
+            self._monitor.close()
+            self._monitor = NULL_MONITOR
+            _open_communicators.pop(self._number, None)
+
+    def _release_at_exit(self) -> None:
+        """``release_open_communicators``: stop the watchdog, drop what holds threads."""
+        self._monitor.close()
+        self._monitor = NULL_MONITOR
+        self._release_threads()
+
+    def _release_threads(self) -> None:
+        """Backends whose library runs its own threads drop them here (local, at exit)."""
 
     def __enter__(self) -> Communicator:
         return self

@@ -64,3 +64,9 @@ class GlooCommunicator(Communicator):
         # the rank-0 store must outlive every peer's last use of it
         self._comm.Barrier()
         self._group, self._store = None, None
+
+    def _release_threads(self) -> None:
+        # At exit, without the barrier: the group's worker threads are joined now, while they
+        # can still take the GIL (hpcdl/comm/base.py release_open_communicators); the store's
+        # server needs no GIL and stays until the process ends, for any peer still using it.
+        self._group = None

@@ -2,8 +2,8 @@
 collective records and a chrome://tracing timeline (docs/debugging.md).
 
 The trainer calls ``setup_rank_logging``, ``install_fail_fast``, ``install_stack_dump`` and
-``Timeline``; the communicator's ``_collective`` calls a ``CollectiveMonitor`` (no-op unless
-debug mode or the stall watchdog is switched on).
+``Timeline``; the communicator's ``_collective`` calls a ``CollectiveMonitor``, which
+``hpcdl.comm.init`` installs with the stall watchdog by default (``watchdog=False``: a no-op).
 """
 from hpcdl.debug.faults import dump_stacks_now, install_fail_fast, install_stack_dump
 from hpcdl.debug.log import debug_enabled, rank_log_path, setup_rank_logging

@@ -23,7 +23,13 @@ from collections import deque
 from typing import Any
 
 from hpcdl.debug.log import COLLECTIVES_LOGGER, debug_enabled
-from hpcdl.debug.stall import StallWatchdog, thresholds_from_env
+from hpcdl.debug.stall import (
+    StallWatchdog,
+    default_heartbeat_dir,
+    end_process,
+    heartbeat_path,
+    thresholds_from_env,
+)
 
 RECORDS_KEPT = 10_000
 
@@ -52,6 +58,9 @@ class NullMonitor:
         return self._watch
 
     def note(self, activity: str) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -124,6 +133,7 @@ class CollectiveMonitor:
         parsed = parse_injection(injection)
         self.injection = parsed if parsed is not None and parsed[0] == rank else None
         self.watchdog: StallWatchdog | None = None
+        self.owns_heartbeat_dir = False
         self._log = logging.getLogger(COLLECTIVES_LOGGER)
 
     def watch(self, name: str, meta: dict[str, Any]) -> _Watch:
@@ -162,7 +172,20 @@ class CollectiveMonitor:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog.join()
+            if self.owns_heartbeat_dir:  # a clean end leaves no temporary heartbeat behind
+                _remove_quietly(self.watchdog.heartbeat_dir, self.rank)
             self.watchdog = None
+
+
+def _remove_quietly(directory: str, rank: int) -> None:
+    try:
+        os.unlink(heartbeat_path(directory, rank))
+    except OSError:
+        pass
+    try:
+        os.rmdir(directory)  # the last rank of this host to leave removes the job's folder
+    except OSError:
+        pass
 
 
 def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | None = None,
@@ -170,23 +193,39 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
                       timeline: Any = None, abort: Any = None) -> CollectiveMonitor:
     """Install a live monitor on ``comm`` (collective: call on every rank) and return it.
 
-    ``record`` defaults to debug mode (``HPCDL_DEBUG=1``); stall thresholds default to
-    ``HPCDL_STALL_WARN_S`` / ``HPCDL_STALL_ABORT_S`` or 60 s / 600 s (0 = off). Heartbeats go to
-    ``RUN_DIR/logs/heartbeat/``. ``abort(code)`` defaults to MPI_Abort on COMM_WORLD.
+    Replaces the monitor ``hpcdl.comm.init`` installed by default. ``record`` defaults to debug
+    mode (``HPCDL_DEBUG=1``); stall thresholds default to ``HPCDL_STALL_WARN_S`` /
+    ``HPCDL_STALL_ABORT_S`` or 60 s / 600 s (0 = off). Heartbeats and stall dumps go to
+    ``RUN_DIR/logs/heartbeat/``, without ``run_dir`` to ``HPCDL_HEARTBEAT_DIR/JOB`` or this
+    host's temporary directory (removed again when the communicator closes cleanly).
+    ``abort(code)`` defaults to MPI_Abort on COMM_WORLD, followed ``HPCDL_STALL_EXIT_GRACE_S``
+    later by the rank ending itself if MPI_Abort has not; a caller's ``abort`` owns the end.
     """
+    import socket
+
+    unwatch_collectives(comm)
     mpi_comm = comm.mpi_comm
-    job = mpi_comm.bcast(uuid.uuid4().hex if mpi_comm.Get_rank() == 0 else None, root=0)
+    me = (socket.gethostname(), uuid.uuid4().hex if mpi_comm.Get_rank() == 0 else None)
+    peers = mpi_comm.allgather(me)  # every rank's host, for reports that lack heartbeats
+    job = peers[0][1]
     monitor = CollectiveMonitor(comm.rank, comm.size,
                                 record=debug_enabled() if record is None else record,
                                 timeline=timeline, injection=os.environ.get("HPCDL_INJECT", ""))
     thresholds = thresholds_from_env(warn_s, abort_s)
     if thresholds.enabled:
+        exit_process = None
         if abort is None:
             from mpi4py import MPI
 
-            abort = MPI.COMM_WORLD.Abort
-        heartbeat_dir = os.path.join(run_dir, "logs", "heartbeat") if run_dir else None
-        monitor.watchdog = StallWatchdog(monitor, thresholds, heartbeat_dir, job, abort)
+            abort, exit_process = MPI.COMM_WORLD.Abort, end_process
+        if run_dir:
+            heartbeat_dir = os.path.join(run_dir, "logs", "heartbeat")
+        else:
+            heartbeat_dir = default_heartbeat_dir(job)
+            monitor.owns_heartbeat_dir = True
+        monitor.watchdog = StallWatchdog(monitor, thresholds, heartbeat_dir, job, abort,
+                                         hosts=[host for host, _ in peers],
+                                         exit_process=exit_process)
         monitor.watchdog.start()
     comm._monitor = monitor
     return monitor

@@ -10,14 +10,33 @@ so a person can ``cat`` it afterwards. To keep the file system quiet, a rank wri
 when its state has been unchanged for ``quiet_s`` (a healthy rank never does) -- every rank of a
 stalled job is quiet, so every one has published by the time the warning fires.
 
+While a rank is quiet (in a collective, or busy outside one) its watchdog rewrites the file every
+``beat_s`` with the time of writing (``beat``). That is how a waiting rank tells, without a
+working collective, a peer that is **alive** (its beat is fresh: it waits in the same collective
+-- a slow or broken link -- or is busy elsewhere) from one that is **gone** (its beat stopped:
+frozen, killed, or its host cut off from the shared directory). The side channel can fail too
+(a directory on another host's ``/tmp``, a file system behind the dead link); the report then
+says "not heard from", never more than it knows. Every rank's host comes from one allgather at
+``watch_collectives``, so a report names hosts even without heartbeats.
+
+Ending the job is local and bounded (DESIGN.md "Decisions for many hosts"): a rank past
+``abort_s`` writes its dump (``rank-XXXX.stall.txt``: the one-line verdict, the report, every
+thread's stack) next to its heartbeat, calls ``MPI_Abort`` on a thread, and if it is still
+alive ``exit_grace_s`` later -- MPICH's MPI_Abort returns once it has told the local launcher
+proxy, and a proxy that is frozen or cut off from ``mpiexec`` never kills anyone -- it kills its
+own child processes and calls ``os._exit`` with the same code. Nothing outlives the job.
+
 The fast path (``hpcdl.debug.monitor``) only stores a tuple per collective; this module's thread
 does the rest. The report logic is pure functions over heartbeat dicts (unit-testable).
 """
 from __future__ import annotations
 
+import faulthandler
 import json
+import linecache
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -30,6 +49,8 @@ from hpcdl.debug.log import LOGGER_NAME
 
 DEFAULT_WARN_S = 60.0
 DEFAULT_ABORT_S = 600.0
+#: Seconds MPI_Abort gets to end this rank before it ends itself (HPCDL_STALL_EXIT_GRACE_S).
+DEFAULT_EXIT_GRACE_S = 10.0
 #: MPI_Abort error code of a stall abort (an uncaught exception aborts with 1).
 STALL_EXIT_CODE = 3
 
@@ -37,15 +58,17 @@ STALL_EXIT_CODE = 3
 @dataclass(frozen=True)
 class StallThresholds:
     """Seconds a collective may wait before a report (``warn_s``) and before MPI_Abort
-    (``abort_s``); 0 switches either off."""
+    (``abort_s``); 0 switches either off. ``exit_grace_s``: how long MPI_Abort gets before
+    the rank ends itself."""
 
     warn_s: float = DEFAULT_WARN_S
     abort_s: float = DEFAULT_ABORT_S
+    exit_grace_s: float = DEFAULT_EXIT_GRACE_S
 
     def __post_init__(self) -> None:
-        if self.warn_s < 0 or self.abort_s < 0:
+        if self.warn_s < 0 or self.abort_s < 0 or self.exit_grace_s < 0:
             raise ValueError(f"stall thresholds must be >= 0 s, got warn={self.warn_s} "
-                             f"abort={self.abort_s}")
+                             f"abort={self.abort_s} exit grace={self.exit_grace_s}")
         if self.warn_s and self.abort_s and self.abort_s < self.warn_s:
             raise ValueError(f"HPCDL_STALL_ABORT_S={self.abort_s} is below "
                              f"HPCDL_STALL_WARN_S={self.warn_s}: the report would never print")
@@ -58,7 +81,7 @@ class StallThresholds:
 def thresholds_from_env(warn_s: float | None = None, abort_s: float | None = None,
                         environ: Mapping[str, str] = os.environ) -> StallThresholds:
     """API arguments win over ``HPCDL_STALL_WARN_S`` / ``HPCDL_STALL_ABORT_S``, which win over
-    the defaults (60 s, 600 s)."""
+    the defaults (60 s, 600 s); ``HPCDL_STALL_EXIT_GRACE_S`` (10 s)."""
     def pick(value: float | None, var: str, default: float) -> float:
         if value is not None:
             return float(value)
@@ -70,7 +93,8 @@ def thresholds_from_env(warn_s: float | None = None, abort_s: float | None = Non
         except ValueError:
             raise ValueError(f"{var}={text!r} is not a number of seconds") from None
     return StallThresholds(pick(warn_s, "HPCDL_STALL_WARN_S", DEFAULT_WARN_S),
-                           pick(abort_s, "HPCDL_STALL_ABORT_S", DEFAULT_ABORT_S))
+                           pick(abort_s, "HPCDL_STALL_ABORT_S", DEFAULT_ABORT_S),
+                           pick(None, "HPCDL_STALL_EXIT_GRACE_S", DEFAULT_EXIT_GRACE_S))
 
 
 # -- heartbeat files --------------------------------------------------------------------------
@@ -78,11 +102,31 @@ def heartbeat_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank-{rank:04d}.json")
 
 
+def default_heartbeat_dir(job: str, environ: Mapping[str, str] = os.environ) -> str:
+    """Where a communicator without a run directory keeps heartbeats and dumps:
+    ``HPCDL_HEARTBEAT_DIR`` (put it on a shared file system to see other hosts' ranks), else
+    this host's temporary directory; one sub-directory per job."""
+    import tempfile
+
+    base = environ.get("HPCDL_HEARTBEAT_DIR", "").strip() or os.path.join(
+        tempfile.gettempdir(), f"hpcdl-heartbeat-{os.getuid()}")
+    return os.path.join(base, job[:12])
+
+
+def stall_dump_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank-{rank:04d}.stall.txt")
+
+
 def write_heartbeat(directory: str, record: Mapping[str, Any]) -> None:
     """Replace this rank's heartbeat (rename: a reader sees the old or the new, never half)."""
     path = heartbeat_path(directory, int(record["rank"]))
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    try:
+        f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115
+    except FileNotFoundError:  # a host's last rank to leave removed the job's folder
+        os.makedirs(directory, exist_ok=True)
+        f = open(tmp, "w", encoding="utf-8")  # noqa: SIM115
+    with f:
         json.dump(record, f)
     # No fsync: the reader is a live process on a coherent (or close-to-open) file system;
     # durability across a crash is not what a heartbeat is for.
@@ -141,6 +185,8 @@ def describe_rank_state(beat: Mapping[str, Any] | None, now: float) -> str:
     if beat.get("bucket") is not None:
         where += f" (bucket {beat['bucket']})"
     text = f"{where} {now - float(beat['since']):.1f} s ago"
+    if beat.get("blocked_in") and not beat.get("in_collective"):
+        text += f"; now blocked in MPI {beat['blocked_in']}"
     if beat.get("activity"):
         text += f"; then: {beat['activity']} ({now - float(beat['activity_since']):.1f} s ago)"
     return f"{text} [host {beat.get('host', '?')} pid {beat.get('pid', '?')}]"
@@ -183,26 +229,190 @@ def _compact_ranks(ranks: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+def utc_clock(t: float) -> str:
+    return time.strftime("%H:%M:%S UTC", time.gmtime(t))
+
+
+def last_heard(beat: Mapping[str, Any]) -> float:
+    """When a rank's heartbeat was last written (older records: its last change of state)."""
+    if "beat" in beat:
+        return float(beat["beat"])
+    return max(float(beat["since"]), float(beat.get("activity_since") or 0))
+
+
+def classify_peers(rank: int, size: int, seq: int | None,
+                   beats: Mapping[int, Mapping[str, Any]], hosts: Sequence[str], now: float,
+                   stale_s: float, since: float) -> dict[str, list[int]]:
+    """Every other rank, by what the side channel says while this rank has waited since
+    ``since`` in ``#seq`` (when ``#seq-1`` completed: the last moment every rank answered):
+    ``gone`` (nothing from it for more than ``stale_s`` after that moment and its heartbeat:
+    frozen, killed, or cut off; a rank that never wrote counts only where its host's ranks
+    write here), ``unheard`` (no heartbeat, and none from its host: another host's directory),
+    ``busy`` (alive, not arrived at ``#seq``), ``waiting`` (alive, inside ``#seq`` like us; with
+    ``seq=None``, this rank is blocked in a raw MPI call: inside any call counts). A live rank
+    that is quiet rewrites its heartbeat within ``stale_s``."""
+    seen_hosts = {hosts[r] for r in beats if r < len(hosts)}
+    kinds: dict[str, list[int]] = {"gone": [], "unheard": [], "busy": [], "waiting": []}
+    for r in range(size):
+        if r == rank:
+            continue
+        beat = beats.get(r)
+        if beat is None:
+            visible = r < len(hosts) and hosts[r] in seen_hosts
+            kinds["gone" if visible and now - since > stale_s else "unheard"].append(r)
+        elif now - max(last_heard(beat), since) > stale_s:
+            kinds["gone"].append(r)
+        elif (beat.get("in_collective") and (seq is None or int(beat["seq"]) == seq)) or \
+                (seq is None and beat.get("blocked_in")):
+            kinds["waiting"].append(r)
+        else:
+            kinds["busy"].append(r)
+    return kinds
+
+
+def _ranks_on_hosts(ranks: Sequence[int], hosts: Sequence[str], max_hosts: int = 8) -> str:
+    """'rank 1 on h2' / 'ranks 0-3 on h1, 4-7 on h2' (grouped by host, hosts in rank order)."""
+    by_host: dict[str, list[int]] = {}
+    for r in ranks:
+        by_host.setdefault(hosts[r] if r < len(hosts) else "?", []).append(r)
+    parts = [f"{_compact_ranks(rs)} on {host}" for host, rs in list(by_host.items())[:max_hosts]]
+    if len(by_host) > max_hosts:
+        parts.append(f"... {len(by_host) - max_hosts} more hosts")
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def stall_verdict(rank: int, size: int, seq: int | None,
+                  beats: Mapping[int, Mapping[str, Any]],
+                  hosts: Sequence[str], now: float, stale_s: float, since: float) -> str:
+    """The one line that names who stopped answering, where, and since when; "rank gone" vs
+    "slow link" as far as the heartbeats can tell. ``since``: when this rank entered ``#seq``
+    (the last moment every rank was known to answer: ``#seq-1`` had completed)."""
+    kinds = classify_peers(rank, size, seq, beats, hosts, now, stale_s, since)
+    parts = []
+    if kinds["gone"]:
+        first = min(max(last_heard(beats[r]), since) if r in beats else since
+                    for r in kinds["gone"])
+        parts.append(f"rank gone: {_ranks_on_hosts(kinds['gone'], hosts)} silent since "
+                     f"{utc_clock(first)} ({now - first:.0f} s; frozen, killed or cut off)")
+    if kinds["unheard"]:
+        parts.append(f"not heard from since {utc_clock(since)} ({now - since:.0f} s): "
+                     f"{_ranks_on_hosts(kinds['unheard'], hosts)} (no heartbeat here: another "
+                     f"host's directory, or not running hpcdl)")
+    if kinds["busy"]:
+        parts.append(f"alive but not arrived: {_ranks_on_hosts(kinds['busy'], hosts)} "
+                     f"(busy or stuck outside collectives)")
+    if not parts:
+        where = sorted(set(hosts)) if hosts else []
+        inside = f"inside #{seq}" if seq is not None else "inside an MPI call"
+        parts.append(f"slow link: every rank is alive and {inside} since "
+                     f"{utc_clock(since)}; data moves slowly or not at all between hosts "
+                     f"{','.join(where)}" if len(where) > 1 else
+                     f"slow link: every rank is alive and {inside} since "
+                     f"{utc_clock(since)} (one host: an MPI progress problem)")
+    return "; ".join(parts)
+
+
+#: Blocking calls a thread may sit in outside the communicator's watched collectives: mpi4py's
+#: collectives and waits on any communicator (a trainer's loss agreement, a checkpoint's
+#: gathers, ``agreed``'s allgather, a user's own ``world.Barrier()``) and torch.distributed's.
+BLOCKING_CALLS = frozenset({
+    "Allreduce", "allreduce", "Bcast", "bcast", "Barrier", "barrier", "Gather", "gather",
+    "Gatherv", "Allgather", "allgather", "Allgatherv", "Scatter", "scatter", "Scatterv",
+    "Reduce", "reduce", "Reduce_scatter", "Alltoall", "alltoall", "Alltoallv", "Scan", "Exscan",
+    "Sendrecv", "sendrecv", "Recv", "recv", "Send", "send", "Ssend", "ssend", "Probe", "probe",
+    "Wait", "Waitall", "waitall", "Waitany", "Dup", "Split", "Split_type", "Create",
+    "all_reduce", "all_gather", "broadcast", "monitored_barrier",
+})
+
+
+def blocked_call(frame: Any) -> str | None:
+    """``"bcast at hpcdl/train/trainer.py:681"`` when ``frame`` -- a thread's newest Python
+    frame -- is inside a C call named in :data:`BLOCKING_CALLS`, else None.
+
+    A call into C code opens no Python frame, so the instruction the frame stopped at *is* the
+    call; its source span (``co_positions``, Python >= 3.11) names the callee."""
+    code = frame.f_code
+    try:
+        line, _, col, _ = list(code.co_positions())[frame.f_lasti // 2]
+    except (AttributeError, IndexError, ValueError):
+        return None
+    if line is None or col is None:
+        return None
+    text = linecache.getline(code.co_filename, line)[col:]
+    name = text.split("(", 1)[0].rsplit(".", 1)[-1].strip()
+    if name not in BLOCKING_CALLS:
+        return None
+    path = code.co_filename
+    short = path[path.rfind("hpcdl" + os.sep):] if ("hpcdl" + os.sep) in path else \
+        os.path.basename(path)
+    return f"{name} at {short}:{line}"
+
+
+def kill_child_processes() -> list[int]:
+    """SIGKILL this process's children (data-loader workers...): they must not outlive it.
+    Returns their pids."""
+    me, killed = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == me:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return killed
+
+
+def end_process(code: int) -> None:
+    """The last resort of a rank whose MPI_Abort reached no one: children first, then itself."""
+    kill_child_processes()
+    os._exit(code)
+
+
 # -- the watchdog thread ----------------------------------------------------------------------
 class StallWatchdog(threading.Thread):
     """Publishes this rank's heartbeat when quiet; reports and aborts a collective that waits
-    past the thresholds. ``monitor`` is the rank's CollectiveMonitor (its state is read here)."""
+    past the thresholds. ``monitor`` is the rank's CollectiveMonitor (its state is read here).
+
+    ``abort(code)`` ends the job (MPI_Abort); ``exit_process(code)``, when given, ends this
+    process if ``abort`` has not done so ``exit_grace_s`` later (``end_process``; None trusts
+    ``abort``). ``hosts[r]`` is rank r's host, for reports without heartbeats."""
 
     def __init__(self, monitor: Any, thresholds: StallThresholds, heartbeat_dir: str | None,
-                 job: str, abort: Any, poll_s: float | None = None) -> None:
+                 job: str, abort: Any, poll_s: float | None = None,
+                 hosts: Sequence[str] | None = None, exit_process: Any = None) -> None:
         super().__init__(name="hpcdl-stall-watchdog", daemon=True)
         self.monitor = monitor
         self.thresholds = thresholds
         self.heartbeat_dir = heartbeat_dir
         self.job = job
         self.abort = abort  # callable(code): MPI_Abort on the world
+        self.exit_process = exit_process
         shortest = min(t for t in (thresholds.warn_s, thresholds.abort_s) if t)
         self.poll_s = poll_s or min(1.0, shortest / 4)
         self.quiet_s = min(2.0, shortest / 3)
+        # a quiet rank rewrites its heartbeat this often; a beat older than stale_s is "gone"
+        self.beat_s = max(self.quiet_s, min(10.0, shortest / 4))
+        self.stale_s = 3 * self.beat_s + 2 * self.poll_s
         self.host = socket.gethostname()
+        self.hosts = list(hosts) if hosts else [self.host if r == monitor.rank else "?"
+                                                for r in range(monitor.size)]
         self._stop_event = threading.Event()
         self._published: tuple | None = None
+        self._written_at = 0.0
+        self._warned: tuple[int, str, float] | None = None  # (seq, name, since) of the warning
         self._warned_seq = -1
+        self._aborting = False
+        # the main thread blocked in a raw MPI call (blocked_call): where, since when
+        self._main_ident = threading.main_thread().ident
+        self._blocked_key: tuple | None = None
+        self._blocked_since = 0.0
+        self._blocked_what: str | None = None
+        self._blocked_checked = False
+        self._blocked_warned = False
         self.reports: list[str] = []
         if heartbeat_dir:
             os.makedirs(heartbeat_dir, exist_ok=True)
@@ -217,60 +427,182 @@ class StallWatchdog(threading.Thread):
             except Exception:  # noqa: BLE001 - the watchdog must never take the rank down
                 logging.getLogger(LOGGER_NAME).exception("stall watchdog failed")
 
-    def heartbeat(self) -> dict[str, Any]:
+    def heartbeat(self, now: float | None = None) -> dict[str, Any]:
         m = self.monitor
         seq, name, meta, since, in_collective = m.state
         activity, activity_since = m.activity
         return {"job": self.job, "rank": m.rank, "size": m.size, "host": self.host,
                 "pid": os.getpid(), "seq": seq, "name": name, "bucket": meta.get("bucket"),
                 "signature": describe_signature(meta), "in_collective": in_collective,
-                "since": since, "activity": activity, "activity_since": activity_since}
+                "since": since, "activity": activity, "activity_since": activity_since,
+                "blocked_in": self._blocked_what, "beat": time.time() if now is None else now}
 
     def tick(self, now: float) -> None:
         m = self.monitor
-        state = (m.state, m.activity)
+        state = (m.state, m.activity, self._blocked_what)
         last_change = max(m.state[3], m.activity[1])
-        if self.heartbeat_dir and state != self._published and now - last_change >= self.quiet_s:
-            write_heartbeat(self.heartbeat_dir, self.heartbeat())
-            self._published = state
+        quiet = now - last_change >= self.quiet_s
+        if self.heartbeat_dir and quiet and (state != self._published
+                                             or now - self._written_at >= self.beat_s):
+            write_heartbeat(self.heartbeat_dir, self.heartbeat(now))
+            self._published, self._written_at = state, now
         seq, name, _, since, in_collective = m.state
+        self._note_stall_over(seq, in_collective, since, now)
         if not in_collective:
+            self._watch_main_thread(now)
             return
         waited = now - since
         t = self.thresholds
         if t.warn_s and waited >= t.warn_s and self._warned_seq != seq:
             self._warned_seq = seq
+            self._warned = (seq, name, since)
             self._report(seq, name, waited, now, logging.WARNING)
-        if t.abort_s and waited >= t.abort_s:
+        if t.abort_s and waited >= t.abort_s and not self._aborting:
+            self._aborting = True
             text = self._report(seq, name, waited, now, logging.CRITICAL)
-            reason = (f"stall: aborting the job (MPI_Abort {STALL_EXIT_CODE}) after "
-                      f"{waited:.1f} s > HPCDL_STALL_ABORT_S={t.abort_s:g}")
-            # In the rank's log file as well: MPI_Abort may kill the launcher before it has
-            # forwarded the last lines of stderr, and the file is what stays.
-            logging.getLogger(LOGGER_NAME).critical("%s", reason)
-            if m.rank != 0:  # (rank 0's logger already prints to the terminal)
-                sys.stderr.write(f"[rank {m.rank}/{m.size} {self.host}] {reason}\n")
-                sys.stderr.flush()
-            self.reports.append(text)
-            self.abort(STALL_EXIT_CODE)
+            self._end_job(f"#{seq} {name}", seq, waited, since, now, text)
+
+    def _watch_main_thread(self, now: float) -> None:
+        """Outside the communicator's collectives: is the main thread blocked in a raw MPI
+        call (a control Allreduce, a checkpoint's bcast, a user's Barrier) for too long?"""
+        frame = sys._current_frames().get(self._main_ident)
+        key = None if frame is None else (id(frame), frame.f_lasti, frame.f_lineno)
+        if key != self._blocked_key:
+            self._blocked_key, self._blocked_since = key, now
+            self._blocked_what, self._blocked_checked, self._blocked_warned = None, False, False
+            return
+        waited = now - self._blocked_since
+        if frame is None or waited < self.quiet_s:
+            return
+        if not self._blocked_checked:  # once per stop: reading the source is not free
+            self._blocked_checked = True
+            self._blocked_what = blocked_call(frame)
+        del frame
+        what, t = self._blocked_what, self.thresholds
+        if what is None:
+            return
+        if t.warn_s and waited >= t.warn_s and not self._blocked_warned:
+            self._blocked_warned = True
+            self._report_blocked(what, waited, now, logging.WARNING)
+        if t.abort_s and waited >= t.abort_s and not self._aborting:
+            self._aborting = True
+            text = self._report_blocked(what, waited, now, logging.CRITICAL)
+            self._end_job(f"MPI {what}", None, waited, self._blocked_since, now, text)
+
+    def _note_stall_over(self, seq: int, in_collective: bool, since: float, now: float) -> None:
+        """A warned collective that completed after all: slow is not dead -- say so."""
+        if self._warned is None or (seq == self._warned[0] and in_collective):
+            return
+        wseq, wname, wsince = self._warned
+        self._warned = None
+        ended = since if seq == wseq else now  # the monitor stamps the end of each collective
+        logging.getLogger(LOGGER_NAME).warning(
+            "stall over: collective #%d %s completed after %.1f s (slow, not dead)",
+            wseq, wname, ended - wsince)
+
+    def _beats(self, now: float) -> dict[int, dict[str, Any]]:
+        m = self.monitor
+        beats = read_heartbeats(self.heartbeat_dir, m.size, self.job) if self.heartbeat_dir else {}
+        beats[m.rank] = self.heartbeat(now)  # our own state is always current
+        return beats
+
+    def _end_job(self, where: str, seq: int | None, waited: float, since: float, now: float,
+                 report: str) -> None:
+        """Dump, MPI_Abort on a thread, and -- if that reaches no one -- end this process."""
+        m, code = self.monitor, STALL_EXIT_CODE
+        verdict = stall_verdict(m.rank, m.size, seq, self._beats(now), self.hosts, now,
+                                self.stale_s, since)
+        line = (f"stall: aborting the job (MPI_Abort {code}) after {waited:.1f} s > "
+                f"HPCDL_STALL_ABORT_S={self.thresholds.abort_s:g} in {where} on rank "
+                f"{m.rank} ({self.host}); {verdict}")
+        self._write_dump(line, report)
+        # In the rank's log file as well: MPI_Abort may kill the launcher before it has
+        # forwarded the last lines of stderr, and the file is what stays.
+        logging.getLogger(LOGGER_NAME).critical("%s", line)
+        if m.rank != 0:  # (rank 0's logger already prints to the terminal)
+            self._say(line)
+        self.reports.append(report)
+        if self.exit_process is None:
+            self.abort(code)
+            return
+        # MPICH's MPI_Abort returns once it has told the launcher's local proxy; a proxy that
+        # is frozen or cut off from mpiexec kills no one, and another MPI may block in it.
+        # Hence a thread, and a deadline.
+        threading.Thread(target=self.abort, args=(code,), name="hpcdl-mpi-abort",
+                         daemon=True).start()
+        time.sleep(self.thresholds.exit_grace_s)
+        last = (f"stall: MPI_Abort did not end rank {m.rank} ({self.host}) within "
+                f"HPCDL_STALL_EXIT_GRACE_S={self.thresholds.exit_grace_s:g} s (its launcher is "
+                f"frozen or out of reach); the rank ends itself with exit {code}")
+        self._write_dump(line, report, last)
+        logging.getLogger(LOGGER_NAME).critical("%s", last)
+        self._say(last)
+        self.exit_process(code)
+
+    def _say(self, line: str) -> None:
+        try:
+            sys.stderr.write(f"[rank {self.monitor.rank}/{self.monitor.size} {self.host}] "
+                             f"{line}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
+            pass
+
+    def _write_dump(self, line: str, report: str, last: str = "") -> None:
+        """``rank-XXXX.stall.txt`` next to the heartbeat: the verdict, the report, and every
+        thread's Python stack (temporary name, fsync, rename)."""
+        if not self.heartbeat_dir:
+            return
+        path = stall_dump_path(self.heartbeat_dir, self.monitor.rank)
+        try:
+            with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+                f.write(f"{line}\n{last + chr(10) if last else ''}\n{report}\n\n"
+                        f"heartbeat: {json.dumps(self.heartbeat())}\n\nstacks:\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(f"{path}.tmp", path)
+        except OSError as exc:  # a full or gone file system must not stop the abort
+            logging.getLogger(LOGGER_NAME).error("stall: could not write %s: %s", path, exc)
 
     def _report(self, seq: int, name: str, waited: float, now: float, level: int) -> str:
         m = self.monitor
-        beats = read_heartbeats(self.heartbeat_dir, m.size, self.job) if self.heartbeat_dir else {}
-        beats[m.rank] = self.heartbeat()  # our own state is always current
+        beats = self._beats(now)
         if not self.heartbeat_dir:
             text = (f"stall: rank {m.rank} has waited {waited:.1f} s in collective #{seq} {name} "
                     f"(no heartbeat directory: pass run_dir to watch_collectives to learn which "
                     f"ranks are missing)")
         else:
             text = format_stall_report(m.rank, m.size, seq, name, waited, beats, now)
+            text += "\n  verdict: " + stall_verdict(m.rank, m.size, seq, beats, self.hosts, now,
+                                                   self.stale_s, m.state[3])
         logging.getLogger(LOGGER_NAME).log(level, "%s", text)
         # Every waiting rank logs the report to its file; only the lowest waiting rank puts it
         # on the terminal, so 2,047 copies do not bury it.
         # (rank 0's logger already prints to the terminal.)
         arrived = [r for r, b in beats.items() if b.get("in_collective") and b["seq"] == seq]
         if m.rank != 0 and m.rank == min(arrived, default=m.rank):
-            sys.stderr.write(f"[rank {m.rank}/{m.size} {self.host}] {text}\n")
-            sys.stderr.flush()
+            self._say(text)
+        self.reports.append(text)
+        return text
+
+    def _report_blocked(self, what: str, waited: float, now: float, level: int,
+                        max_listed: int = 16) -> str:
+        m = self.monitor
+        beats = self._beats(now)
+        others = [r for r in range(m.size) if r != m.rank]
+        lines = [f"stall: rank {m.rank} has waited {waited:.1f} s in MPI {what} (outside the "
+                 f"communicator's collectives)"]
+        lines += [f"  rank {r}: {describe_rank_state(beats.get(r), now)}"
+                  for r in others[:max_listed]]
+        if len(others) > max_listed:
+            lines.append(f"  ... and {len(others) - max_listed} more (see the heartbeats)")
+        lines.append("  verdict: " + stall_verdict(m.rank, m.size, None, beats, self.hosts,
+                                                   now, self.stale_s, self._blocked_since))
+        text = "\n".join(lines)
+        logging.getLogger(LOGGER_NAME).log(level, "%s", text)
+        blocked = [r for r, b in beats.items() if b.get("blocked_in") or b.get("in_collective")]
+        if m.rank != 0 and m.rank == min(blocked, default=m.rank):
+            self._say(text)
         self.reports.append(text)
         return text

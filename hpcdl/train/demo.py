@@ -89,18 +89,25 @@ def _run_dir(world, out: str | None) -> str:
     return world.bcast(path, root=0)
 
 
-def _prepare_on_rank0(world, run_dir: str, options: DemoOptions) -> dict[str, Any]:
+def _prepare_on_rank0(world, run_dir: str, options: DemoOptions, comm) -> dict[str, Any]:
     """Rank 0 prepares the data; the others wait at the broadcast of the result (or the
-    error, so a failure on rank 0 ends every rank with the same message, not a hang)."""
+    error, so a failure on rank 0 ends every rank with the same message, not a hang). The
+    broadcast is a watched region of ``comm``: a rank 0 that dies or freezes while preparing
+    is named by the others' stall watchdog; a slow one shows as "preparing" in the report."""
+    from hpcdl.debug import note_activity, watch_region
+
     result: dict[str, Any] | None = None
     error: str | None = None
     if world.rank == 0:
+        note_activity(comm, "preparing Fashion-MNIST")
         try:
             result = prepare_demo_data(os.path.join(run_dir, "data"), options.source,
                                        options.shards)
         except (OSError, ValueError, RuntimeError) as exc:
             error = f"preparing Fashion-MNIST ({options.source}) in {run_dir}/data: {exc}"
-    result, error = world.bcast((result, error), root=0)
+        note_activity(comm, "")
+    with watch_region(comm, "wait for rank 0's data preparation"):
+        result, error = world.bcast((result, error), root=0)
     if error:
         raise RuntimeError(error)
     return result
@@ -117,7 +124,13 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     from mpi4py import MPI
 
     import hpcdl.comm
-    from hpcdl.debug import install_fail_fast, install_stack_dump, setup_rank_logging
+    from hpcdl.debug import (
+        install_fail_fast,
+        install_stack_dump,
+        setup_rank_logging,
+        watch_collectives,
+        watch_region,
+    )
     from hpcdl.io import atomic_write_text
     from hpcdl.train.config import load_recipe
     from hpcdl.train.threads import configure_threads
@@ -133,25 +146,24 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     if world.size > 1:
         install_fail_fast(world)
     log = logging.getLogger("hpcdl.demo")
+    # The communicator first, so its stall watchdog covers every phase: rank 0's data
+    # preparation (the others wait at its broadcast), training, and the final barrier.
+    comm = hpcdl.comm.init(options.backend or config.comm.backend, world,
+                           bucket_bytes=int(config.comm.bucket_mb * 2 ** 20),
+                           wire_dtype=config.comm.wire_dtype)
+    trainer = None
     try:
+        # heartbeats and stall dumps in RUN_DIR/logs/heartbeat (HPCDL_STALL_WARN_S/_ABORT_S)
+        watch_collectives(comm, run_dir)
         log.info("hpcdl demo: %d rank(s), run directory %s", world.size, run_dir)
-        data = _prepare_on_rank0(world, run_dir, options)
+        data = _prepare_on_rank0(world, run_dir, options, comm)
         log.info("Fashion-MNIST (%s): %s images as JPEG tree + shards in %.1f s", options.source,
                  data["splits"], data["prepare_s"])
-        comm = hpcdl.comm.init(options.backend or config.comm.backend, world,
-                               bucket_bytes=int(config.comm.bucket_mb * 2 ** 20),
-                               wire_dtype=config.comm.wire_dtype)
-        trainer = None
-        try:
-            configure_threads(comm)
-            train_options = TrainOptions(max_steps=options.max_steps, progress=options.progress)
-            trainer = Trainer(config, data["shard_dir"], run_dir, comm, options=train_options)
-            trainer.resume("auto")  # --out of an interrupted demo continues it
-            summary = trainer.train()
-        finally:
-            if trainer is not None:
-                trainer.close()
-            comm.close()
+        configure_threads(comm)
+        train_options = TrainOptions(max_steps=options.max_steps, progress=options.progress)
+        trainer = Trainer(config, data["shard_dir"], run_dir, comm, options=train_options)
+        trainer.resume("auto")  # --out of an interrupted demo continues it
+        summary = trainer.train()
         summary["demo"] = {
             "recipe": recipe, "source": options.source, "images": data["splits"],
             "prepare_s": data["prepare_s"], "total_s": time.perf_counter() - start,
@@ -163,7 +175,11 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         summary["run_dir"] = run_dir
         return summary
     finally:
-        world.Barrier()  # every rank is done with the files before any is removed
+        if trainer is not None:
+            trainer.close()
+        with watch_region(comm, "final barrier"):
+            world.Barrier()  # every rank is done with the files before any is removed
+        comm.close()
         if options.out is None and world.rank == 0:
             shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcdl.debug.monitor import watch_region
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import Config, resolve_batch
 from hpcdl.train.metrics import read_metrics, write_summary
@@ -240,7 +241,8 @@ class LTFB:
         """One integer summed over the world: has any rank been signalled?"""
         flag = np.array([0 if self._signal is None else 1], dtype=np.int64)
         total = np.empty_like(flag)
-        self.world.Allreduce(flag, total, op=MPI.SUM)
+        with watch_region(self.comm, "LTFB stop check (world)"):  # the stall watchdog sees it
+            self.world.Allreduce(flag, total, op=MPI.SUM)
         return bool(total[0])
 
     def play_round(self, round_index: int) -> dict[str, Any]:
@@ -261,7 +263,8 @@ class LTFB:
             model_tensors = state_tensors(trainer.model)
             tensors = state_tensors(trainer.model, trainer.optimizer) \
                 if self.ltfb.exchange == "weights+optimizer" else model_tensors
-            theirs = exchange_flat(flatten_state(tensors), self.layout, partner)
+            with watch_region(self.comm, f"LTFB exchange with trainer {partner}"):
+                theirs = exchange_flat(flatten_state(tensors), self.layout, partner)
             mine = score_model(trainer.model, self.tournament_loader,
                                self.layout.trainer_comm, trainer.memory_format)
             scratch = self._scratch_model()

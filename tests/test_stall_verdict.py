@@ -1,0 +1,181 @@
+"""The stall watchdog's verdict and its way out, in one process (hpcdl/debug/stall.py).
+
+Under a real mpiexec: tests/test_stall_mpi.py. Here: the pure verdict ("rank gone" vs "slow
+link" vs "not heard from") over heartbeat dicts, the rank that ends itself when MPI_Abort has
+not ended it, its dump on disk, and the children it takes with it."""
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcdl.debug.monitor import CollectiveMonitor
+from hpcdl.debug.stall import (
+    StallThresholds,
+    StallWatchdog,
+    classify_peers,
+    kill_child_processes,
+    read_heartbeats,
+    stall_dump_path,
+    stall_verdict,
+    thresholds_from_env,
+    utc_clock,
+    write_heartbeat,
+)
+
+HOSTS = ["h1", "h1", "h2", "h3"]
+
+
+def _beat(rank, seq, in_collective, beat, host=None):
+    return {"rank": rank, "seq": seq, "name": "allreduce", "in_collective": in_collective,
+            "since": beat - 1, "activity": "", "activity_since": beat - 1, "beat": beat,
+            "host": host or HOSTS[rank], "pid": 100 + rank}
+
+
+def test_a_peer_whose_heartbeat_stopped_is_gone_one_that_beats_is_alive():
+    now = 1000.0
+    beats = {0: _beat(0, 7, True, now), 1: _beat(1, 6, False, now - 50.0),
+             2: _beat(2, 6, False, now - 1.0), 3: _beat(3, 7, True, now - 2.0)}
+    kinds = classify_peers(0, 4, 7, beats, HOSTS, now, stale_s=10.0, since=now - 60.0)
+    assert kinds == {"gone": [1], "unheard": [], "busy": [2], "waiting": [3]}
+
+
+def test_a_stale_heartbeat_from_before_the_wait_counts_from_when_the_wait_began():
+    # Healthy ranks do not write: rank 1's last beat is from start-up, but collective #6
+    # completed (so rank 1 answered) 8 s ago -- not yet silent for stale_s.
+    now = 1000.0
+    beats = {0: _beat(0, 7, True, now), 1: _beat(1, 3, False, now - 300.0)}
+    assert classify_peers(0, 2, 7, beats, HOSTS, now, stale_s=10.0,
+                          since=now - 8.0)["gone"] == []
+    line = stall_verdict(0, 2, 7, beats, HOSTS, now, stale_s=10.0, since=now - 40.0)
+    assert line.startswith(f"rank gone: rank 1 on h1 silent since {utc_clock(now - 40.0)} (40 s;")
+
+
+def test_silence_counts_as_gone_only_where_the_heartbeat_would_be_visible():
+    now = 1000.0
+    beats = {0: _beat(0, 7, True, now)}  # only our own: h2 and h3 write elsewhere
+    kinds = classify_peers(0, 4, 7, beats, HOSTS, now, stale_s=10.0, since=now - 60.0)
+    assert kinds["gone"] == [1]            # on our host: it would have written here
+    assert kinds["unheard"] == [2, 3]      # other hosts' directories: we cannot know
+    early = classify_peers(0, 4, 7, beats, HOSTS, now, stale_s=10.0, since=now - 5.0)
+    assert early["gone"] == [] and early["unheard"] == [1, 2, 3]  # not yet had time to write
+
+
+def test_the_verdict_names_the_gone_rank_its_host_and_since_when():
+    now = 1000.0
+    beats = {0: _beat(0, 7, True, now), 1: _beat(1, 7, True, now - 1.0),
+             2: _beat(2, 6, False, now - 40.0), 3: _beat(3, 7, True, now - 1.0)}
+    line = stall_verdict(0, 4, 7, beats, HOSTS, now, stale_s=10.0, since=now - 45.0)
+    assert line == (f"rank gone: rank 2 on h2 silent since {utc_clock(now - 40.0)} (40 s; "
+                    f"frozen, killed or cut off)")
+    assert "\n" not in line
+
+
+def test_every_rank_alive_inside_the_collective_reads_as_a_slow_link_between_the_hosts():
+    now = 1000.0
+    beats = {r: _beat(r, 7, True, now - 1.0) for r in range(4)}
+    line = stall_verdict(0, 4, 7, beats, HOSTS, now, stale_s=10.0, since=now - 45.0)
+    assert line.startswith("slow link: every rank is alive and inside #7 since ")
+    assert line.endswith("between hosts h1,h2,h3")
+
+
+def test_ranks_of_other_hosts_without_heartbeats_are_not_heard_from_since_our_wait_began():
+    now = 1000.0
+    beats = {0: _beat(0, 7, True, now), 1: _beat(1, 7, True, now)}
+    line = stall_verdict(0, 4, 7, beats, HOSTS, now, stale_s=10.0, since=now - 30.0)
+    assert line.startswith(f"not heard from since {utc_clock(now - 30.0)} (30 s): ranks 2 on h2, "
+                           f"3 on h3 (no heartbeat here")
+
+
+def test_exit_grace_comes_from_the_environment():
+    env = {"HPCDL_STALL_WARN_S": "2", "HPCDL_STALL_ABORT_S": "6", "HPCDL_STALL_EXIT_GRACE_S": "1"}
+    assert thresholds_from_env(environ=env) == StallThresholds(2.0, 6.0, 1.0)
+    with pytest.raises(ValueError, match="HPCDL_STALL_EXIT_GRACE_S='later'"):
+        thresholds_from_env(environ={"HPCDL_STALL_EXIT_GRACE_S": "later"})
+
+
+def test_a_rank_whose_abort_reaches_no_one_dumps_its_state_and_ends_itself(tmp_path):
+    monitor = CollectiveMonitor(rank=1, size=2)
+    aborts, exits = [], []
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=1.0, abort_s=2.0, exit_grace_s=0.0),
+                        str(tmp_path), "j", aborts.append, hosts=["h1", "h2"],
+                        exit_process=exits.append)  # MPI_Abort that returns, like a cut-off one
+    with monitor.watch("allreduce", {}):
+        since = monitor.state[3]
+        dog.tick(since + 2.5)
+    assert exits == [3]
+    dump = open(stall_dump_path(str(tmp_path), 1)).read()
+    first, second = dump.splitlines()[:2]
+    assert first.startswith("stall: aborting the job (MPI_Abort 3) after 2.5 s > "
+                            "HPCDL_STALL_ABORT_S=2 in #1 allreduce on rank 1 (")
+    assert "not heard from since" in first and "rank 0 on h1" in first
+    assert second.startswith("stall: MPI_Abort did not end rank 1 (") and \
+        "the rank ends itself with exit 3" in second
+    assert "in tick" in dump  # every thread's Python stack
+    for _ in range(100):  # the abort runs on its own thread (it may block, or return)
+        if aborts:
+            break
+        time.sleep(0.05)
+    assert aborts == [3]
+
+
+def test_a_caller_supplied_abort_owns_the_end_and_is_called_once(tmp_path):
+    monitor = CollectiveMonitor(rank=0, size=2)
+    aborts = []
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=1.0, abort_s=2.0), str(tmp_path), "j",
+                        aborts.append)
+    with monitor.watch("barrier", {}):
+        since = monitor.state[3]
+        for dt in (2.5, 3.0, 3.5):
+            dog.tick(since + dt)
+    assert aborts == [3]
+
+
+def test_a_quiet_rank_keeps_its_heartbeat_fresh(tmp_path):
+    monitor = CollectiveMonitor(rank=0, size=1)
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=40.0, abort_s=0), str(tmp_path), "j",
+                        None)
+    with monitor.watch("barrier", {}):
+        since = monitor.state[3]
+        dog.tick(since + dog.quiet_s)
+        first = read_heartbeats(str(tmp_path), 1, "j")[0]["beat"]
+        dog.tick(since + dog.quiet_s + dog.beat_s)
+        second = read_heartbeats(str(tmp_path), 1, "j")[0]["beat"]
+    assert second - first == pytest.approx(dog.beat_s)
+
+
+def test_a_warned_collective_that_completes_is_reported_as_slow_not_dead(tmp_path, caplog):
+    monitor = CollectiveMonitor(rank=0, size=2)
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=1.0, abort_s=0), str(tmp_path), "j",
+                        None, hosts=["h1", "h2"])
+    with caplog.at_level(logging.WARNING, logger="hpcdl"):
+        with monitor.watch("allreduce", {}):
+            since = monitor.state[3]
+            write_heartbeat(str(tmp_path), {**_beat(1, 1, True, since + 1.4, host="h2"),
+                                            "job": "j"})  # alive, waiting in #1 too
+            dog.tick(since + 1.5)
+        dog.tick(monitor.state[3] + 0.1)
+    assert "verdict: slow link" in dog.reports[0]
+    assert any("stall over: collective #1 allreduce completed after" in r.getMessage()
+               and "(slow, not dead)" in r.getMessage() for r in caplog.records)
+
+
+def test_the_rank_that_ends_itself_takes_its_children_along():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        assert child.pid in kill_child_processes()
+        assert child.wait(timeout=30) == -9
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def test_heartbeat_records_are_json_a_person_can_read(tmp_path):
+    monitor = CollectiveMonitor(rank=0, size=1)
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=5.0, abort_s=0), str(tmp_path), "j", None)
+    dog.tick(monitor.state[3] + dog.quiet_s)
+    record = json.load(open(os.path.join(tmp_path, "rank-0000.json")))
+    assert {"host", "pid", "seq", "in_collective", "beat"} <= set(record)
