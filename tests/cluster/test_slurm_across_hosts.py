@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_hosts import REPO, job_field, on_controller
+from cluster_hosts import REPO, VENVS, job_field, on_controller, require_mpi
 
 DEMO_RECIPE = REPO / "recipes" / "demo_fmnist.yaml"
 # The demo recipe scaled to tiny data: 180 images in 6 equal shards, so 1, 2 and 3 hosts each
@@ -180,3 +180,26 @@ def test_requeued_onto_two_hosts_then_three_resumes_to_the_same_step_count(slurm
     assert [(r, n) for r, _, n in starts] == [("0", "3"), ("1", "2"), ("2", "3")], log
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["ranks"] == 3, summary
+
+
+@pytest.mark.parametrize("mpi", ["impi", "openmpi"])
+def test_template_trains_across_hosts_under_each_mpis_launcher(slurm, shards, mpi):
+    """`--mpi impi|openmpi`: the template picks srun --mpi=pmi2 (Intel MPI, with Slurm's
+    libpmi2.so) or srun --mpi=pmix (Open MPI); the job runs from that MPI's venv, one rank on
+    each of 2 hosts, and trains to the end."""
+    require_mpi(mpi)
+    venv = VENVS / mpi
+    run_dir = slurm.workdir("run") / f"two-hosts-{mpi}"
+    script = render(slurm, shards, run_dir, "2", "epochs=1", "--mpi", mpi)
+    network = {"impi": "I_MPI_FABRICS=shm:ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0",
+               "openmpi": "OMPI_MCA_btl_tcp_if_include=eth0 OMPI_MCA_oob_tcp_if_include=eth0"}
+    done = on_controller(slurm, f"PATH={venv / 'bin'}:$PATH VIRTUAL_ENV={venv} {network[mpi]} "
+                                f"HPCDL_DOCTOR=0 sbatch --parsable --wait -N 2 {script}",
+                         check=False)
+    log = log_of(run_dir)
+    assert done.returncode == 0, log[-4000:]
+    launcher = {"impi": "srun-pmi2", "openmpi": "srun-pmix"}[mpi]
+    assert f"MPI {mpi}, launcher {launcher}" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["ranks"], summary["steps"]) == (2, 7), summary
+    assert "[rank 1/2 h2]" in (run_dir / "logs" / "rank-0001.log").read_text()
