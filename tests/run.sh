@@ -43,6 +43,18 @@ for n in 2 3 4; do
     done
 done
 
+# The `ccl` backend on oneCCL assembled from PyPI's wheels (tests/ccl_env.sh, docs/comm.md):
+# the comm tests at -n 2 and 3; HPCDL_REQUIRE_CCL=1 turns a missing oneCCL into a failure.
+if ccl_env=$(tests/ccl_env.sh 2>"$results/ccl-env.log"); then
+    for n in 2 3; do
+        stage "ccl-n$n" bash -c "$ccl_env; export HPCDL_REQUIRE_CCL=1; exec mpiexec -n $n \
+            python3 -m pytest tests/mpi/test_comm.py tests/mpi/test_comm_ccl_training.py \
+            -k ccl -q -rs --junitxml=$results/ccl-n$n.xml"
+    done
+else
+    echo "!!! tests/ccl_env.sh failed:"; cat "$results/ccl-env.log"; status=1
+fi
+
 # A missing venv fails the matrix's Slurm tests instead of skipping them.
 export HPCDL_REQUIRE_MPI_MATRIX=1
 wait "$venv_builds"

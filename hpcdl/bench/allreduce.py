@@ -1,6 +1,6 @@
 """Allreduce bandwidth of every backend against MPI_Allreduce and gloo, measured in one run.
 
-    mpiexec -n P hpcdl bench allreduce --backends mpi,ring,shm,gloo --sizes 1M,16M,100M \\
+    mpiexec -n P hpcdl bench allreduce --backends mpi,ring,shm,gloo,ccl --sizes 1M,16M,100M \\
         --json allreduce.json
 
 Sizes are bytes of fp32 data (decimal: 1M = 10^6). Definitions are nccl-tests'
@@ -21,6 +21,13 @@ hpcdl's backends, then under each site MPI's own ``PREFIX/bin/mpiexec`` and
 MPICH's ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM``), and merges one JSON: every tuning is a row,
 and ``default_vs_NAME_busbw_100MB`` compares hpcdl's default with that MPI's *best* tuning.
 The baselines vary by ~30% between separate runs, so only one invocation compares them.
+
+oneCCL (``ccl``, hpcdl/comm/ccl.py) is in the default list when its library is found
+(``CCL_ROOT``, ``LD_LIBRARY_PATH``); without it the run says so and goes on. Its rows carry
+the oneCCL settings they ran under (``tuning``). ``--ccl-tunings`` (driver mode, like
+``--site-mpi``) launches ``ccl`` once per setting in :func:`ccl_tunings` -- the transport, the
+shared-memory provider, worker count and worker pinning (docs/comm.md, "oneCCL on a cluster")
+-- so the settings a user copies into a job script are measured in one run, not guessed.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ import time
 from typing import Any
 
 COMMAND = "allreduce"
-HELP = "allreduce bandwidth of mpi/ring/shm/gloo vs MPI_Allreduce (nccl-tests busbw)"
+HELP = "allreduce bandwidth of mpi/ring/shm/gloo/ccl vs MPI_Allreduce (nccl-tests busbw)"
 COLUMNS = ("backend", "algorithm", "bytes", "ranks", "time_s", "algbw_GBps", "busbw_GBps")
 UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
 
@@ -60,9 +67,10 @@ def size_label(nbytes: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backends", default="mpi,ring,shm,gloo",
+    parser.add_argument("--backends", default=None,
                         help="comma-separated backends; 'default' (auto), 'memcpy' and "
-                             "'shm-copyin' are always added (default: %(default)s)")
+                             "'shm-copyin' are always added (default: mpi,ring,shm,gloo, and "
+                             "ccl when oneCCL's library is found)")
     parser.add_argument("--sizes", default="1M,16M,100M",
                         help="comma-separated bytes of fp32 data (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs (median; >= 5)")
@@ -71,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="driver mode: also time MPI_Allreduce under the MPI installed in "
                              "PREFIX (bin/mpiexec, bin/python with hpcdl), every documented "
                              f"algorithm; NAME is one of {', '.join(SITE_TUNINGS)} (repeatable)")
+    parser.add_argument("--ccl-tunings", action="store_true",
+                        help="driver mode: also time the ccl backend under each oneCCL "
+                             "transport / worker setting (see the module docstring)")
     parser.add_argument("--np", type=int, default=2,
                         help="driver mode: ranks of every launch (default: %(default)s)")
     parser.add_argument("--only-listed", action="store_true",
@@ -95,6 +106,42 @@ SITE_TUNINGS: dict[str, list[dict[str, str]]] = {
 SITE_ENV = {"impi": {"I_MPI_FABRICS": "shm"},
             "ompi": {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
             "mpich": {}}
+
+
+#: oneCCL's own settings and their defaults (the row's ``tuning`` shows each).
+CCL_SETTINGS = {"CCL_ATL_TRANSPORT": "ofi", "CCL_ATL_SHM": "0", "CCL_WORKER_COUNT": "1",
+                "CCL_WORKER_AFFINITY": "auto", "CCL_WORKER_OFFLOAD": "1", "CCL_YIELD": "pause"}
+
+
+def ccl_tunings(np: int, cores: int) -> list[dict[str, str]]:
+    """The oneCCL settings ``--ccl-tunings`` compares (oneCCL developer guide, "Execution of
+    Communication Operations", "Environment Variables"): its defaults (with hpcdl's one-host
+    ``CCL_ATL_SHM=1``), OFI without the shm provider, the MPI transport, workers pinned to
+    the first cores instead of the last ("auto"), two workers per rank, no worker thread (the
+    caller progresses), and workers that sleep instead of spinning with ``pause``."""
+    first = ",".join(str(i % cores) for i in range(np))
+    two = ",".join(str(i % cores) for i in range(2 * np))
+    return [{}, {"CCL_ATL_SHM": "0"}, {"CCL_ATL_TRANSPORT": "mpi"},
+            {"CCL_WORKER_AFFINITY": first},
+            {"CCL_WORKER_COUNT": "2", "CCL_WORKER_AFFINITY": two},
+            {"CCL_WORKER_OFFLOAD": "0"}, {"CCL_YIELD": "sleep"}]
+
+
+def ccl_settings_label() -> str:
+    """The oneCCL settings in effect in this process (after hpcdl's one-host defaults)."""
+    return " ".join(f"{k}={os.environ.get(k, v)}" for k, v in CCL_SETTINGS.items())
+
+
+def default_backends() -> str:
+    """mpi,ring,shm,gloo -- and ccl where oneCCL's library is found (else a note why not)."""
+    from hpcdl.comm.ccl import missing_reason
+
+    missing = missing_reason()
+    if missing is None:
+        return "mpi,ring,shm,gloo,ccl"
+    if int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))) == 0:
+        print(f"ccl left out: {missing}", flush=True)
+    return "mpi,ring,shm,gloo"
 
 
 def site_launcher_args(name: str, np: int) -> list[str]:
@@ -158,6 +205,8 @@ def measure_backend(name: str, sizes: list[int], repeats: int, warmup: int) -> l
             buffer.fill_(comm.rank + 1.0)
             seconds = time_allreduce(comm, buffer, repeats, warmup)
             records.append(bandwidth_record(name, comm.backend, numel * 4, comm.size, seconds))
+            if comm.backend == "ccl":
+                records[-1]["tuning"] = ccl_settings_label()
             del buffer
     return records
 
@@ -179,6 +228,8 @@ def bandwidth_ratios(records: list[dict], sizes: list[int]) -> dict[str, Any]:
     ratio(f"ring_vs_mpi_busbw_{mid}", ("ring", medium), ("mpi", medium))
     ratio(f"default_vs_memcpy_{big}", ("default", large), ("memcpy", large))
     ratio(f"shm_copyin_vs_shm_busbw_{big}", ("shm-copyin", large), ("shm", large))
+    ratio(f"ccl_vs_mpi_busbw_{big}", ("ccl", large), ("mpi", large))
+    ratio(f"ccl_vs_default_busbw_{big}", ("ccl", large), ("default", large))
     defaults = [r["algorithm"] for r in records if r["backend"] == "default"]
     if defaults:
         ratios["default_backend"] = defaults[0]
@@ -233,7 +284,8 @@ def site_ratios(records: list[dict], names: list[str], sizes: list[int]) -> dict
 
 
 def run_driver(args: argparse.Namespace, sizes: list[int]) -> int:
-    """Launch hpcdl's backends and every site MPI's tunings, then merge one report."""
+    """Launch hpcdl's backends, every site MPI's tunings and every oneCCL setting, then
+    merge one report."""
     from hpcdl.bench.report import bench_report, emit
 
     sites = parse_site_mpi(args.site_mpi)
@@ -258,20 +310,55 @@ def run_driver(args: argparse.Namespace, sizes: list[int]) -> int:
                 label = " ".join(f"{k}={v}" for k, v in tuning.items()) or "default"
                 records += [dict(r, backend=name, tuning=label, mpi=report["machine"]["mpi"])
                             for r in report["results"]]
+        if args.ccl_tunings:
+            records += measure_ccl_tunings(mpiexec, args.np, common, work)
     ratios = {**bandwidth_ratios(records, sizes),
-              **site_ratios(records, [name for name, _ in sites], sizes)}
+              **site_ratios(records, [name for name, _ in sites], sizes),
+              **ccl_tuning_ratios(records, sizes)}
     report = bench_report("allreduce", records, ratios, ranks=args.np)
     emit(report, (*COLUMNS, "tuning"), args.json)
     return 0
 
 
+def measure_ccl_tunings(mpiexec: str, np: int, common: list[str], work: str) -> list[dict]:
+    """``ccl`` alone under each of :func:`ccl_tunings`, one launch each (oneCCL reads its
+    settings once, when the library loads); rows ``ccl-tuned``, labelled by setting."""
+    records = []
+    for i, tuning in enumerate(ccl_tunings(np, os.cpu_count() or 1)):
+        print(f"measuring ccl {tuning or '(defaults)'}", flush=True)
+        report = launch_bench([mpiexec], sys.executable, np,
+                              ["--backends", "ccl", "--only-listed", *common], tuning,
+                              os.path.join(work, f"ccl-{i}.json"))
+        records += [dict(r, backend="ccl-tuned", mpi=report["machine"]["mpi"])
+                    for r in report["results"]]
+    return records
+
+
+def ccl_tuning_ratios(records: list[dict], sizes: list[int]) -> dict[str, Any]:
+    """The best oneCCL setting at the largest size, against its defaults and MPI_Allreduce."""
+    large = max(sizes)
+    rows = [r for r in records if r["backend"] == "ccl-tuned" and r["bytes"] == large]
+    best = max(rows, key=lambda r: r["busbw_GBps"], default=None)
+    if best is None or best["busbw_GBps"] <= 0:
+        return {}
+    ratios: dict[str, Any] = {"ccl_best_tuning": best["tuning"]}
+    for name in ("mpi", "default"):
+        base = [r for r in records if r["backend"] == name and r["bytes"] == large]
+        if base and base[0]["busbw_GBps"] > 0:
+            ratios[f"ccl_best_vs_{name}_busbw_{size_label(large)}"] = \
+                best["busbw_GBps"] / base[0]["busbw_GBps"]
+    return ratios
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    if args.site_mpi:
+    if args.backends is None:
+        args.backends = default_backends()
+    if args.site_mpi or args.ccl_tunings:
         if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ \
                 or "PMI_RANK" in os.environ:
-            raise SystemExit("hpcdl bench allreduce --site-mpi is a driver that launches "
-                             "mpiexec itself: run it without mpiexec, with --np P")
+            raise SystemExit("hpcdl bench allreduce --site-mpi/--ccl-tunings is a driver that "
+                             "launches mpiexec itself: run it without mpiexec, with --np P")
         return run_driver(args, sizes)
     from mpi4py import MPI
 
@@ -296,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
     if world.rank == 0:
         report = bench_report("allreduce", records, bandwidth_ratios(records, sizes),
                               ranks=world.size)
-        emit(report, COLUMNS, args.json)
+        emit(report, (*COLUMNS, "tuning") if any("tuning" in r for r in records) else COLUMNS,
+             args.json)
     world.Barrier()
     return 0

@@ -1,56 +1,293 @@
-"""``ccl``: Intel oneCCL through torch.distributed, when its bindings are installed.
+"""``ccl``: Intel oneCCL's allreduce, called through its C API with ctypes.
 
-oneCCL is the collective library the Intel CPU clusters of You et al.'s era (Xeon + Omni-Path)
-are tuned for. Its PyTorch bindings (``oneccl_bindings_for_pytorch``, pip ``oneccl_bind_pt``)
-are optional, archived upstream, and have no wheel for torch 2.13, so hpcdl detects them and
-never fakes them: asking for ``ccl`` without them raises :class:`CCLUnavailableError` saying
-how to get them.
+oneCCL is the collective library Intel's CPU clusters are tuned for (You et al.'s Xeon +
+Omni-Path era; today's oneAPI modules). Design choices:
+
+- **The C API, not the PyTorch bindings.** oneCCL 2022 ships ``oneapi/ccl.h``, a C API in
+  NCCL's style (``onecclGetUniqueId``, ``onecclCommInitRank``, ``onecclAllReduce``, ...). We
+  call it with ctypes on the raw memory of torch tensors, so there is no extension of ours to
+  compile, and nothing ties it to a torch version: the bindings (``oneccl_bind_pt``/torch-ccl)
+  are archived upstream with no build for torch 2.13, and torch's own ``xccl`` is XPU-only.
+- **Which library.** ``libccl.so.2`` is the C API: a small loader that dlopens a plugin --
+  for CPUs ``libccl_legacy_cpu.so``, which runs on ``libccl.so.1``, the collective engine.
+  The header declares every C function *weak*; a C program that links only ``-lccl`` binds
+  them to address 0. So ``libccl.so.2`` is opened by its own name, first, with RTLD_GLOBAL,
+  from ``$CCL_ROOT/lib`` when a site's ``module load ccl`` (or oneAPI's setvars.sh) set
+  ``CCL_ROOT``, else wherever the dynamic loader finds it (``LD_LIBRARY_PATH``). From PyPI,
+  tests/ccl_env.sh assembles one (the ``oneccl-cpu`` wheel's engine needs the full ``oneccl``
+  wheel's loader and plugin; docs/comm.md).
+- **Rendezvous over MPI.** Rank 0 asks oneCCL for a 4096-byte unique id and broadcasts it on
+  this communicator's own MPI duplicate, as NCCL programs do; every communicator (e.g. one per
+  LTFB trainer) gets its own.
+- **One host stays on loopback.** oneCCL's key-value store and its OFI transport pick the
+  first network interface by default, so ranks of one host would talk through ``eth0``'s
+  address. When every rank runs on one host, ``CCL_KVS_IFACE=lo``, ``FI_PROVIDER=tcp``,
+  ``FI_TCP_IFACE=lo`` and ``CCL_ATL_SHM=1`` (OFI's shared-memory provider between ranks of a
+  node: 25 MB at p=2 on 2 cores, 0.24-0.31 GB/s busbw vs 0.11-0.17 over loopback tcp) are set
+  unless the user set them; with several hosts the site's settings are left alone. oneCCL reads
+  most settings when the library loads, so this happens before the first load, and they stay
+  set for the process: its key-value store reads ``CCL_KVS_IFACE`` again for every new
+  communicator (seen with ``CCL_LOG_LEVEL=debug``: ``eth0``'s address once it was unset).
+- **What oneCCL reduces.** fp32, fp64, int32, int64 natively with ``onecclSum``; the CPU
+  plugin rejects ``onecclAvg`` ("Unsupported onecclRedOp_t value"), so an average is the sum
+  scaled by 1/p here, exactly as the other backends do. ``wire_dtype=torch.bfloat16`` sends
+  an fp32 buffer as bf16 and lets oneCCL sum bf16 itself (``onecclBfloat16``): half the
+  bytes, one rounding per reduction step. The C API has no barrier; ``barrier`` is a
+  one-element allreduce, the NCCL idiom. Reduce-scatter and allgather of sharded updates go
+  through MPI (Communicator's defaults), as for ``ring`` and ``gloo``.
+- **Threads.** ctypes drops the GIL during each call, so the reducer's communication thread
+  overlaps autograd; a call returns when its host buffer holds the result (no stream).
 """
 from __future__ import annotations
 
-import importlib
+import ctypes
+import os
+import socket
+from pathlib import Path
 
-import torch.distributed as dist
+import torch
 
-from hpcdl.comm.gloo import GlooCommunicator
-from hpcdl.errors import BadInputError
+from hpcdl.comm.base import Communicator, numpy_view, scale_
+from hpcdl.errors import BadInputError, agree_on, mark_agreed
+
+#: oneCCL's C API library (oneapi/ccl.h). libccl.so.1 is the engine its CPU plugin runs on.
+C_API_LIBRARY = "libccl.so.2"
+#: sizeof(onecclUniqueId), ONECCL_UNIQUE_ID_BYTES in oneapi/ccl/v2/types.h
+UNIQUE_ID_BYTES = 4096
+#: onecclDataType_t (oneapi/ccl/v2/types.h)
+DATATYPES = {torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+             torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+ONECCL_SUM = 0          # onecclRedOp_t onecclSum
+ONECCL_SUCCESS = 0      # onecclResult_t onecclSuccess
+#: Set when every rank is on one host and the user did not set them (module docstring).
+ONE_HOST_DEFAULTS = {"CCL_KVS_IFACE": "lo", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo",
+                     "CCL_ATL_SHM": "1"}
 
 INSTALL_HINT = (
-    "the 'ccl' backend needs Intel's oneCCL bindings for PyTorch (import name "
-    "oneccl_bindings_for_pytorch, pip package oneccl_bind_pt), which are not installed. They "
-    "are optional and archived upstream (github.com/intel/torch-ccl), with no wheel for "
-    "torch 2.13. On a cluster: load the site oneAPI/oneCCL module, then build the bindings "
-    "matching your torch from source (git clone https://github.com/intel/torch-ccl; "
-    "git checkout the tag for your torch; COMPUTE_BACKEND=cpu python setup.py install), or "
-    "pip install oneccl_bind_pt from Intel's wheel index for an older torch. Otherwise use "
-    "backend 'shm' (single node), 'mpi' or 'auto', which need nothing extra."
+    "load your site's oneCCL (module load ccl, or source oneAPI's setvars.sh: they set "
+    "CCL_ROOT), or assemble oneCCL 2022.2 from PyPI with tests/ccl_env.sh and eval its output "
+    "(docs/comm.md, 'oneCCL on a cluster'); otherwise use backend 'shm' (one node), 'mpi' or "
+    "'auto', which need nothing extra"
 )
 
 
 class CCLUnavailableError(BadInputError, ImportError):
-    """The optional oneCCL bindings are missing (bad input: ``hpcdl train`` exits 2)."""
+    """oneCCL's C API library is missing or unusable (bad input: ``hpcdl train`` exits 2)."""
 
 
-def load_oneccl() -> None:
-    """Import the bindings (they register the 'ccl' torch.distributed backend)."""
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_char * UNIQUE_ID_BYTES)]
+
+
+def library_path() -> str:
+    """Where ``libccl.so.2`` is opened from: ``$CCL_ROOT/lib`` when CCL_ROOT is set, else the
+    bare name, which the dynamic loader looks up on ``LD_LIBRARY_PATH`` and ld.so's cache."""
+    root = os.environ.get("CCL_ROOT")
+    if not root:
+        return C_API_LIBRARY
+    path = Path(root) / "lib" / C_API_LIBRARY
+    if not path.is_file():
+        raise CCLUnavailableError(
+            f"the 'ccl' backend needs oneCCL's C API library {C_API_LIBRARY}, which is not in "
+            f"CCL_ROOT={root} (no {path}; oneCCL 2022 or later has it); {INSTALL_HINT}")
+    return str(path)
+
+
+def find_library() -> str | None:
+    """Where ``libccl.so.2`` would be opened from, without opening it (opening reads oneCCL's
+    environment for good): ``$CCL_ROOT/lib``, else a directory on ``LD_LIBRARY_PATH``."""
+    root = os.environ.get("CCL_ROOT")
+    dirs = [Path(root) / "lib"] if root else [
+        Path(d) for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    for directory in dirs:
+        if (directory / C_API_LIBRARY).is_file():
+            return str(directory / C_API_LIBRARY)
+    return None
+
+
+def missing_reason() -> str | None:
+    """None when :func:`find_library` finds oneCCL, else one line saying what is missing and
+    how to get it (for the bench, the doctor and tests that skip)."""
+    if find_library() is not None:
+        return None
+    root = os.environ.get("CCL_ROOT")
+    where = f"not in CCL_ROOT={root}/lib" if root else "CCL_ROOT is unset and it is not on " \
+                                                        "LD_LIBRARY_PATH"
+    return (f"oneCCL's {C_API_LIBRARY} not found ({where}): module load ccl, or "
+            f"eval \"$(tests/ccl_env.sh)\" to assemble it from PyPI (docs/comm.md)")
+
+
+_library: ctypes.CDLL | None = None
+
+
+def load_oneccl() -> ctypes.CDLL:
+    """Open oneCCL's C API once per process and declare the functions hpcdl calls. A loader
+    without its CPU plugin (``libccl_legacy_cpu.so``) or transport opens fine and answers
+    ``onecclGetVersion``; that shows at ``onecclGetUniqueId``, reported the same way."""
+    global _library
+    if _library is not None:
+        return _library
+    path = library_path()
     try:
-        importlib.import_module("oneccl_bindings_for_pytorch")
-    except ImportError as exc:
-        raise CCLUnavailableError(f"{INSTALL_HINT} (import failed: {exc})") from exc
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # first, global: see docstring
+    except OSError as exc:
+        where = ("CCL_ROOT is not set and it is not on LD_LIBRARY_PATH"
+                 if path == C_API_LIBRARY else "opening it failed")
+        raise CCLUnavailableError(
+            f"the 'ccl' backend needs oneCCL's C API library {C_API_LIBRARY}: {where} "
+            f"({exc}); {INSTALL_HINT}") from exc
+    _declare(lib)
+    version = ctypes.c_int()
+    _check(lib, lib.onecclGetVersion(ctypes.byref(version)), "onecclGetVersion", unusable=True)
+    _library = lib
+    return lib
 
 
-class CCLCommunicator(GlooCommunicator):
-    """Same rendezvous as ``gloo``; the process group is oneCCL's."""
+def _declare(lib: ctypes.CDLL) -> None:
+    """Argument types from oneapi/ccl.h, so ctypes passes size_t and pointers at full width."""
+    ptr, size_t, c_int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    lib.onecclGetVersion.argtypes = [ctypes.POINTER(c_int)]
+    lib.onecclGetUniqueId.argtypes = [ctypes.POINTER(_UniqueId)]
+    lib.onecclCommInitRank.argtypes = [ctypes.POINTER(ptr), size_t, _UniqueId, c_int]
+    lib.onecclAllReduce.argtypes = [ptr, ptr, size_t, c_int, c_int, ptr, ptr]
+    lib.onecclBroadcast.argtypes = [ptr, ptr, size_t, c_int, c_int, ptr, ptr]
+    lib.onecclCommFinalize.argtypes = [ptr]
+    lib.onecclCommDestroy.argtypes = [ptr]
+    lib.onecclGetErrorString.argtypes = [c_int]
+    lib.onecclGetErrorString.restype = ctypes.c_char_p
+    for name in ("onecclGetVersion", "onecclGetUniqueId", "onecclCommInitRank",
+                 "onecclAllReduce", "onecclBroadcast", "onecclCommFinalize",
+                 "onecclCommDestroy"):
+        getattr(lib, name).restype = c_int
+
+
+def oneccl_version() -> str:
+    """``2022.2.0`` for the loaded library (onecclGetVersion's code is MAJOR*10000+MINOR*100
+    +PATCH)."""
+    lib, code = load_oneccl(), ctypes.c_int()
+    _check(lib, lib.onecclGetVersion(ctypes.byref(code)), "onecclGetVersion")
+    major, rest = divmod(code.value, 10000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def _check(lib: ctypes.CDLL, result: int, call: str, unusable: bool = False) -> None:
+    if result == ONECCL_SUCCESS:
+        return
+    text = (lib.onecclGetErrorString(result) or b"?").decode(errors="replace")
+    if unusable:  # the library opened but cannot work: the user's install, not our call
+        raise CCLUnavailableError(
+            f"oneCCL's {C_API_LIBRARY} opened but {call} failed ({result}: {text}): it could "
+            f"not load its CPU plugin (libccl_legacy_cpu.so and libccl.so.1 belong beside "
+            f"it) or its transport (CCL_ATL_TRANSPORT=ofi needs libfabric.so.1 on "
+            f"LD_LIBRARY_PATH, e.g. the MPI's lib directory; or set CCL_ATL_TRANSPORT=mpi); "
+            f"CCL_LOG_LEVEL=info shows what it tried; {INSTALL_HINT}")
+    raise RuntimeError(f"oneCCL {call} failed: {result} ({text}); rerun with "
+                       f"CCL_LOG_LEVEL=info for oneCCL's own account")
+
+
+def set_one_host_defaults() -> dict[str, str]:
+    """Keep one host's oneCCL traffic on loopback and shared memory (module docstring);
+    returns what was set. Must run before the library is first loaded."""
+    applied = {k: v for k, v in ONE_HOST_DEFAULTS.items() if k not in os.environ}
+    os.environ.update(applied)
+    return applied
+
+
+class CCLCommunicator(Communicator):
+    """oneCCL's allreduce and broadcast on flat CPU buffers; topology and checks from MPI."""
 
     backend = "ccl"
 
     def __init__(self, *args, **kwargs) -> None:
-        load_oneccl()  # before any collective, so every rank fails the same way
         super().__init__(*args, **kwargs)
+        self._ccl_comm = ctypes.c_void_p()
+        self._wire: torch.Tensor | None = None
+        try:
+            self._lib = self._load_on_every_rank()
+            self._ccl_comm = self._init_oneccl_comm()
+        except BaseException:
+            super().close()  # frees the MPI duplicates; collective like the load above
+            raise
 
-    def _make_group(self, group_class):
-        group_class = getattr(dist, "ProcessGroupCCL", None)
-        if group_class is None:
-            raise CCLUnavailableError(f"{INSTALL_HINT} (oneccl_bindings_for_pytorch imported "
-                                      f"but registered no ProcessGroupCCL)")
-        return super()._make_group(group_class)
+    def _load_on_every_rank(self) -> ctypes.CDLL:
+        """Load on each rank, then agree: a rank whose host lacks oneCCL fails every rank
+        with its message (hpcdl.errors.agree_on), instead of leaving them in CommInitRank."""
+        hosts = self._comm.allgather(socket.gethostname())
+        applied = (set_one_host_defaults() if _library is None and len(set(hosts)) == 1
+                   else {})
+        error, lib = None, None
+        try:
+            lib = load_oneccl()
+        except CCLUnavailableError as exc:
+            error = exc
+            for key in applied:  # no oneCCL: leave the environment as it was
+                os.environ.pop(key, None)
+        try:
+            agree_on(self._comm, error)
+        except CCLUnavailableError:
+            raise
+        except BadInputError as exc:  # another rank's message: still a missing oneCCL here
+            raise mark_agreed(CCLUnavailableError(str(exc))) from exc
+        return lib
+
+    def _init_oneccl_comm(self) -> ctypes.c_void_p:
+        uid = _UniqueId()
+        result = ONECCL_SUCCESS
+        if self.rank == 0:
+            result = self._lib.onecclGetUniqueId(ctypes.byref(uid))
+        result, raw = self._comm.bcast((result, bytes(uid.data)), root=0)
+        _check(self._lib, result, "onecclGetUniqueId", unusable=True)  # same on every rank
+        ctypes.memmove(ctypes.byref(uid), raw, UNIQUE_ID_BYTES)
+        comm = ctypes.c_void_p()
+        _check(self._lib, self._lib.onecclCommInitRank(ctypes.byref(comm), self.size, uid,
+                                                       self.rank), "onecclCommInitRank")
+        return comm
+
+    def _check_wire_dtype(self, wire_dtype: torch.dtype | None) -> torch.dtype | None:
+        if wire_dtype in (None, torch.float32):
+            return None
+        if wire_dtype == torch.bfloat16:
+            return wire_dtype
+        raise ValueError(f"ccl: wire_dtype must be float32 or bfloat16, not {wire_dtype}")
+
+    # -- the algorithm (oneCCL's) -------------------------------------------------------------
+    def _allreduce(self, buffer: torch.Tensor, average: bool) -> None:
+        if self.wire_dtype is not None and buffer.dtype == torch.float32:
+            wire = self._wire_buffer(buffer.numel())
+            wire.copy_(buffer)  # round to bf16 once; oneCCL sums bf16 pairwise
+            self._allreduce_in_place(wire)
+            buffer.copy_(wire)
+        else:
+            self._allreduce_in_place(buffer)
+        if average:
+            scale_(numpy_view(buffer), self.size)
+
+    def _allreduce_in_place(self, buffer: torch.Tensor) -> None:
+        address = buffer.data_ptr()
+        _check(self._lib, self._lib.onecclAllReduce(
+            address, address, buffer.numel(), DATATYPES[buffer.dtype], ONECCL_SUM,
+            self._ccl_comm, None), "onecclAllReduce")
+
+    def _broadcast(self, buffer: torch.Tensor, root: int) -> None:
+        address = buffer.data_ptr()
+        _check(self._lib, self._lib.onecclBroadcast(
+            address, address, buffer.numel(), DATATYPES[buffer.dtype], root, self._ccl_comm,
+            None), "onecclBroadcast")
+
+    def barrier(self) -> None:
+        """A one-element oneCCL allreduce: no rank returns before every rank has entered
+        (the C API has no barrier, like NCCL's)."""
+        token = torch.zeros(1, dtype=torch.int32)
+        self._collective("barrier", {}, lambda: self._allreduce_in_place(token))
+
+    def _wire_buffer(self, numel: int) -> torch.Tensor:
+        if self._wire is None or self._wire.numel() < numel:
+            self._wire = torch.empty(numel, dtype=torch.bfloat16)
+        return self._wire[:numel]
+
+    def _close_backend(self) -> None:
+        if self._ccl_comm.value:
+            _check(self._lib, self._lib.onecclCommFinalize(self._ccl_comm), "onecclCommFinalize")
+            _check(self._lib, self._lib.onecclCommDestroy(self._ccl_comm), "onecclCommDestroy")
+        self._ccl_comm = ctypes.c_void_p()
+        self._wire = None

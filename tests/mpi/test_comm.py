@@ -6,31 +6,50 @@ on one machine: uniform nodes at p=2 and 4, the unequal-nodes leader path at p=3
 """
 from __future__ import annotations
 
-import importlib.util
+import os
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from mpi4py import MPI
 
 import hpcdl.comm
+import hpcdl.comm.ccl
 from hpcdl.comm import CollectiveMismatchError
 
-BACKENDS = ["mpi", "ring", "shm", "shm-nodes", "gloo", "ring-bf16wire"]
-EXACT_BACKENDS = ["mpi", "ring", "shm", "shm-nodes", "gloo"]
+
+def oneccl_missing() -> str | None:
+    """Why the ``ccl`` backend cannot run here (None: it can). tests/run.sh's ``ccl`` stage
+    assembles oneCCL (tests/ccl_env.sh) and sets HPCDL_REQUIRE_CCL=1: there it must run."""
+    reason = hpcdl.comm.ccl.missing_reason()
+    if reason is not None and os.environ.get("HPCDL_REQUIRE_CCL", "0") not in ("", "0"):
+        raise RuntimeError(f"HPCDL_REQUIRE_CCL is set but {reason}")
+    return reason
+
+
+CCL_MISSING = oneccl_missing()
+needs_oneccl = pytest.mark.skipif(CCL_MISSING is not None, reason=str(CCL_MISSING))
+#: oneCCL's own allreduce, and with bf16 on the wire (summed in bf16 by oneCCL)
+CCL_BACKENDS = [pytest.param(name, marks=needs_oneccl) for name in ("ccl", "ccl-bf16wire")]
+BACKENDS = ["mpi", "ring", "shm", "shm-nodes", "gloo", "ring-bf16wire", *CCL_BACKENDS]
+EXACT_BACKENDS = ["mpi", "ring", "shm", "shm-nodes", "gloo", CCL_BACKENDS[0]]
 
 
 def _build(name: str) -> hpcdl.comm.Communicator:
     if name == "shm-nodes":
         return hpcdl.comm.init("shm", ranks_per_node=2)
-    if name == "ring-bf16wire":
-        return hpcdl.comm.init("ring", wire_dtype=torch.bfloat16)
+    if name.endswith("-bf16wire"):
+        return hpcdl.comm.init(name.removesuffix("-bf16wire"), wire_dtype=torch.bfloat16)
     return hpcdl.comm.init(name)
 
 
 @pytest.fixture(scope="module")
 def communicators():
-    comms = {name: _build(name) for name in BACKENDS}
+    names = [p if isinstance(p, str) else p.values[0] for p in BACKENDS]
+    comms = {name: _build(name) for name in names
+             if CCL_MISSING is None or not name.startswith("ccl")}
     yield comms
     for comm in comms.values():
         comm.close()
@@ -231,7 +250,7 @@ def test_auto_picks_shm_when_ranks_share_a_node(world):
         assert comm.backend == "shm"
 
 
-@pytest.mark.parametrize("backend", ["mpi", "shm"])
+@pytest.mark.parametrize("backend", ["mpi", "shm", CCL_BACKENDS[0]])
 def test_sub_communicator_reduces_within_it(world, backend):
     """LTFB: each trainer is a sub-communicator; its allreduce must not mix trainers."""
     sub = world.Split(world.rank % 2, world.rank)
@@ -246,12 +265,98 @@ def test_sub_communicator_reduces_within_it(world, backend):
         sub.Free()
 
 
-def test_ccl_without_bindings_says_how_to_install(world):
-    if importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None:
-        pytest.skip("oneccl_bindings_for_pytorch is installed here")
-    with pytest.raises(ImportError, match="optional and archived upstream") as info:
-        hpcdl.comm.init("ccl")
-    assert "oneccl_bind_pt" in str(info.value)
+@needs_oneccl
+@pytest.mark.parametrize("backend", ["ccl", "ccl-bf16wire"])
+def test_ccl_gives_identical_results_on_every_rank(communicators, world, backend):
+    """Replicas stay identical only if every rank gets the same bits, not just close ones."""
+    tensor = rank_tensor(world.rank, 3001 * world.size + 1, torch.float32)
+    communicators[backend].allreduce_(tensor, average=True)
+    everyone = world.allgather(tensor.numpy().tobytes())
+    assert all(b == everyone[0] for b in everyone)
+
+
+@needs_oneccl
+def test_ccl_bf16_wire_sums_in_bf16(communicators, world):
+    """1 + 2^-10 is 1 in bf16 (8 bits of mantissa): a sum of exactly p proves the bf16 wire."""
+    tensor = torch.full((257,), 1 + 2**-10, dtype=torch.float32)
+    communicators["ccl-bf16wire"].allreduce_(tensor, average=False)
+    assert torch.equal(tensor, torch.full((257,), float(world.size)))
+    communicators["ccl"].allreduce_(tensor.fill_(1 + 2**-10), average=False)
+    assert torch.equal(tensor, torch.full((257,), world.size * (1 + 2**-10)))
+
+
+@needs_oneccl
+def test_ccl_barrier_and_the_library_version(communicators):
+    communicators["ccl"].barrier()
+    assert hpcdl.comm.ccl.oneccl_version().startswith("202")
+
+
+@needs_oneccl
+def test_ccl_constants_match_the_installed_header():
+    """ctypes has no header: the enum values hpcdl passes must be oneapi/ccl/v2/types.h's."""
+    header = Path(hpcdl.comm.ccl.find_library()).parents[1] / "include/oneapi/ccl/v2/types.h"
+    if not header.is_file():
+        pytest.skip(f"no {header} (a runtime-only oneCCL install)")
+    enum = dict(re.findall(r"^\s*(oneccl\w+)\s*=\s*(\d+)\s*,", header.read_text(), re.M))
+    names = {torch.uint8: "onecclUint8", torch.int32: "onecclInt32", torch.int64: "onecclInt64",
+             torch.float16: "onecclFloat16", torch.float32: "onecclFloat32",
+             torch.float64: "onecclFloat64", torch.bfloat16: "onecclBfloat16"}
+    assert {d: int(enum[n]) for d, n in names.items()} == hpcdl.comm.ccl.DATATYPES
+    assert int(enum["onecclSum"]) == hpcdl.comm.ccl.ONECCL_SUM
+    assert int(enum["onecclSuccess"]) == hpcdl.comm.ccl.ONECCL_SUCCESS
+    assert re.search(rf"#define ONECCL_UNIQUE_ID_BYTES {hpcdl.comm.ccl.UNIQUE_ID_BYTES}\b",
+                     header.read_text())
+
+
+def _one_host_env() -> dict[str, str | None]:
+    return {key: os.environ.get(key) for key in hpcdl.comm.ccl.ONE_HOST_DEFAULTS}
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+#: the same on every rank (tmp_path is not): the message every rank raises is rank 0's
+NO_ONECCL = "/nonexistent/oneccl-root"
+
+
+def test_ccl_without_oneccl_names_what_is_missing(world, monkeypatch):
+    """A site without oneCCL: one message, the same on every rank, naming the library, where
+    it was looked for and how to get it (hpcdl train turns it into exit 2)."""
+    monkeypatch.setattr(hpcdl.comm.ccl, "_library", None)  # as in a fresh process
+    monkeypatch.setenv("CCL_ROOT", NO_ONECCL)
+    saved = _one_host_env()
+    try:
+        with pytest.raises(hpcdl.comm.ccl.CCLUnavailableError) as info:
+            hpcdl.comm.init("ccl")
+    finally:
+        _restore_env(saved)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"CCL_ROOT={NO_ONECCL}" in message and "libccl.so.2" in message
+    assert "module load ccl" in message and "tests/ccl_env.sh" in message
+
+
+@needs_oneccl
+@pytest.mark.min_ranks(2)
+def test_ccl_missing_on_one_rank_fails_every_rank_naming_it(world, monkeypatch):
+    """Rank 1's host lacks oneCCL: the others must not wait for it in onecclCommInitRank."""
+    monkeypatch.setattr(hpcdl.comm.ccl, "_library", None)
+    if world.rank == 1:
+        monkeypatch.setenv("CCL_ROOT", NO_ONECCL)
+    saved = _one_host_env()
+    try:
+        with pytest.raises(hpcdl.comm.ccl.CCLUnavailableError) as info:
+            hpcdl.comm.init("ccl")
+    finally:
+        _restore_env(saved)
+    assert "libccl.so.2" in str(info.value)
+    if world.rank != 1:
+        assert str(info.value).startswith(f"rank 1 of {world.size}")
 
 
 def test_mpi_grants_thread_multiple():
