@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Sequence
@@ -81,12 +82,28 @@ def prepare_demo_data(data_dir: str, source: str = "demo", shards: int = 4) -> d
 
 
 def _run_dir(world, out: str | None) -> str:
-    """``out``, or a temporary directory made by rank 0 (shared: one machine)."""
+    """``out``, or a temporary directory made by rank 0. Every rank reads the data rank 0
+    prepares there, so across hosts it must be on a shared file system: a rank that cannot see
+    rank 0's temporary directory (each host has its own /tmp) stops every rank with one line."""
+    from hpcdl.errors import BadInputError, agree_on
+
     if out is not None:
         path = os.path.abspath(out)
     else:
         path = tempfile.mkdtemp(prefix="hpcdl-demo-") if world.rank == 0 else None
-    return world.bcast(path, root=0)
+    path, host = world.bcast((path, socket.gethostname()), root=0)
+    error = None
+    if out is None and not os.path.isdir(path):
+        error = BadInputError(f"{path}, made by rank 0 on {host}, is not visible here "
+                              f"(node-local /tmp): across hosts, pass --out DIR on a file "
+                              f"system every host shares")
+    try:
+        agree_on(world, error)
+    except BadInputError:
+        if out is None and world.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a rejected command leaves nothing
+        raise
+    return path
 
 
 def _prepare_on_rank0(world, run_dir: str, options: DemoOptions, comm) -> dict[str, Any]:

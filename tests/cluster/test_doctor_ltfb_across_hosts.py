@@ -43,3 +43,24 @@ def test_ltfb_trainers_on_different_hosts_exchange_their_models_over_the_network
     logs = sorted(p.name for p in (out / "logs").glob("rank-*.log"))
     assert logs == ["rank-0000.log", "rank-0001.log"]
     assert re.search(r"\bh2\b", (out / "logs" / "rank-0001.log").read_text())
+
+
+def test_demo_without_a_shared_out_stops_naming_the_host_that_cannot_see_it(cluster):
+    done = cluster.mpirun("mpich", ["h1", "h2"], 1, "hpcdl demo --max-steps 2", check=False,
+                          timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode == 2, text[-3000:]
+    lines = [line for line in text.splitlines() if line.startswith("hpcdl demo:")]
+    assert len(lines) == 1 and "on h2" in lines[0] and "--out" in lines[0], text[-3000:]
+    assert [f for f in cluster.listing("h1", "/tmp") if f.startswith("hpcdl-demo-")] == []
+
+
+def test_demo_trains_across_hosts_with_out_on_the_shared_file_system(cluster):
+    out = cluster.workdir("demo") / "run"
+    done = cluster.mpirun("mpich", ["h1", "h2"], 1,
+                          f"hpcdl demo --out {out} --max-steps 4 --no-progress", check=False,
+                          timeout=900)
+    summary = json.loads((out / "summary.json").read_text())
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert (summary["ranks"], summary["steps"]) == (2, 4)
+    assert "[rank 1/2 h2]" in (out / "logs" / "rank-0001.log").read_text()
