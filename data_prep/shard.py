@@ -287,9 +287,11 @@ def shard_tree(src: str, out: str, shards: int, val_shards: int | None = None,
     listing = None
     if rank == 0:
         try:
+            # The tree is read before anything is created: a rejected --src or --val-labels
+            # leaves no --out directory behind.
+            listing = scan_tree(src, val_labels, synsets)
             os.makedirs(os.path.join(out, PROGRESS_DIR), exist_ok=True)
             remove_stale_temporaries(out)
-            listing = scan_tree(src, val_labels, synsets)
         except (OSError, ValueError) as exc:
             listing = exc  # raised on every rank below, so none waits in a collective
     if comm is not None:

@@ -1,6 +1,7 @@
-"""The bad-input matrix of docs/debugging.md, one test per case: ``hpcdl train`` given bad input
-prints one line ``hpcdl train: what is wrong ... what to do``, exits 2, shows no traceback, and
-leaves what was already written in place.
+"""The bad-input matrix of docs/debugging.md, one test per case: ``hpcdl train`` (and ``hpcdl
+plan``, ``hpcdl prep``) given bad input prints one line ``hpcdl CMD: what is wrong ... what to
+do``, exits 2, shows no traceback, leaves what was already written in place, and leaves no
+directory it created.
 
 Single-rank cases call the command in this process (MPI as a singleton: no launcher start-up
 per case); the cases where ranks matter launch a real ``mpiexec -n 2`` from this serial test
@@ -382,3 +383,75 @@ def test_a_diverging_run_ends_with_the_non_finite_exit_code_naming_the_step(
                                  "schedule.warmup_epochs=0"])
     assert code == EXIT_NONFINITE_LOSS, err
     assert "non-finite" in err.lower() and "at step" in err and "Traceback" not in err, err
+
+
+# -- a rejected command leaves no directory it created ----------------------------------------
+@pytest.mark.parametrize("case", ["no data", "unknown model", "corrupt manifest"])
+def test_rejected_train_removes_the_out_directory_it_created(capsys, tmp_path, shards,
+                                                             tiny_recipe, case):
+    data, overrides = shards, ONE_RANK
+    if case == "no data":
+        data = tmp_path / "nowhere"
+    elif case == "unknown model":
+        overrides = [*ONE_RANK, "model.name=resnet_nope"]
+    else:
+        (shards / "manifest.json").write_text("garbage")
+    out = tmp_path / "new-parent" / "run"
+    code, err = train(capsys, tiny_recipe, data, out, overrides=overrides)
+    assert_one_line(code, err)
+    assert not (tmp_path / "new-parent").exists()  # the parent it made too
+
+
+def test_rejected_train_keeps_an_out_directory_that_existed(capsys, tmp_path, tiny_recipe):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, err = train(capsys, tiny_recipe, tmp_path / "nowhere", out)
+    assert_one_line(code, err)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+# -- hpcdl plan and hpcdl prep: the same one line and exit 2 ------------------------------------
+def command_line(capsys, command, *argv):
+    """(exit code, the one ``hpcdl COMMAND`` line on stderr) of ``hpcdl COMMAND ARGV``."""
+    code = main([command.split()[0], *command.split()[1:], *argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(f"hpcdl {command}")]
+    assert code == EXIT_BAD_INPUT, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_plan_with_an_unknown_recipe_exits_2_naming_it(capsys):
+    line = command_line(capsys, "plan", "--recipe", "no_such_recipe")
+    assert "no_such_recipe" in line and "shipped:" in line
+
+
+def test_plan_with_a_bad_recipe_key_exits_2_naming_the_file(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: alexnet_bn}\nbatch: {global: 32768}\nepochs: 100\n"
+                      "comm: {algorithm: telepathy}\n")
+    line = command_line(capsys, "plan", "--recipe", str(recipe))
+    assert str(recipe) in line and "telepathy" in line
+
+
+def test_plan_on_an_unknown_machine_exits_2_naming_it(capsys):
+    assert "unknown machine 'bluegene'" in command_line(capsys, "plan", "--machine", "bluegene")
+
+
+def test_prep_shard_of_a_missing_tree_exits_2_and_creates_nothing(capsys, tmp_path):
+    out = tmp_path / "new-parent" / "shards"
+    line = command_line(capsys, "prep shard", "--src", str(tmp_path / "no-tree"), "--out",
+                        str(out), "--shards", "2", "--no-progress")
+    assert str(tmp_path / "no-tree") in line
+    assert not (tmp_path / "new-parent").exists()
+
+
+def test_prep_verify_without_a_manifest_exits_2(capsys, tmp_path):
+    assert str(tmp_path) in command_line(capsys, "prep verify", str(tmp_path))
+
+
+def test_prep_stage_of_missing_shards_exits_2(capsys, tmp_path):
+    line = command_line(capsys, "prep stage", "--shards", str(tmp_path / "none"), "--to",
+                        str(tmp_path / "local"))
+    assert str(tmp_path / "none") in line

@@ -3,6 +3,7 @@ one-rank communicator (MPI singleton)."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 
@@ -125,7 +126,12 @@ def test_driver_merges_hpcdl_and_a_site_mpi_run_into_one_report(tmp_path, monkey
     for name in os.listdir(launcher_dir):
         if name.startswith(("mpiexec", "hydra")):
             os.symlink(os.path.join(launcher_dir, name), site_bin / name)
-    os.symlink(sys.executable, site_bin / "python")
+    # The python is a script that execs this one by its own path: a venv's python reached
+    # through a symbolic link elsewhere looks for pyvenv.cfg beside the link, finds none, and
+    # runs as the base interpreter without the venv's packages (no mpi4py).
+    python = site_bin / "python"
+    python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
     monkeypatch.setitem(allreduce.SITE_TUNINGS, "mpich",
                         [{}, {"MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring"}])
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

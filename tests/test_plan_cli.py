@@ -65,8 +65,8 @@ def test_a_recipe_s_total_steps_set_the_epochs_planned(tmp_path):
     path = tmp_path / "plan.json"
     assert main(["plan", "--recipe", str(recipe), "--machine", "skx", "--procs", "512",
                  "--json", str(path)]) == 0
-    assert json.loads(path.read_text())["inputs"]["epochs"] == pytest.approx(
-        4000 * 32768 / 1_281_167)
+    # 4,000 steps of the planner's (and trainer's) 1,281,167 // 32,768 = 39 per epoch
+    assert json.loads(path.read_text())["inputs"]["epochs"] == pytest.approx(4000 / 39)
     assert main(["plan", "--recipe", str(recipe), "--machine", "skx", "--procs", "512",
                  "--epochs", "100", "--json", str(path)]) == 0
     assert json.loads(path.read_text())["inputs"]["epochs"] == 100

@@ -161,10 +161,26 @@ def test_the_cache_survives_corruption_and_keeps_other_keys(tmp_path):
     assert json.loads((tmp_path / "c.json").read_text()) == {"a@1": 1, "b@2": [2]}
 
 
-def test_a_read_only_cache_only_costs_recounting(tmp_path):
-    cache.update_cache(str(tmp_path / "missing-dir-as-file" / "x" / "c.json"), "k", 1)
-    (tmp_path / "f").write_text("")
-    cache.update_cache(str(tmp_path / "f" / "c.json"), "k", 1)   # a file where a dir should be
+def test_a_read_only_cache_only_costs_recounting(tmp_path, monkeypatch):
+    """A cache that cannot be written raises nothing and changes nothing; the planner counts
+    the model again on each call, with the same result. Unwritable here means a file stands
+    where the cache's directory should be: root, which the tests may run as, ignores modes."""
+    (tmp_path / "f").write_text("not a directory")
+    path = str(tmp_path / "f" / "c.json")
+    cache.update_cache(path, "k", 1)
+    assert (tmp_path / "f").read_text() == "not a directory"
+    assert cache.read_cache(path) == {}
+
+    counted = []
+    count = workload_module._count
+    monkeypatch.setattr(workload_module, "_count",
+                        lambda model, size: counted.append((model, size)) or count(model, size))
+    first = workload_module.workload("resnet_small", 32, cache_path=path)
+    second = workload_module.workload("resnet_small", 32, cache_path=path)
+    assert counted == [("resnet_small", 32)] * 2   # recounted: nothing was cached
+    assert first.forward_macs > 0 and first.parameters > 0
+    assert (second.forward_macs, second.parameters) == (first.forward_macs, first.parameters)
+    assert "cached" not in second.source
 
 
 def test_flops_and_layer_tables_share_one_cache_directory(tmp_path, monkeypatch):

@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(/usr/share/datasets/fashion-mnist, 60k/10k), or a folder of "
                              "idx files")
     parser.add_argument("--backend", default=None,
-                        help="comm backend (auto, mpi, ring, shm, gloo, ccl); default: the recipe's")
+                        help="comm backend (auto, mpi, ring, shm, gloo, ccl); "
+                             "default: the recipe's")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     progress = parser.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None,

@@ -19,13 +19,15 @@ import argparse
 import sys
 from dataclasses import replace
 
+from hpcdl.errors import BadInputError
+
 COMMAND = "plan"
 HELP = "predict time per iteration / epoch / run from machine figures (α-β-γ cost model)"
 
 DEFAULTS = {"model": "resnet50", "image_size": 224, "global_batch": 32768, "epochs": 90.0,
             "bucket_mb": 25.0, "wire_dtype": "float32", "local_steps": 1,
             "hierarchical_local": False, "compression_ratio": None, "powersgd_rank": None,
-            "sync_warmup_steps": 0}
+            "sync_warmup_steps": 0, "machine": "knl", "procs": 2048}
 WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -55,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--model", help="a name from hpcdl.models (default resnet50)")
     run.add_argument("--image-size", type=int, help="training crop in pixels (default 224)")
     run.add_argument("--global-batch", type=int, help="images per iteration, all ranks (32768)")
-    run.add_argument("--procs", type=int, default=2048, help="MPI ranks (default 2048)")
+    run.add_argument("--procs", type=int,
+                     help="MPI ranks (default: the recipe's plan.procs, else 2048)")
     run.add_argument("--procs-per-node", type=int,
                      help="ranks per node (default: the machine file's ranks_per_node)")
     run.add_argument("--epochs", type=float, help="epochs (default 90)")
@@ -89,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("machine")
     where.add_argument("--machine",
                        help="machine name (skx, knl, local, or your own) or a YAML path "
-                            "(default knl; local for --validate)")
+                            "(default: the recipe's plan.machine, else knl; local for "
+                            "--validate)")
     where.add_argument("--machines-dir", help="look here first for NAME.yaml; --calibrate "
                                               "writes here (default ~/.config/hpcdl/machines)")
     out = parser.add_argument_group("output")
@@ -145,10 +149,15 @@ def _recipe_values(path: str) -> dict:
         path = resolve_recipe(path)
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f) or {}
-    except (OSError, RecipeError) as exc:
-        raise SystemExit(f"hpcdl plan: cannot read recipe {path}: {exc}") from exc
+    except RecipeError as exc:
+        raise BadInputError(str(exc)) from exc
+    except OSError as exc:
+        raise BadInputError(f"cannot read recipe {path}: {exc}") from exc
     comm = doc.get("comm") or {}
+    where = doc.get("plan") or {}   # the machine and ranks the source ran on
     found = {
+        "machine": where.get("machine"),
+        "procs": where.get("procs"),
         "model": (doc.get("model") or {}).get("name"),
         "image_size": (doc.get("data") or {}).get("image_size"),
         "global_batch": (doc.get("batch") or {}).get("global"),
@@ -170,7 +179,7 @@ def _consistency_values(comm: dict, path: str) -> dict:
     try:
         config = CommConfig(**{k: comm[k] for k in keys if k in comm})
     except (RecipeError, TypeError) as exc:
-        raise SystemExit(f"hpcdl plan: recipe {path}: {exc}") from exc
+        raise BadInputError(f"recipe {path}: {exc}") from exc
     if config.algorithm == "sync":
         return {}
     found: dict = {"sync_warmup_steps": config.sync_warmup_steps}
@@ -189,8 +198,12 @@ def resolve(args: argparse.Namespace) -> dict:
         values.update(_recipe_values(args.recipe))
     total_steps = values.pop("total_steps", None)
     if total_steps and getattr(args, "epochs", None) is None:
-        # the recipe's train.total_steps (a source's max_iter) is what the run trains
-        values["epochs"] = total_steps * int(values["global_batch"]) / args.dataset_size
+        # The recipe's train.total_steps (a source's max_iter) is what the run trains, in the
+        # epochs the planner and the trainer both count: dataset // batch steps each (the
+        # last partial batch dropped). NVCaffe's 4,000 steps at 32K are 102.56 such epochs
+        # (they see 4,000 x 32,768 images, 102.31 passes over the data, which at 39 steps an
+        # epoch would cost 3,990 steps).
+        values["epochs"] = total_steps / max(1, args.dataset_size // int(values["global_batch"]))
     for key in DEFAULTS:
         if getattr(args, key, None) is not None:
             values[key] = getattr(args, key)
@@ -203,10 +216,10 @@ def resolve(args: argparse.Namespace) -> dict:
                 values["compression_ratio"] = powersgd_compression_ratio(
                     values["model"], int(values["powersgd_rank"]))
             except ValueError as exc:
-                raise SystemExit(f"hpcdl plan: {exc}") from exc
+                raise BadInputError(str(exc)) from exc
     if values["wire_dtype"] not in WIRE_BYTES:
-        raise SystemExit(f"hpcdl plan: wire dtype {values['wire_dtype']!r} is not one of "
-                         f"{sorted(WIRE_BYTES)}")
+        raise BadInputError(f"wire dtype {values['wire_dtype']!r} is not one of "
+                            f"{sorted(WIRE_BYTES)}")
     return values
 
 
@@ -219,11 +232,11 @@ def predict(args: argparse.Namespace) -> int:
 
     values = resolve(args)
     try:
-        machine = load_machine(args.machine or "knl", args.machines_dir)
+        machine = load_machine(values["machine"], args.machines_dir)
         work = workload(values["model"], int(values["image_size"]),
                         with_layers=machine.has_class_rates)
         inp = PlanInputs(
-            global_batch=int(values["global_batch"]), procs=args.procs,
+            global_batch=int(values["global_batch"]), procs=int(values["procs"]),
             procs_per_node=args.procs_per_node or machine.ranks_per_node,
             epochs=float(values["epochs"]), dataset_size=args.dataset_size,
             allreduce=args.allreduce, bucket_mb=float(values["bucket_mb"]),
@@ -237,8 +250,7 @@ def predict(args: argparse.Namespace) -> int:
         procs_list = args.sweep or default_sweep(inp.procs, inp.global_batch)
         rows = sweep(machine, work, inp, [p for p in procs_list if p <= inp.global_batch])
     except (MachineError, ValueError) as exc:
-        print(f"hpcdl plan: {exc}", file=sys.stderr)
-        return 2
+        raise BadInputError(str(exc)) from exc
     warning = cpu_warning(machine)
     if warning:
         print(f"hpcdl plan: {warning}", file=sys.stderr)

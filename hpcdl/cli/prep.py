@@ -5,12 +5,18 @@
   srun --ntasks-per-node=1 hpcdl prep stage --shards DIR --to /local/scratch/imagenet
 
 See docs/data.md for the shard format, the validation-label formats and staging.
+
+Exit codes, as every hpcdl command: 0 done, 2 bad input (a tree, directory or value that cannot
+be used; one line naming it). ``verify`` answers like ``cmp``: 1 when it finds bad shards (the
+answer, not an error), 2 when it cannot check (no readable manifest).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+
+from hpcdl.errors import EXIT_BAD_INPUT
 
 COMMAND = "prep"
 HELP = "shard an ImageNet tree into HDF5, verify shards, stage them to node-local disk"
@@ -65,12 +71,18 @@ def run_shard(args: argparse.Namespace) -> int:
                               strict=args.strict, val_labels=args.val_labels,
                               synsets=args.synsets, comm=comm, progress=not args.no_progress)
     except Exception as exc:  # noqa: BLE001 - report, then make sure no rank is left waiting
+        # The tree, the labels, --strict's bad files, a directory that cannot be written: all
+        # input a person fixes (exit 2); anything else is a bug (exit 1, with the traceback).
+        bad_input = isinstance(exc, (OSError, ValueError, RuntimeError))
         print(f"hpcdl prep shard (rank {comm.rank}): {exc}", file=sys.stderr, flush=True)
+        code = EXIT_BAD_INPUT if bad_input else 1
         if comm.size > 1:
             # An error of one rank alone (a full disk, a file gone) would leave the others in
             # the final allgather; finished shards stay valid and a rerun resumes from them.
-            comm.Abort(1)
-        return 1
+            comm.Abort(code)
+        if not bad_input:
+            raise
+        return code
     seconds = time.perf_counter() - start
     if comm.rank == 0:
         total = sum(s["num_samples"] for s in manifest["splits"].values())
@@ -94,7 +106,7 @@ def run_verify(args: argparse.Namespace) -> int:
         problems = verify_shards(args.dir)
     except (OSError, ValueError) as exc:
         print(f"hpcdl prep verify: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT
     for name, reason in problems.items():
         print(f"BAD {name}: {reason}")
     good = len(manifest["shards"]) - len(problems)
@@ -130,7 +142,7 @@ def run_stage(args: argparse.Namespace) -> int:
                 print(f"node {result['node_index']}/{result['num_nodes']}: copied "
                       f"{len(result['copied'])}, already present {len(result['present'])}, "
                       f"{result['bytes'] / 2**30:.2f} GiB in {result['local_dir']}")
-    return 1 if failed else 0
+    return EXIT_BAD_INPUT if failed else 0
 
 
 def run(args: argparse.Namespace) -> int:

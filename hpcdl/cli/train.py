@@ -12,12 +12,16 @@ by SIGUSR1/SIGTERM (resume with --resume auto). See docs/training.md.
 Every check that may come out differently on different ranks is agreed by all of them before
 the next collective (hpcdl.errors.agreed), so a bad input ends every rank with exit code 2 and
 rank 0 prints the line; an error found by one rank mid-run (a shard that fails to read) aborts
-the job with code 2.
+the job with code 2. A command rejected before training starts leaves no directory it
+created: the --out it made (and any parent it made) is removed again; one that existed stays.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
+from dataclasses import dataclass
 
 from hpcdl.errors import EXIT_BAD_INPUT, BadInputError
 
@@ -126,7 +130,41 @@ def _train_or_abort(train, world):
         raise
 
 
-def _resume_and_train(runner, resume: str, world, abort: bool = False) -> dict | int:
+@dataclass
+class RunDirectory:
+    """What this command may remove of ``--out`` if it rejects its input: ``created``, the
+    highest directory of the path that did not exist before (None: --out existed), until
+    ``training`` starts (from then on the run's logs and metrics are its record)."""
+
+    created: str | None
+    training: bool = False
+
+
+def first_missing_directory(path: str) -> str | None:
+    """The highest directory of ``path`` that does not exist yet (None: it all exists)."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.lexists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _remove_what_was_created(run_dir: RunDirectory, world) -> None:
+    """After bad input every rank raised together: rank 0 removes the directory this command
+    created (every rank first closes its log file in it, at the barrier)."""
+    from hpcdl.debug.log import setup_rank_logging
+
+    if run_dir.created and not run_dir.training:
+        setup_rank_logging(None, world.Get_rank(), world.Get_size())  # the terminal only
+    world.Barrier()
+    if world.Get_rank() == 0 and run_dir.created and not run_dir.training:
+        shutil.rmtree(run_dir.created, ignore_errors=True)
+
+
+def _resume_and_train(runner, resume: str, world, run_dir: RunDirectory,
+                      abort: bool = False) -> dict | int:
     """Resume (every rank agreeing), train, and return the summary, or EXIT_NONFINITE_LOSS
     after a non-finite loss (``abort``: end the whole job with it)."""
     from hpcdl.errors import agreed
@@ -134,6 +172,7 @@ def _resume_and_train(runner, resume: str, world, abort: bool = False) -> dict |
 
     with agreed(world):
         runner.resume(resume)
+    run_dir.training = True
     try:
         return _train_or_abort(runner.train, world)
     except NonFiniteLossError as exc:
@@ -152,18 +191,26 @@ def run(args: argparse.Namespace) -> int:
     from hpcdl.train.trainer import require_ipex
 
     world = MPI.COMM_WORLD
-    with agreed(world):  # every rank reads the same recipe and flags; --out may differ by node
-        config = load_recipe(args.recipe, args.overrides)
-        _check_options(args)
-        if args.ipex:
-            require_ipex()
-        check_output_dir(args.out)
-    if args.algorithm == "ltfb":
-        return run_ltfb(args, config, world)
-    return run_data_parallel(args, config, world)
+    # Rank 0 looks before any rank can create --out: the others wait in this broadcast.
+    run_dir = RunDirectory(world.bcast(first_missing_directory(args.out)
+                                       if world.Get_rank() == 0 else None, root=0))
+    try:
+        with agreed(world):  # every rank reads the same recipe and flags; --out may differ
+            config = load_recipe(args.recipe, args.overrides)
+            _check_options(args)
+            if args.ipex:
+                require_ipex()
+            check_output_dir(args.out)
+        if args.algorithm == "ltfb":
+            return run_ltfb(args, config, world, run_dir)
+        return run_data_parallel(args, config, world, run_dir)
+    except BadInputError as exc:
+        if exc.agreed or world.Get_size() == 1:  # every rank is here: none still writes
+            _remove_what_was_created(run_dir, world)
+        raise
 
 
-def run_data_parallel(args: argparse.Namespace, config, world) -> int:
+def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> int:
     """``hpcdl train`` with one data-parallel trainer over every rank."""
     import hpcdl.comm
     from hpcdl.debug import Timeline, watch_collectives
@@ -202,7 +249,7 @@ def run_data_parallel(args: argparse.Namespace, config, world) -> int:
                         f"--resume {args.resume}: the checkpoint in {args.out} was written by "
                         f"{layout.get('world_size')} ranks: {exc}") from exc
                 raise _recipe_value_error(args.recipe, exc) from exc
-        summary = _resume_and_train(trainer, args.resume, world)
+        summary = _resume_and_train(trainer, args.resume, world, run_dir)
         if isinstance(summary, int):
             return summary
         if comm.rank == 0:
@@ -218,7 +265,7 @@ def run_data_parallel(args: argparse.Namespace, config, world) -> int:
         comm.close()
 
 
-def run_ltfb(args: argparse.Namespace, config, world) -> int:
+def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> int:
     """``hpcdl train --algorithm ltfb``: the same set-up, per trainer (hpcdl/train/ltfb.py).
     A non-finite loss in any trainer aborts the whole job with code 3 (its partners would
     otherwise wait for it in the next exchange)."""
@@ -258,7 +305,8 @@ def run_ltfb(args: argparse.Namespace, config, world) -> int:
     try:
         watch_collectives(runner.comm, runner.trainer.run_dir, timeline=timeline)
         # a non-finite loss in one trainer: its partners would wait for it in the next exchange
-        summary = _resume_and_train(runner, args.resume, world, abort=ltfb.trainers > 1)
+        summary = _resume_and_train(runner, args.resume, world, run_dir,
+                                    abort=ltfb.trainers > 1)
         if isinstance(summary, int):
             return summary
         if world.rank == 0:

@@ -155,6 +155,9 @@ class Config:
     # What the source reports: {top1: 0..1, source: citation, checked: bool}; hpcdl report
     # prints the measured top-1 against it.
     expected: dict[str, Any] = field(default_factory=dict)
+    # Where the source ran it, for `hpcdl plan --recipe` ({machine: skx, procs: 2048}); the
+    # trainer never reads it.
+    plan: dict[str, Any] = field(default_factory=dict)
     path: str = ""  # the file it came from (not part of the schema; for messages)
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,6 +174,7 @@ class Config:
             "train": _section_to_dict(self.train),
             "comm": _section_to_dict(self.comm),
             **({"expected": dict(self.expected)} if self.expected else {}),
+            **({"plan": dict(self.plan)} if self.plan else {}),
         }
 
 
@@ -178,7 +182,7 @@ class Config:
 _SECTIONS = {"data": DataConfig, "batch": BatchConfig, "train": TrainConfig, "comm": CommConfig}
 _NAMED_SECTIONS = ("model", "optimizer", "schedule")
 _TOP_LEVEL = ("name", "source", "model", "data", "batch", "epochs", "optimizer", "schedule",
-              "train", "comm", "expected")
+              "train", "comm", "expected", "plan")
 _REQUIRED_TOP = ("name", "model", "batch", "epochs", "optimizer", "schedule")
 
 
@@ -264,9 +268,26 @@ def config_from_dict(raw: Mapping[str, Any], origin: str = "<recipe>") -> Config
     sections = {s: _build_section(cls, raw.get(s), s, origin) for s, cls in _SECTIONS.items()}
     config = Config(name=name, source=_coerce(raw.get("source") or "", "str", f"{origin}: source"),
                     epochs=epochs, path=origin, expected=_expected(raw.get("expected"), origin),
-                    **named, **sections)
+                    plan=_plan(raw.get("plan"), origin), **named, **sections)
     _check_values(config, origin)
     return config
+
+
+def _plan(raw: Any, origin: str) -> dict[str, Any]:
+    """The ``plan`` section: the machine (a name ``hpcdl plan --machine`` takes) and rank count
+    the source ran on."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping) or set(raw) - {"machine", "procs"}:
+        raise RecipeError(f"{origin}: 'plan' is a mapping {{machine, procs}}, got {raw!r}")
+    found = {}
+    if "machine" in raw:
+        found["machine"] = _coerce(raw["machine"], "str", f"{origin}: plan.machine")
+    if "procs" in raw:
+        found["procs"] = _coerce(raw["procs"], "int", f"{origin}: plan.procs")
+        if found["procs"] < 1:
+            raise RecipeError(f"{origin}: plan.procs must be >= 1, got {found['procs']}")
+    return found
 
 
 def _expected(raw: Any, origin: str) -> dict[str, Any]:

@@ -178,6 +178,55 @@ def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, c
         assert "no native bf16" in caplog.text
 
 
+def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog):
+    """The variant of the test above that runs where CI runs, on 2 cores: rank 0 alone trains
+    with 2 threads (channels_last needs >= 2 threads per rank, see Trainer._memory_format)
+    while the other ranks sleep, so the threads fit the cores instead of oversubscribing them.
+    """
+    import time
+
+    import hpcdl.comm
+    from hpcdl.train.trainer import bf16_supported
+
+    threads = 2
+    if (os.cpu_count() or 1) < threads:
+        pytest.skip(f"{os.cpu_count()} core: channels_last needs {threads} threads on a rank")
+    outcome = None
+    if world.rank == 0:
+        before = torch.get_num_threads()
+        alone = hpcdl.comm.init("mpi", MPI.COMM_SELF)
+        torch.set_num_threads(threads)
+        try:
+            trainer, summary = run_trainer(recipe(1, channels_last=True, bf16=True), shards,
+                                           os.path.join(shared_tmp, "cl2"), alone,
+                                           max_steps=2, evaluate=False)
+            conv = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d))
+            outcome = {"steps": summary["steps"], "memory_format": str(trainer.memory_format),
+                       "conv_channels_last": conv.weight.is_contiguous(
+                           memory_format=torch.channels_last),
+                       "autocast": str(trainer.autocast_dtype),
+                       "said_no_bf16": "no native bf16" in caplog.text}
+        finally:  # the other ranks wait for this barrier whatever happened
+            torch.set_num_threads(before)
+            alone.close()
+            # Non-blocking like theirs: a blocking collective never matches a non-blocking
+            # one (MPI 3.1, sec. 5.12).
+            world.Ibarrier().Wait()
+    else:
+        waiting = world.Ibarrier()
+        while not waiting.Test():  # asleep, not spinning in MPI: the 2 cores are rank 0's
+            time.sleep(0.05)
+    outcome = world.bcast(outcome, root=0)
+    assert outcome is not None, "rank 0 did not train (its error is in its own output)"
+    assert outcome["steps"] == 2
+    assert outcome["memory_format"] == str(torch.channels_last)
+    assert outcome["conv_channels_last"]
+    if bf16_supported():
+        assert outcome["autocast"] == str(torch.bfloat16)
+    else:
+        assert outcome["autocast"] == "None" and outcome["said_no_bf16"]
+
+
 def test_fractional_epochs_complete_at_total_steps(shards, comm, world, shared_tmp):
     config = recipe(world.size)
     config.epochs = 0.5
