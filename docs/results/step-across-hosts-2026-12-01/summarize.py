@@ -29,7 +29,7 @@ def main(paths: list[str]) -> None:
         load = report["machine"].get("load_average", {})
         shaping = next(iter(report["machine"].get("link_shaping", {}).values()), "") or ""
         rate = shaping.split(" rate ")[1].split()[0] if " rate " in shaping else "unshaped"
-        name = path.rsplit("/", 1)[-1].removesuffix(".json")
+        name = "/".join(path.removesuffix(".json").split("/")[-2:])
         ceiling = by_mode.get("no_comm")
         ddp = by_mode.get("ddp_gloo")
         for mode, r in by_mode.items():
