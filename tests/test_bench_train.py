@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -74,8 +75,8 @@ def test_modes_parse_and_no_comm_shorthand():
     args = argparse.Namespace(no_comm=False, modes="ours,ddp_gloo")
     assert bench.parse_modes(args) == ["ours", "ddp_gloo"]
     assert bench.parse_modes(argparse.Namespace(no_comm=True, modes="ours")) == ["no_comm"]
-    with pytest.raises(SystemExit, match="horovod"):
-        bench.parse_modes(argparse.Namespace(no_comm=False, modes="ours,horovod"))
+    with pytest.raises(SystemExit, match="byteps"):
+        bench.parse_modes(argparse.Namespace(no_comm=False, modes="ours,byteps"))
 
 
 def test_every_mode_falls_back_to_contiguous_on_one_thread():
@@ -210,3 +211,36 @@ def test_ours_allreduce_mode_needs_shard_update():
                                              shard_update=False))
     assert bench.parse_modes(argparse.Namespace(no_comm=False, modes=None,
                                                 shard_update=True))[-1] == "ours_allreduce"
+
+
+def test_own_backend_modes_parse_and_refuse_sharding():
+    args = argparse.Namespace(no_comm=False, modes="no_comm,ours,ours@gloo,ours_bf16",
+                              shard_update=False)
+    assert bench.parse_modes(args) == ["no_comm", "ours", "ours@gloo", "ours_bf16"]
+    assert bench.own_backend("ours@gloo") == "gloo" and bench.own_backend("ours") is None
+    with pytest.raises(SystemExit, match="--shard-update"):
+        bench.parse_modes(argparse.Namespace(no_comm=False, modes="ours,ours@ring",
+                                             shard_update=True))
+
+
+def test_step_costs_are_per_step_means_over_ranks_and_shares_of_the_step():
+    per_rank = [{"step": 2.0, "comm_wait": 0.1, "data_wait": 0.0, "step_median": 2.0,
+                 "nic_tx_bytes": 100.0, "nic_rx_bytes": 90.0, "cpu_s": 1.0,
+                 "comm_thread_cpu_s": 0.2},
+                {"step": 2.0, "comm_wait": 0.1, "data_wait": 0.0, "step_median": 2.0,
+                 "nic_tx_bytes": 300.0, "nic_rx_bytes": 110.0, "cpu_s": 3.0,
+                 "comm_thread_cpu_s": 0.6}]
+    record = bench.mode_record("ours", per_rank, batch=4, train_flops_per_image=1e9)
+    assert record["nic_tx_bytes_per_step"] == 200.0 and record["nic_rx_bytes_per_step"] == 100.0
+    assert record["cpu_share_of_step"] == pytest.approx(2.0 / 2.0)
+    assert record["comm_thread_cpu_share"] == pytest.approx(0.4 / 2.0)
+
+
+def test_counters_of_a_step_are_differences_and_none_without_a_nic():
+    read = bench.step_counters("no-such-nic0")
+    before = read()
+    sum(i * i for i in range(200_000))   # some CPU time
+    deltas = bench.counter_deltas(before, read())
+    assert deltas["nic_tx_bytes"] is None and deltas["nic_rx_bytes"] is None
+    assert deltas["cpu_s"] >= 0 and deltas["comm_thread_cpu_s"] == 0
+    assert bench.thread_cpu_s([threading.get_native_id()]) > 0

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -80,6 +81,20 @@ def test_every_rank_alive_inside_the_collective_reads_as_a_slow_link_between_the
     line = stall_verdict(0, 4, 7, beats, HOSTS, now, stale_s=10.0, since=now - 45.0)
     assert line.startswith("slow link: every rank is alive and inside #7 since ")
     assert line.endswith("between hosts h1,h2,h3")
+
+
+def test_a_peer_waiting_in_the_next_collective_is_cut_off_not_busy():
+    # Seen on the test cluster (link down at start-up): rank 1's share of #1 was an eager send
+    # that completed into the dead link, so rank 1 waits in #2 while rank 0 waits in #1.
+    now = 1000.0
+    beats = {0: _beat(0, 1, True, now), 1: _beat(1, 2, True, now - 1.0, host="h2")}
+    kinds = classify_peers(0, 2, 1, beats, ["h1", "h2"], now, stale_s=10.0, since=now - 30.0)
+    assert kinds["waiting"] == [1] and kinds["busy"] == []
+    line = stall_verdict(0, 2, 1, beats, ["h1", "h2"], now, stale_s=10.0, since=now - 30.0)
+    assert line.startswith("slow link: every rank is alive and inside collectives #1, #2 "), line
+    # seen from rank 1: rank 0, alive in the earlier #1, waits for what rank 1 sent
+    assert classify_peers(1, 2, 2, beats, ["h1", "h2"], now, stale_s=10.0,
+                          since=now - 30.0)["waiting"] == [0]
 
 
 def test_ranks_of_other_hosts_without_heartbeats_are_not_heard_from_since_our_wait_began():
@@ -161,6 +176,27 @@ def test_a_warned_collective_that_completes_is_reported_as_slow_not_dead(tmp_pat
     assert "verdict: slow link" in dog.reports[0]
     assert any("stall over: collective #1 allreduce completed after" in r.getMessage()
                and "(slow, not dead)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_warned_raw_mpi_call_that_returns_is_reported_as_slow_not_dead(tmp_path, caplog):
+    # Seen on the test cluster (a link down for 20 s): rank 0 waited in the trainer's raw
+    # loss Allreduce, warned, and the call returned once the link was back.
+    Barrier = time.sleep  # noqa: N806 - a C call under a blocking MPI name, as mpi4py's are
+    worker = threading.Thread(target=lambda: Barrier(1.0))
+    worker.start()
+    monitor = CollectiveMonitor(rank=0, size=2)
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=1.0, abort_s=0), str(tmp_path), "j",
+                        None, hosts=["h1", "h2"])
+    dog._main_ident = worker.ident  # watch the worker as if it were the main thread
+    with caplog.at_level(logging.WARNING, logger="hpcdl"):
+        t0 = time.time()
+        dog.tick(t0)
+        dog.tick(t0 + 1.5)
+        assert dog.reports and "in MPI Barrier at" in dog.reports[0]
+        worker.join()
+        dog.tick(t0 + 2.0)
+    assert any("stall over: MPI Barrier at" in r.getMessage() and "completed after 2.0 s "
+               "(slow, not dead)" in r.getMessage() for r in caplog.records)
 
 
 def test_the_rank_that_ends_itself_takes_its_children_along():

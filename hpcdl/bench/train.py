@@ -8,13 +8,33 @@ Three modes on the same ranks, model, batch and threads, taking turns (``--round
 - ``no_comm``: the same step of the same Trainer with its reducer suspended, so each rank only
   computes: the ceiling communication can approach (``vs_no_comm``, goal ≥ 0.97);
 - ``ddp_gloo``: what a PyTorch user would pick, ``DistributedDataParallel`` on a gloo process
-  group (rendezvous over MPI) with the same model and LARS (``vs_ddp_gloo``, goal ≥ 1.05).
+  group (rendezvous over MPI) with the same model and LARS (``vs_ddp_gloo``, goal ≥ 1.05);
+- ``horovod`` (asked for by name): the same model and LARS under ``hvd.DistributedOptimizer``
+  (``vs_horovod``), where ``horovod.torch`` imports; elsewhere the mode is dropped and the
+  JSON's ``absent_modes`` says why (Horovod is a baseline, never an hpcdl dependency);
+- ``ours@BACKEND`` (e.g. ``ours@gloo``): ``ours`` on a communicator of that backend, so
+  hpcdl's overlap can be compared with DDP on the same transport;
+- ``ours_bf16`` (asked for by name): ``ours`` with bf16 gradients on the wire
+  (``comm.wire_dtype: bfloat16``), on a Trainer and a communicator of its own: the wire dtype
+  is fixed when a communicator is built, and only ``ring`` (one rank per host) and ``shm``
+  (ranks sharing a host) send bf16 and sum in fp32, so it runs on those, not on ``mpi``.
+
+Across hosts (one rank per host or more; docs/performance.md, "Training step"), each step also
+records what it really cost, read from the operating system rather than from a formula: the
+bytes the host's NIC sent and received (``--nic``, default eth0: ``/sys/class/net/NIC/
+statistics``, which each host of the test cluster has of its own), the rank's CPU seconds
+(every thread: compute, the reducer's, gloo's) and the reducer thread's own CPU seconds
+(``/proc/self/task/TID/stat``: where the overlap's CPU goes on a machine with few cores). The
+JSON names the hosts, each host's link shaping (``tc qdisc show dev NIC``) and the load
+average before and after.
 
 Compute efficiency is the training FLOP rate (forward multiply-adds from
 :func:`hpcdl.models.flops` × 2 FLOPs × 3 for forward and backward) over the FLOP rate of a large
 fp32 matmul measured by every rank at the same time (``flops_fraction_of_matmul``, goal ≥ 0.8).
 
     mpiexec -n 2 hpcdl bench train --model resnet50 --image-size 112 --synthetic --json F.json
+    mpiexec -hosts h1,h2 -ppn 1 -n 2 hpcdl bench train --model alexnet_bn --image-size 224 \
+        --batch 32 --synthetic --modes no_comm,ours,ours_bf16,ddp_gloo --json F.json
 """
 from __future__ import annotations
 
@@ -32,9 +52,12 @@ from typing import Any
 COMMAND = "train"
 HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
 
-MODES = ("ours", "no_comm", "ddp_gloo", "ours_allreduce")
+MODES = ("ours", "no_comm", "ddp_gloo", "ours_allreduce", "ours_bf16", "horovod")
 COLUMNS = ["mode", "ranks", "batch_per_rank", "step_time_s", "images_per_s_per_rank",
-           "compute_s", "comm_wait_s", "data_wait_s", "train_gflops_per_s"]
+           "compute_s", "comm_wait_s", "data_wait_s", "train_gflops_per_s",
+           "nic_tx_MB_per_step", "cpu_s_per_step", "comm_thread_cpu_share"]
+#: The per-step counters each sample carries besides its times (see step_counters).
+COUNTERS = ("nic_tx_bytes", "nic_rx_bytes", "cpu_s", "comm_thread_cpu_s")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, per mode")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--modes", default=None,
-                        help=f"comma-separated subset of {','.join(MODES)} (default: the "
-                             f"first three; all four with --shard-update)")
+                        help=f"comma-separated subset of {','.join(MODES)}, or ours@BACKEND "
+                             f"(default: the first three; the first four with --shard-update)")
     parser.add_argument("--no-comm", action="store_true",
                         help="only the compute ceiling (same as --modes no_comm)")
     parser.add_argument("--backend", default="auto", help="comm backend of 'ours'")
@@ -85,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every mode in bf16 autocast (torch.autocast('cpu')), the FLOP "
                              "reference a bf16 matmul; skipped, with a line saying why, on a "
                              "CPU without native bf16 (AVX512-BF16 or AMX)")
+    parser.add_argument("--nic", default="eth0",
+                        help="network interface whose byte counters each step records "
+                             "(/sys/class/net/NIC/statistics; none recorded where it does not "
+                             "exist)")
     parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
 
 
@@ -207,6 +234,48 @@ def trainer_steppers(comm, config, loader, modes: list[str]) -> Iterator[dict[st
             trainer.close()
 
 
+def bf16_wire_backend(comm) -> str:
+    """The backend of ``ours_bf16``: bf16 on the wire is a communicator's property, and only
+    ``ring`` and ``shm`` send bf16 and sum in fp32 (hpcdl.comm.init); ``shm`` (hierarchical)
+    where ranks share a node, as ``auto`` would pick, else ``ring`` in place of ``mpi``."""
+    return "shm" if comm.backend == "shm" else "ring"
+
+
+def own_backend(mode: str) -> str | None:
+    """``ours@BACKEND`` -> BACKEND (``ours`` on a communicator of that backend), else None."""
+    return mode.split("@", 1)[1] if mode.startswith("ours@") else None
+
+
+@contextlib.contextmanager
+def own_comm_stepper(world, config, loader, bucket_bytes: int, backend: str,
+                     wire_dtype: str | None = None) -> Iterator[Stepper]:
+    """The trainer's step on a Trainer and a communicator of its own: ``ours@BACKEND`` (the
+    same overlapped reducer on another backend) and ``ours_bf16`` (bf16 on the wire, which is
+    fixed when a communicator is built). Its stepper carries ``.backend``."""
+    import hpcdl.comm
+    from hpcdl.train.trainer import Trainer, TrainOptions
+
+    comm = hpcdl.comm.init(backend, world, bucket_bytes=bucket_bytes, wire_dtype=wire_dtype)
+    options = TrainOptions(progress=False, handle_signals=False, write_files=False,
+                           evaluate=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hpcdl-bench-train-own-") as run_dir:
+            trainer = Trainer(config, None, run_dir, comm, options=options,
+                              train_loader=loader)
+
+            def step(batch) -> float:
+                trainer.train_step([batch])
+                return trainer.reducer.comm_wait_s
+
+            step.backend = comm.backend
+            try:
+                yield step
+            finally:
+                trainer.close()
+    finally:
+        comm.close()
+
+
 def ddp_process_group(mpi_comm):
     """``init_process_group("gloo")`` with its rendezvous carried over MPI: rank 0 opens a
     TCPStore on a free port and broadcasts the address (no MASTER_ADDR/PORT by hand)."""
@@ -286,14 +355,121 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
         del store
 
 
+def horovod_missing() -> str | None:
+    """Why the ``horovod`` mode cannot run here, or None. Horovod is a baseline of the bench,
+    never a dependency of hpcdl: it is built from source into a bench environment."""
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a build that fails to load
+        return (f"horovod.torch not importable ({type(exc).__name__}: {exc}); build it into a "
+                "bench venv: docs/performance.md, 'Training step across hosts'")
+    return None
+
+
+@contextlib.contextmanager
+def horovod_stepper(config, total_steps: int) -> Iterator[Stepper]:
+    """The same step the way a Horovod user writes it (Sergeev & Del Balso 2018):
+    ``hvd.DistributedOptimizer`` around LARS, Horovod's own defaults (fusion buffer, cycle
+    time, MPI underneath), parameters broadcast from rank 0."""
+    import horovod.torch as hvd
+    import torch
+
+    from hpcdl.data import normalize
+    from hpcdl.models import create_model
+    from hpcdl.optim import create_optimizer, create_schedule, set_learning_rate
+
+    hvd.init()
+    try:
+        kw = {k: v for k, v in config.model.items() if k != "name"}
+        model = create_model(config.model["name"], **kw)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        schedule = create_schedule(config.schedule, total_steps, total_steps)
+        optimizer = hvd.DistributedOptimizer(
+            create_optimizer(config.optimizer, model, lr=schedule(0)),
+            named_parameters=model.named_parameters())
+        criterion = torch.nn.CrossEntropyLoss()
+        steps = itertools.count()
+
+        def step(batch) -> None:
+            images, labels = batch
+            set_learning_rate(optimizer, schedule(next(steps)))
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.train.bf16):
+                loss = criterion(model(normalize(images)), labels)
+            loss.backward()
+            optimizer.step()   # waits for Horovod's allreduces: not separable from compute
+            return None
+
+        yield step
+    finally:
+        hvd.shutdown()
+
+
+# -- what a step costs the host, read from the operating system --------------------------------
+def nic_bytes(nic: str) -> tuple[int, int] | None:
+    """(sent, received) bytes of ``nic`` since boot, from this host's sysfs; None without it."""
+    base = f"/sys/class/net/{nic}/statistics"
+    try:
+        with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
+            return int(tx.read()), int(rx.read())
+    except (OSError, ValueError):
+        return None
+
+
+def thread_cpu_s(native_ids: list[int]) -> float:
+    """CPU seconds (user + system) the threads ``native_ids`` of this process have used:
+    fields 14 and 15 of ``/proc/self/task/TID/stat``, in clock ticks (proc(5))."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for tid in native_ids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                # the name (field 2) may hold spaces: fields are counted after its ')'
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / tick
+
+
+def comm_thread_ids() -> list[int]:
+    """The reducers' communication threads (GradientReducer names them ``hpcdl-reducer``)."""
+    import threading
+
+    return [t.native_id for t in threading.enumerate()
+            if t.name == "hpcdl-reducer" and t.native_id is not None]
+
+
+def step_counters(nic: str | None) -> Callable[[], dict[str, float | None]]:
+    """A reader of the counters a step's sample records (COUNTERS): the NIC's bytes, the
+    process's CPU seconds (all threads), the communication threads' CPU seconds."""
+    def read() -> dict[str, float | None]:
+        sent_received = nic_bytes(nic) if nic else None
+        cpu = os.times()
+        return {"nic_tx_bytes": sent_received[0] if sent_received else None,
+                "nic_rx_bytes": sent_received[1] if sent_received else None,
+                "cpu_s": cpu.user + cpu.system,
+                "comm_thread_cpu_s": thread_cpu_s(comm_thread_ids())}
+    return read
+
+
+def counter_deltas(before: dict[str, float | None],
+                   after: dict[str, float | None]) -> dict[str, float | None]:
+    return {k: (None if before[k] is None or after[k] is None else after[k] - before[k])
+            for k in before}
+
+
 def time_rounds(world, steppers: dict[str, Stepper], loader, steps: int, warmup: int,
-                rounds: int) -> dict[str, list[dict[str, float | None]]]:
+                rounds: int, counters: Callable[[], dict[str, float | None]] | None = None,
+                ) -> dict[str, list[dict[str, float | None]]]:
     """Per-step (step, comm wait, data wait) seconds of every mode, the modes taking turns.
 
     Each mode first runs ``warmup`` untimed steps; then ``rounds`` rounds each give every mode
     its share of the ``steps`` timed steps, in a rotated order. A mode run once, start to
     end, would carry whatever drifts during the run (heap growth, cache and frequency state,
-    a neighbour's load) in its number alone; taking turns spreads it over all modes."""
+    a neighbour's load) in its number alone; taking turns spreads it over all modes.
+    ``counters`` (see step_counters), read before and after each timed step, adds what the
+    step cost the host (NIC bytes, CPU seconds) to its sample."""
     batches = endless(loader)
     samples: dict[str, list[dict[str, float | None]]] = {mode: [] for mode in steppers}
     names = list(steppers)
@@ -306,12 +482,16 @@ def time_rounds(world, steppers: dict[str, Stepper], loader, steps: int, warmup:
         for mode in order:
             world.Barrier()  # every rank starts the mode's steps together
             for _ in range(share):
+                before = counters() if counters else None
                 start = time.perf_counter()
                 batch = next(batches)
                 data_wait = time.perf_counter() - start
                 comm_wait = steppers[mode](batch)
-                samples[mode].append({"step": time.perf_counter() - start,
-                                      "comm_wait": comm_wait, "data_wait": data_wait})
+                sample = {"step": time.perf_counter() - start, "comm_wait": comm_wait,
+                          "data_wait": data_wait}
+                if before is not None:
+                    sample.update(counter_deltas(before, counters()))
+                samples[mode].append(sample)
     return samples
 
 
@@ -412,9 +592,14 @@ def rank_means(samples: list[dict[str, float]]) -> dict[str, float | None]:
         values = [s[key] for s in samples if s[key] is not None]
         return statistics.fmean(values) if values else None
 
-    return {"step": mean("step"), "comm_wait": mean("comm_wait"),
-            "data_wait": mean("data_wait"),
-            "step_median": statistics.median(s["step"] for s in samples)}
+    means = {"step": mean("step"), "comm_wait": mean("comm_wait"),
+             "data_wait": mean("data_wait"),
+             "step_median": statistics.median(s["step"] for s in samples)}
+    for key in COUNTERS:
+        if any(key in s for s in samples):
+            values = [s[key] for s in samples if s.get(key) is not None]
+            means[key] = statistics.fmean(values) if values else None
+    return means
 
 
 def mode_record(mode: str, per_rank: list[dict[str, float | None]], batch: int,
@@ -428,7 +613,7 @@ def mode_record(mode: str, per_rank: list[dict[str, float | None]], batch: int,
     comm_wait = across("comm_wait")
     data_wait = across("data_wait")
     compute = step - (comm_wait or 0.0) - (data_wait or 0.0)
-    return {
+    record = {
         "mode": mode, "ranks": len(per_rank), "batch_per_rank": batch,
         "step_time_s": step,
         "step_time_median_s": across("step_median"),
@@ -436,6 +621,29 @@ def mode_record(mode: str, per_rank: list[dict[str, float | None]], batch: int,
         "images_per_s_per_rank": batch / step,
         "compute_s": compute, "comm_wait_s": comm_wait, "data_wait_s": data_wait,
         "train_gflops_per_s": train_flops_per_image * batch / compute / 1e9,
+    }
+    if any(key in r for r in per_rank for key in COUNTERS):
+        record.update(step_costs(per_rank, step))
+    return record
+
+
+def step_costs(per_rank: list[dict[str, float | None]], step: float) -> dict[str, Any]:
+    """What a step cost the hosts, per step: NIC bytes (each rank reads its host's counter,
+    so the mean over ranks is the mean over hosts when every host runs as many ranks), the
+    rank's CPU seconds and its communication thread's, and their shares of the step."""
+    def across(key: str) -> float | None:
+        values = [r[key] for r in per_rank if r.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    tx, rx = across("nic_tx_bytes"), across("nic_rx_bytes")
+    cpu, comm_cpu = across("cpu_s"), across("comm_thread_cpu_s")
+    return {
+        "nic_tx_bytes_per_step": tx, "nic_rx_bytes_per_step": rx,
+        "nic_tx_MB_per_step": tx / 1e6 if tx is not None else None,
+        "cpu_s_per_step": cpu,
+        "cpu_share_of_step": cpu / step if cpu is not None else None,
+        "comm_thread_cpu_s_per_step": comm_cpu,
+        "comm_thread_cpu_share": comm_cpu / step if comm_cpu is not None else None,
     }
 
 
@@ -451,6 +659,21 @@ def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
         if "ddp_gloo" in records:
             ratios["vs_ddp_gloo"] = (ours["images_per_s_per_rank"]
                                      / records["ddp_gloo"]["images_per_s_per_rank"])
+        if "horovod" in records:
+            ratios["vs_horovod"] = (ours["images_per_s_per_rank"]
+                                    / records["horovod"]["images_per_s_per_rank"])
+    for mode, record in records.items():   # ours@BACKEND: the same comparisons, by name
+        if own_backend(mode):
+            for name in ("no_comm", "ddp_gloo"):
+                if name in records:
+                    ratios[f"{mode}_vs_{name}"] = (record["images_per_s_per_rank"]
+                                                   / records[name]["images_per_s_per_rank"])
+    bf16 = records.get("ours_bf16")
+    if bf16 is not None:   # bf16 gradients on the wire
+        for name in ("no_comm", "ddp_gloo", "ours"):
+            if name in records:
+                ratios[f"bf16_wire_vs_{name}"] = (bf16["images_per_s_per_rank"]
+                                                  / records[name]["images_per_s_per_rank"])
     plain = records.get("ours_allreduce")
     if plain is not None:   # --shard-update: the unsharded step of the same run
         for name in ("no_comm", "ddp_gloo"):
@@ -478,12 +701,19 @@ def parse_modes(args: argparse.Namespace) -> list[str]:
     shard = getattr(args, "shard_update", False)
     spec = args.modes
     if spec is None:   # the default: every mode that applies
-        spec = ",".join(MODES if shard else MODES[:3])
+        spec = ",".join(MODES[:4] if shard else MODES[:3])
     modes = [m.strip() for m in spec.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in MODES and not own_backend(m)]
     if unknown or not modes:
         raise SystemExit(f"hpcdl bench train: --modes {spec!r}: choose from "
-                         f"{', '.join(MODES)}")
+                         f"{', '.join(MODES)}, or ours@BACKEND (e.g. ours@gloo)")
+    if shard and any(own_backend(m) for m in modes):
+        raise SystemExit("hpcdl bench train: ours@BACKEND modes run the plain allreduce; "
+                         "drop --shard-update or those modes")
+    if "ours_bf16" in modes and shard:
+        raise SystemExit("hpcdl bench train: mode ours_bf16 (bf16 on the wire) cannot run with "
+                         "--shard-update (the sharded update allgathers fp32 parameters); "
+                         "drop one of the two")
     if "ours_allreduce" in modes and not shard:
         raise SystemExit("hpcdl bench train: mode ours_allreduce (ours without sharding, on "
                          "the sharded Trainer) needs --shard-update; without it, ours is "
@@ -502,6 +732,38 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < low:
             raise SystemExit(f"hpcdl bench train: --{name.replace('_', '-')} must be >= {low}, "
                              f"got {getattr(args, name)}")
+
+
+def record_backend(mode: str, comm, steppers: dict[str, Stepper]) -> str:
+    if mode == "ddp_gloo":
+        return "gloo"
+    if mode == "horovod":
+        return "horovod (MPI)"
+    return getattr(steppers[mode], "backend", comm.backend)
+
+
+def link_shaping(nic: str) -> str | None:
+    """This host's queueing discipline on ``nic`` (``tc qdisc show``: a ``tbf rate`` line on
+    a shaped link), or None where tc or the NIC is missing."""
+    import shutil
+    import subprocess
+
+    if not nic or shutil.which("tc") is None or nic_bytes(nic) is None:
+        return None
+    try:
+        shown = subprocess.run(["tc", "qdisc", "show", "dev", nic], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return shown.stdout.strip() or None if shown.returncode == 0 else None
+
+
+def hosts_note(hosts: list[tuple[str, str | None]], nic: str) -> dict[str, Any]:
+    """The hosts the ranks ran on (rank order), ranks per host and each host's shaping."""
+    names = [name for name, _ in hosts]
+    unique = list(dict.fromkeys(names))
+    return {"hosts": unique, "ranks_per_host": {h: names.count(h) for h in unique},
+            "nic": nic, "link_shaping": {name: shaping for name, shaping in hosts}}
 
 
 def bf16_skip_reason() -> str | None:
@@ -534,12 +796,21 @@ def run(args: argparse.Namespace) -> int:
                 write_json(args.json, {**report, "skipped": reason})
         return 0
 
+    absent = {}
+    if "horovod" in modes and (reason := horovod_missing()) is not None:
+        modes = [m for m in modes if m != "horovod"]
+        absent["horovod"] = reason
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"hpcdl bench train: mode horovod absent: {reason}", file=sys.stderr,
+                  flush=True)
+
     import hpcdl.comm
     from hpcdl.bench.report import bench_report, emit
     from hpcdl.debug import install_fail_fast
     from hpcdl.models import create_model, flops
 
     world = MPI.COMM_WORLD
+    load_before = os.getloadavg()
     if world.size > 1:
         install_fail_fast(world)  # an error on one rank ends the job instead of hanging it
     torch.set_num_threads(args.threads)
@@ -557,16 +828,28 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
         with contextlib.ExitStack() as stack:
             built = {}
-            trainer_modes = [m for m in modes if m != "ddp_gloo"]
+            trainer_modes = [m for m in modes if m in ("ours", "no_comm", "ours_allreduce")]
             if trainer_modes:
                 built.update(stack.enter_context(
                     trainer_steppers(comm, config, loader, trainer_modes)))
+            bucket_bytes = int(args.bucket_mb * 2 ** 20)
+            for mode in modes:
+                if own_backend(mode) is not None:
+                    built[mode] = stack.enter_context(own_comm_stepper(
+                        world, config, loader, bucket_bytes, own_backend(mode)))
+            if "ours_bf16" in modes:
+                built["ours_bf16"] = stack.enter_context(own_comm_stepper(
+                    world, config, loader, bucket_bytes, bf16_wire_backend(comm),
+                    wire_dtype="bfloat16"))
             if "ddp_gloo" in modes:
                 built["ddp_gloo"] = stack.enter_context(
                     ddp_stepper(world, config, args.warmup + args.steps))
+            if "horovod" in modes:
+                built["horovod"] = stack.enter_context(
+                    horovod_stepper(config, args.warmup + args.steps))
             steppers = {mode: built[mode] for mode in modes}
             samples = time_rounds(world, steppers, loader, args.steps, args.warmup,
-                                  args.rounds)
+                                  args.rounds, counters=step_counters(args.nic))
             breakdown = None
             profiled = next((m for m in ("no_comm", "ours", "ddp_gloo") if m in steppers), None)
             if args.breakdown and profiled is not None:
@@ -582,6 +865,7 @@ def run(args: argparse.Namespace) -> int:
         precision = "bfloat16" if args.bf16 else "float32"
         matmul = statistics.fmean(world.allgather(
             matmul_flops_per_s(args.matmul_size, dtype=precision)))
+        hosts = world.allgather((MPI.Get_processor_name(), link_shaping(args.nic)))
         if comm.rank == 0:
             for record in records.values():
                 record.update(model=args.model, image_size=args.image_size,
@@ -589,8 +873,10 @@ def run(args: argparse.Namespace) -> int:
                               memory_format=effective_memory_format(args.memory_format,
                                                                     args.threads),
                               malloc=malloc, precision=precision,
+                              wire_dtype="bfloat16" if record["mode"] == "ours_bf16"
+                              else "float32",
                               shard_update=bool(args.shard_update and record["mode"] == "ours"),
-                              backend=comm.backend if record["mode"] != "ddp_gloo" else "gloo",
+                              backend=record_backend(record["mode"], comm, steppers),
                               input="synthetic" if args.synthetic else args.data)
             report = bench_report("train", list(records.values()),
                                   ratios_of(records, matmul, train_flops_per_image),
@@ -604,6 +890,11 @@ def run(args: argparse.Namespace) -> int:
                 print_breakdown(breakdown, matmul)
             report["machine"]["threads_per_rank"] = args.threads
             report["machine"]["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+            report["machine"].update(hosts_note(hosts, args.nic))
+            if absent:
+                report["absent_modes"] = absent
+            report["machine"]["load_average"] = {"before": list(load_before),
+                                                 "after": list(os.getloadavg())}
             emit(report, COLUMNS, args.json)
     finally:
         comm.close()

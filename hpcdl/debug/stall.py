@@ -262,8 +262,11 @@ def classify_peers(rank: int, size: int, seq: int | None,
             kinds["gone" if visible and now - since > stale_s else "unheard"].append(r)
         elif now - max(last_heard(beat), since) > stale_s:
             kinds["gone"].append(r)
-        elif (beat.get("in_collective") and (seq is None or int(beat["seq"]) == seq)) or \
-                (seq is None and beat.get("blocked_in")):
+        elif beat.get("in_collective") or (seq is None and beat.get("blocked_in")) or \
+                (seq is not None and int(beat["seq"]) >= seq):
+            # Alive and inside a collective -- ours, an earlier one, or a later one it reached
+            # because its share of ours left it (an eager send into a dead link completes on
+            # the sender): every such rank waits on data in flight, not on work.
             kinds["waiting"].append(r)
         else:
             kinds["busy"].append(r)
@@ -303,7 +306,11 @@ def stall_verdict(rank: int, size: int, seq: int | None,
                      f"(busy or stuck outside collectives)")
     if not parts:
         where = sorted(set(hosts)) if hosts else []
-        inside = f"inside #{seq}" if seq is not None else "inside an MPI call"
+        seqs = sorted({int(b["seq"]) for r, b in beats.items()
+                       if r != rank and b.get("in_collective")} | ({seq} if seq else set()))
+        inside = (f"inside #{seq}" if seqs == [seq] else
+                  f"inside collectives {', '.join(f'#{s}' for s in seqs)} (sent, not received)"
+                  ) if seq is not None else "inside an MPI call"
         parts.append(f"slow link: every rank is alive and {inside} since "
                      f"{utc_clock(since)}; data moves slowly or not at all between hosts "
                      f"{','.join(where)}" if len(where) > 1 else
@@ -451,6 +458,9 @@ class StallWatchdog(threading.Thread):
         if not in_collective:
             self._watch_main_thread(now)
             return
+        if self._blocked_warned:  # the raw call returned, and a collective began at ``since``
+            self._note_blocked_over(since)
+            self._blocked_key, self._blocked_warned = None, False
         waited = now - since
         t = self.thresholds
         if t.warn_s and waited >= t.warn_s and self._warned_seq != seq:
@@ -468,6 +478,7 @@ class StallWatchdog(threading.Thread):
         frame = sys._current_frames().get(self._main_ident)
         key = None if frame is None else (id(frame), frame.f_lasti, frame.f_lineno)
         if key != self._blocked_key:
+            self._note_blocked_over(now)
             self._blocked_key, self._blocked_since = key, now
             self._blocked_what, self._blocked_checked, self._blocked_warned = None, False, False
             return
@@ -488,6 +499,13 @@ class StallWatchdog(threading.Thread):
             self._aborting = True
             text = self._report_blocked(what, waited, now, logging.CRITICAL)
             self._end_job(f"MPI {what}", None, waited, self._blocked_since, now, text)
+
+    def _note_blocked_over(self, ended: float) -> None:
+        """A warned raw MPI call that returned after all: slow, not dead."""
+        if self._blocked_warned:
+            logging.getLogger(LOGGER_NAME).warning(
+                "stall over: MPI %s completed after %.1f s (slow, not dead)",
+                self._blocked_what, ended - self._blocked_since)
 
     def _note_stall_over(self, seq: int, in_collective: bool, since: float, now: float) -> None:
         """A warned collective that completed after all: slow is not dead -- say so."""

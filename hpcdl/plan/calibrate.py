@@ -30,6 +30,22 @@ hpcdl plan --calibrate`` and the number behind it):
   every allreduce algorithm costs 2α + nβ + (n/2)γ, so α = c0 / 2 and β = c1 − γ/2.
 * ``decode_images_per_s_per_core``: hpcdl.data.augment.crop_resize (simplejpeg decode +
   random-resized crop + flip, the loader's per-image work) on a 256 px JPEG, one thread.
+* ``network`` α and β, when launched across hosts (``mpiexec -hosts a,b -ppn 1 -n 2 hpcdl plan
+  --calibrate``; :func:`network_calibration`): Hockney's point-to-point figures between the
+  first two hosts (one rank per host: the lowest of each node, :func:`hpcdl.data.nodes.
+  split_nodes`), α the one-way time of 8 bytes and β from the one-way time of 64 MB (half a
+  ping-pong's round trip, median of the repeats). Point to point, not a fit to allreduce times:
+  a token-bucket shaper (tc tbf, and switch buffers on a real fabric) passes small messages
+  at line rate, so small allreduces say nothing about the sustained rate; and an MPI
+  library's allreduce adds its own CPU-bound progress on a busy node (MPICH over TCP reached
+  0.65 of the link at 2 Gbit/s on the loaded test cluster), which is the library's cost, not
+  the network's. ``MPI_Allreduce`` is still timed over sizes 1 KB to 64 MB and kept under
+  ``measured.network`` beside the fit of the planner's ring cost to its large sizes
+  (:func:`fit_network`), and every host's per-interface byte counters
+  (``/sys/class/net/*/statistics``) before and after, so the file says which interface the
+  figures came from. The node's own figures are kept from the machine file already in
+  ``--machines-dir`` (measure them first with a one-node ``hpcdl plan --calibrate``); without
+  one, the first rank measures them while the others wait asleep.
 
 The file is written atomically to ``--machines-dir`` or ``~/.config/hpcdl/machines/local.yaml``
 (the package directory may be read-only on a cluster). The repository ships a ``local.yaml``
@@ -56,6 +72,8 @@ from hpcdl.plan.cpu import cpu_flags, cpu_identity
 from hpcdl.plan.machine import parse_machine, user_machines_dir
 
 ALLREDUCE_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+#: Across hosts: 1 KB (latency-bound) to 64 MB (bandwidth-bound; 0.5 s at 1 Gbit/s).
+NETWORK_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
 
 
 def cpu_mhz() -> float | None:
@@ -207,6 +225,176 @@ def allreduce_records(mpiexec: str = "mpiexec", timeout_s: float = 600) -> list[
             return list(json.load(f).get("results", []))
 
 
+# --------------------------------------------------------------------------- across hosts
+def launched_world_size() -> int:
+    """Ranks the launcher started (1 when run without one): decided from the environment,
+    so a plain ``hpcdl plan --calibrate`` never initialises MPI for it."""
+    for key in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def interface_bytes() -> dict[str, tuple[int, int]]:
+    """(sent, received) bytes of every interface but loopback, from this host's sysfs."""
+    counts = {}
+    base = "/sys/class/net"
+    for nic in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if nic == "lo":
+            continue
+        try:
+            with open(f"{base}/{nic}/statistics/tx_bytes") as tx, \
+                    open(f"{base}/{nic}/statistics/rx_bytes") as rx:
+                counts[nic] = (int(tx.read()), int(rx.read()))
+        except (OSError, ValueError):
+            continue
+    return counts
+
+
+def sleeping_barrier(comm, poll_s: float = 0.05) -> None:
+    """A barrier whose waiting ranks sleep (MPI_Barrier spins a core: on a shared node it would
+    slow the rank being waited for)."""
+    import time
+
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll_s)
+
+
+def timed_allreduce_s(comm, nbytes: int, repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's seconds for one in-place MPI_Allreduce
+    of ``nbytes`` of float32 (one untimed call first)."""
+    import statistics
+    import time
+
+    import numpy as np
+    from mpi4py import MPI
+
+    buffer = np.ones(max(1, nbytes // 4), dtype=np.float32)
+    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+    times = []
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return statistics.median(times)
+
+
+def ping_pong_s(comm, nbytes: int, repeats: int) -> float | None:
+    """Median one-way seconds of ``nbytes`` between ranks 0 and 1 of ``comm`` (half the round
+    trip); None on ranks other than 0."""
+    import statistics
+    import time
+
+    import numpy as np
+
+    buffer = np.zeros(max(1, nbytes), dtype=np.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        comm.Barrier()
+        start = time.perf_counter()
+        if comm.rank == 0:
+            comm.Send(buffer, dest=1)
+            comm.Recv(buffer, source=1)
+        elif comm.rank == 1:
+            comm.Recv(buffer, source=0)
+            comm.Send(buffer, dest=0)
+        times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times[1:]) if comm.rank == 0 else None
+
+
+def fit_network(points: Sequence[tuple[float, float]], hosts: int, gamma: float,
+                min_bytes: float = 1 << 22) -> dict[str, float]:
+    """The planner's ring cost at ``hosts`` (N) hosts fitted to allreduce (bytes, seconds)
+    points of at least ``min_bytes`` (bandwidth-bound: past a shaper's burst):
+    T(n) = 2(N−1)α + 2(N−1)/N·nβ + (N−1)/N·nγ (hpcdl.plan.model.ring_allreduce_s), least
+    squares on T − (N−1)/N·nγ. The allreduce's *effective* figures, recorded beside the
+    point-to-point ones the machine file takes."""
+    import numpy as np
+
+    if hosts < 2:
+        raise ValueError(f"a network fit needs >= 2 hosts, got {hosts}")
+    large = [p for p in points if p[0] >= min_bytes]
+    if len(large) < 2:
+        raise ValueError(f"need >= 2 allreduce sizes of >= {min_bytes:.0f} B across hosts, "
+                         f"got {len(large)}")
+    n = np.array([p[0] for p in large], dtype=float)
+    t = np.array([p[1] for p in large], dtype=float)
+    steps = 2 * (hosts - 1)
+    share = 2 * (hosts - 1) / hosts
+    target = t - (hosts - 1) / hosts * n * gamma
+    design = np.stack([np.full_like(n, steps), share * n], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(design, target, rcond=None)
+    if beta <= 0:
+        raise ValueError(f"the allreduce times do not grow with size (bytes {n.tolist()}, "
+                         f"seconds {t.tolist()}): no bandwidth to fit")
+    predicted = steps * alpha + share * n * beta + (hosts - 1) / hosts * n * gamma
+    return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta),
+            "gamma_s_per_byte": float(gamma), "hosts": hosts,
+            "points": [[float(a), float(b)] for a, b in zip(n, t, strict=True)],
+            "max_relative_residual": float(np.max(np.abs(predicted - t) / t))}
+
+
+def allreduce_fit_or_reason(points: Sequence[tuple[float, float]], hosts: int,
+                            gamma: float) -> dict[str, Any]:
+    """:func:`fit_network`, or ``{"error": why}``: the allreduce fit is a cross-check kept
+    beside the point-to-point figures, and must not cost them."""
+    try:
+        return fit_network(points, hosts, gamma)
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+def hockney_figures(latency_s: float, large_bytes: float, large_s: float) -> dict[str, float]:
+    """α and β of T(n) = α + nβ (Hockney 1994) from the one-way time of a tiny message
+    (α) and of a large one (β = (T − α) / n)."""
+    if latency_s <= 0 or large_s <= latency_s or large_bytes <= 0:
+        raise ValueError(f"point-to-point times do not fit T = a + nb: {latency_s} s at 8 B, "
+                         f"{large_s} s at {large_bytes:.0f} B")
+    return {"alpha_s": latency_s, "beta_s_per_byte": (large_s - latency_s) / large_bytes,
+            "large_bytes": large_bytes}
+
+
+def network_calibration(gamma: float, sizes: Sequence[int] = NETWORK_SIZES,
+                        repeats: int = 5, log: Callable[[str], None] = print) -> dict | None:
+    """Across hosts: α and β of the network (see the module docstring). Collective over
+    COMM_WORLD; returns the measurements on world rank 0, None elsewhere."""
+    from mpi4py import MPI
+
+    from hpcdl.data.nodes import split_nodes
+
+    world = MPI.COMM_WORLD
+    node = split_nodes(world)
+    leaders = world.Split(0 if node.rank == 0 else MPI.UNDEFINED, world.rank)
+    node.Free()
+    result = None
+    if leaders != MPI.COMM_NULL:
+        hosts = leaders.size
+        names = leaders.gather(MPI.Get_processor_name(), root=0)
+        if leaders.rank == 0:
+            log(f"network: ping-pong between {names[0]} and {names[1]}, then MPI_Allreduce "
+                f"across {hosts} hosts ({', '.join(names)}), {len(sizes)} sizes x {repeats}")
+        before = interface_bytes()
+        latency = ping_pong_s(leaders, 8, repeats)
+        large = ping_pong_s(leaders, max(sizes), repeats)
+        times = [[float(n), timed_allreduce_s(leaders, int(n), repeats)] for n in sizes]
+        after = interface_bytes()
+        moved = {nic: [after[nic][0] - sent, after[nic][1] - received]
+                 for nic, (sent, received) in before.items() if nic in after}
+        everyone = leaders.gather(moved, root=0)
+        if leaders.rank == 0:
+            result = {"hosts": names, "repeats": repeats,
+                      "point_to_point": hockney_figures(latency, float(max(sizes)), large),
+                      "ping_pong_8B_one_way_s": latency,
+                      "ping_pong_large_one_way_s": large, "allreduce_times": times,
+                      "allreduce_fit": allreduce_fit_or_reason(times, hosts, gamma),
+                      "interface_bytes": dict(zip(names, everyone, strict=True))}
+        leaders.Free()
+    return result
+
+
 # --------------------------------------------------------------------------- the file
 # Co-running processes of the contention measurement, at most: each holds ~1 GB of samples
 # (the 134 MB linear layer, the optimizer's 25 M parameters); a larger node's contention is
@@ -219,8 +407,9 @@ def _fig(value: float, source: str) -> dict[str, Any]:
 
 
 def measure(quick: bool = False, batch: int = 8,
-            log: Callable[[str], None] = print) -> dict:
-    """Every measurement calibration makes, as raw numbers."""
+            log: Callable[[str], None] = print, allreduce: bool = True) -> dict:
+    """Every measurement calibration makes, as raw numbers (``allreduce=False``: not the
+    intra-node allreduce, which launches its own mpiexec)."""
     from hpcdl.plan.class_rates import (
         contention,
         corun_samples,
@@ -277,8 +466,12 @@ def measure(quick: bool = False, batch: int = 8,
     except Exception as exc:  # noqa: BLE001 - a loader change must not cost the other figures
         m["decode_error"] = f"{type(exc).__name__}: {exc}"
         log(f"decode measurement failed ({m['decode_error']}); an assumption is written")
-    log("allreduce alpha/beta (mpiexec -n 2 hpcdl bench allreduce) ...")
+    log("allreduce alpha/beta (mpiexec -n 2 hpcdl bench allreduce) ..." if allreduce else
+        "intra-node allreduce not measured (launched under mpiexec: no nested launcher)")
     try:
+        if not allreduce:
+            raise RuntimeError("not measured: hpcdl plan --calibrate ran under mpiexec "
+                               "(measure it with a one-node hpcdl plan --calibrate)")
         m["allreduce"] = fit_alpha_beta(allreduce_records(), 3.0 / m["stream_Bps_1_thread"])
     except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as exc:
         m["allreduce_error"] = str(exc)
@@ -361,6 +554,42 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
         if key in m:
             doc["measured"][key] = dict(m[key])
     return doc
+
+
+def with_network(doc: Mapping[str, Any], net: Mapping[str, Any]) -> dict:
+    """``doc`` with its ``network`` figures measured across hosts (:func:`network_calibration`)
+    and the raw numbers under ``measured.network``."""
+    stamp = f"measured {datetime.date.today().isoformat()} by hpcdl plan --calibrate"
+    p2p = net["point_to_point"]
+    hosts = net["hosts"]
+    fit = net["allreduce_fit"]
+    cross_check = (f"MPI_Allreduce of >= 4 MB fitted to the ring cost gives a = "
+                   f"{fit['alpha_s']:.3g} s, 1/b = {1 / fit['beta_s_per_byte']:.4g} B/s"
+                   if "error" not in fit else f"MPI_Allreduce fit: {fit['error']}")
+    carried = {host: {nic: b for nic, b in nics.items() if b[0] > 0}
+               for host, nics in net["interface_bytes"].items()}
+    src = (f"{stamp} across {len(hosts)} hosts ({', '.join(hosts)}), one rank each, "
+           f"MPI point to point between {hosts[0]} and {hosts[1]} (half a ping-pong's round "
+           f"trip, median of {net['repeats']}): 8 B one way in {p2p['alpha_s']:.3g} s, "
+           f"{p2p['large_bytes']:.3g} B in {net['ping_pong_large_one_way_s']:.3g} s; "
+           f"{cross_check} (measured.network); bytes sent per interface: {carried}")
+    out = dict(doc)
+    out["network"] = {"latency_s": _fig(p2p["alpha_s"], src + " -> a: 8 B one way"),
+                      "bandwidth_Bps": _fig(1 / p2p["beta_s_per_byte"],
+                                            src + " -> 1/b = n / (T(n) - a)")}
+    out["description"] = (f"{doc.get('description', 'this machine')}; network measured across "
+                          f"{len(hosts)} hosts")
+    measured = dict(doc.get("measured") or {})
+    measured["network"] = dict(net)
+    out["measured"] = measured
+    return out
+
+
+def node_gamma(doc: Mapping[str, Any], ranks_per_node: int) -> float:
+    """γ as the planner prices it for ``doc`` (hpcdl.plan.model.reduction_gamma)."""
+    from hpcdl.plan.model import reduction_gamma
+
+    return reduction_gamma(parse_machine(doc, "<calibration>"), ranks_per_node)
 
 
 def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[str, Any]:
@@ -457,8 +686,62 @@ def write_machine(doc: Mapping[str, Any], directory: str) -> str:
     return path
 
 
+def calibrate_across_hosts(args: argparse.Namespace, directory: str) -> int:
+    """``hpcdl plan --calibrate`` launched across hosts: the node's figures from the file
+    already in ``directory`` (or measured by world rank 0 while the others sleep), the network
+    measured by one rank per host; world rank 0 writes the file."""
+    from mpi4py import MPI
+
+    from hpcdl.data.nodes import split_nodes
+
+    world = MPI.COMM_WORLD
+    node = split_nodes(world)
+    ranks_per_node = world.allreduce(node.size, op=MPI.MAX)
+    hosts = world.allreduce(1 if node.rank == 0 else 0)
+    node.Free()
+    if hosts < 2:
+        if world.rank == 0:
+            print(f"hpcdl plan --calibrate: the {world.size} ranks share one host; run it "
+                  "without mpiexec on one node, or across hosts (one rank per host) to "
+                  "measure the network", file=sys.stderr)
+        return 2
+    previous = None
+    old = os.path.join(directory, "local.yaml")
+    if world.rank == 0 and os.path.exists(old):
+        with open(old, encoding="utf-8") as f:
+            previous = yaml.safe_load(f)
+        print(f"node figures kept from {old}; measuring the network", flush=True)
+    previous = world.bcast(previous, root=0)
+    if previous is None:
+        base = None
+        if world.rank == 0:
+            print(f"no {old}: measuring this node first (the other ranks wait)", flush=True)
+            base = machine_document(measure(quick=args.quick, batch=args.batch_per_rank,
+                                            allreduce=False), None)
+        sleeping_barrier(world)
+        base = world.bcast(base, root=0)
+    else:
+        base = previous
+    net = network_calibration(node_gamma(base, ranks_per_node),
+                              repeats=3 if args.quick else 5)
+    if world.rank != 0:
+        return 0
+    doc = with_network(base, net)
+    try:
+        path = write_machine(doc, directory)
+    except OSError as exc:
+        print(f"hpcdl plan --calibrate: cannot write {directory}: {exc}; use --machines-dir",
+              file=sys.stderr)
+        return 1
+    print(yaml.safe_dump({"network": doc["network"]}, sort_keys=False, width=100))
+    print(f"wrote {path}")
+    return 0
+
+
 def calibrate_command(args: argparse.Namespace) -> int:
     directory = args.machines_dir or user_machines_dir()
+    if launched_world_size() > 1:
+        return calibrate_across_hosts(args, directory)
     previous = None
     old = os.path.join(directory, "local.yaml")
     if os.path.exists(old):

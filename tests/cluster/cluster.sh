@@ -186,6 +186,7 @@ pids_of() {  # pids_of HOLDER_PID: every process in that holder's network namesp
     for p in /proc/[0-9]*; do
         [ "$(readlink "$p/ns/net" 2>/dev/null)" = "$ns" ] && echo "${p#/proc/}"
     done
+    return 0  # the loop's status is its last test's, not an error
 }
 
 host_of() {  # host_of NAME|ADDRESS: the host's name (h2 for h2, 10.99.0.2 or h2.local)

@@ -1,0 +1,459 @@
+"""Faults across hosts on the test cluster: every one ends or heals the job, names its cause,
+leaves no rank behind and loses nothing (docs/debugging.md, "Faults and what the job does").
+
+`hpcdl train` on the demo recipe scaled to tiny data, MPICH's mpiexec across h1..h3 (one rank per
+host), stall limits short (warn 2 s, abort 10 s, exit grace 2 s: the abort limit leaves room for
+a loaded 2-core machine, where a healthy collective can wait seconds). The faults are real: a
+host's eth0 set down, every process of a host SIGSTOPped or SIGKILLed, a rank SIGKILLed, a
+link shaped to 1 mbit/s, a full file system under the run directory, a Slurm node set DOWN.
+
+"No rank left behind" is read from every host's process table once the launcher has exited:
+no `hpcdl` process may remain (a zombie has ended and counts as gone). MPICH's
+`hydra_pmi_proxy` on a cut-off host is the launcher's, not hpcdl's: it is recorded, not
+killed by a rank (a rank killing its parent would hide the launcher's own failure), and the
+test ends it once the host is back.
+
+No timing assertions: the bound a job promises is its stall limits, which the stall line
+states; the tests assert that the job ended (a generous subprocess timeout) and read that line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cluster_hosts import REPO, SCRIPT, job_field, launcher_env, on_controller
+from test_slurm_across_hosts import DEMO_RECIPE, OVERRIDES, render, shards, slurm, wait_until
+
+__all__ = ["shards", "slurm"]  # module fixtures, used by name
+
+STALL = {"HPCDL_STALL_WARN_S": "2", "HPCDL_STALL_ABORT_S": "10", "HPCDL_STALL_EXIT_GRACE_S": "2"}
+#: 6 epochs of 7 steps; a checkpoint every 5 steps.
+STEPS = 42
+RUN_OVERRIDES = (*[o for o in OVERRIDES if not o.startswith("epochs=")], "epochs=6")
+TRAIN = f"--deterministic --no-eval --no-progress --checkpoint-every 5 {' '.join(RUN_OVERRIDES)}"
+#: processes every host keeps: the namespace holder, Slurm's daemons
+PERMANENT = ("sleep infinity", "slurmd", "slurmctld")
+
+
+class Job:
+    """`hpcdl train` as ranks of mpiexec across ``hosts``, in the background."""
+
+    def __init__(self, cluster, hosts: list[str], out: Path, env: dict[str, str] | None = None,
+                 per_host: int = 1, args: str = "") -> None:
+        self.cluster, self.hosts, self.out = cluster, hosts, out
+        self.log_path = out.parent / f"{out.name}.launcher.log"
+        line = (f"{cluster.launch_command('mpich', hosts, per_host)} hpcdl train --recipe "
+                f"{DEMO_RECIPE} --data {cluster.shards} --out {out} {TRAIN} {args}")
+        environ = cluster.env({**launcher_env("mpich"), **STALL, **(env or {})})
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [str(SCRIPT), "exec", hosts[0], "bash", "-c", f"cd {REPO} && exec {line}"],
+                stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
+
+    def steps(self) -> int:
+        metrics = self.out / "metrics.jsonl"
+        return metrics.read_text().count('"step"') if metrics.exists() else 0
+
+    def wait_for_step(self, step: int, limit: float = 300) -> None:
+        wait_until(lambda: self.steps() >= step or self.process.poll() is not None,
+                   f"step {step}", limit)
+        assert self.process.poll() is None, f"the job ended before step {step}:\n{self.output()}"
+
+    def wait_in_first_collective(self, limit: float = 300) -> None:
+        """Start-up: rank 0 waits in its first collective (its heartbeat says so), no step yet."""
+        beat = self.out / "logs" / "heartbeat" / "rank-0000.json"
+
+        def waiting() -> bool:
+            try:
+                record = json.loads(beat.read_text())
+            except (OSError, ValueError):
+                return False
+            return bool(record.get("in_collective"))
+        wait_until(lambda: waiting() or self.process.poll() is not None,
+                   "rank 0 in its first collective", limit)
+        assert self.process.poll() is None, self.output()
+        assert self.steps() == 0
+
+    def fault(self) -> None:
+        self.fault_at = time.monotonic()
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            rc = self.process.wait(timeout=timeout)
+            if getattr(self, "fault_at", None) is not None:  # for the docs' table, not asserted
+                print(f"\n[{self.out.parent.name}] launcher exit {rc} "
+                      f"{time.monotonic() - self.fault_at:.1f} s after the fault")
+            return rc
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            raise AssertionError(f"the launcher did not end within {timeout} s:\n"
+                                 f"{self.output()}") from None
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def rank_log(self, rank: int) -> str:
+        path = self.out / "logs" / f"rank-{rank:04d}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def dump(self, rank: int) -> str:
+        path = self.out / "logs" / "heartbeat" / f"rank-{rank:04d}.stall.txt"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def hosts(cluster, shards):
+    cluster.shards = shards
+    return cluster
+
+
+def processes(cluster, host: str) -> list[tuple[int, str, str]]:
+    """(pid, state, command line) of every live process on ``host`` but the permanent ones."""
+    found = []
+    # (cluster.sh pids exits 1 when its last /proc entry is not the host's: the list stands)
+    for pid in cluster.script("pids", host, check=False).split():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z" or any(p in command for p in PERMANENT):
+            continue
+        found.append((int(pid), state, command))
+    return found
+
+
+def is_rank(command: str) -> bool:
+    """A rank is a Python process (the cluster's own paths contain "hpcdl" too)."""
+    return "python" in os.path.basename(command.split()[0]) if command else False
+
+
+def ranks_left(cluster) -> dict[str, list]:
+    return {h: [p for p in processes(cluster, h) if is_rank(p[2])] for h in cluster.hosts}
+
+
+def assert_no_rank_left(cluster, limit: float = 60) -> dict[str, list]:
+    """Every host's `hpcdl` processes gone; returns what else of the launcher remains."""
+    try:
+        wait_until(lambda: not any(ranks_left(cluster).values()), "every rank to end", limit)
+    except AssertionError:
+        raise AssertionError(f"ranks left behind: {ranks_left(cluster)}") from None
+    return {h: processes(cluster, h) for h in cluster.hosts}
+
+
+def end_leftovers(cluster, host: str) -> None:
+    """The test's clean-up: thaw ``host`` and kill what a fault left of the launcher there."""
+    for pid, _, _ in processes(cluster, host):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def signal_host(cluster, host: str, sig: signal.Signals) -> list[str]:
+    """``sig`` to every process on ``host`` but the namespace holder (the host itself stays, for
+    the next tests); their command lines."""
+    hit = []
+    for pid, _, command in processes(cluster, host):
+        try:
+            os.kill(pid, sig)
+            hit.append(command)
+        except ProcessLookupError:
+            pass
+    return hit
+
+
+def stall_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if "stall: aborting the job (MPI_Abort 3)" in ln]
+    assert lines, text[-4000:]
+    print(f"\n{lines[0]}")
+    return lines[0]
+
+
+def last_checkpoint(run_dir: Path) -> int:
+    """The newest complete checkpoint's step (it loads: the checksum and the tensors)."""
+    from hpcdl.train.checkpoint import latest_valid_checkpoint
+
+    found = latest_valid_checkpoint(str(run_dir))
+    assert found is not None, list((run_dir / "checkpoints").iterdir())
+    return int(found[1]["step"])
+
+
+def resume_to_the_end(cluster, hosts: list[str], run_dir: Path, after: int) -> dict:
+    """`--resume auto` on ``hosts`` (elastic: another rank count, the same global batch)."""
+    done = cluster.mpirun("mpich", hosts, 1,
+                          f"hpcdl train --recipe {DEMO_RECIPE} --data {cluster.shards} "
+                          f"--out {run_dir} --resume auto {TRAIN}",
+                          env=STALL, check=False, timeout=400)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-4000:]
+    assert re.search(rf"resumed from \S+ckpt-0*{after}\.pt at step {after}\b", text), text[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["steps"], summary["ranks"]) == (STEPS, len(hosts)), summary
+    return summary
+
+
+# -- 1. a host's link goes down ---------------------------------------------------------------
+@pytest.mark.parametrize("phase", ["training", "start-up"])
+def test_a_host_whose_link_goes_down_ends_the_job_and_its_cut_off_rank_ends_itself(hosts, phase):
+    """h2's eth0 down: rank 0 (h1) aborts after the abort limit, naming both hosts and since
+    when (the shared directory still carries rank 1's heartbeats: it is alive and waiting, so
+    the verdict is "slow link ... or not at all"); rank 1, cut off, aborts too, its MPI_Abort
+    reaches no one, and it ends itself after the grace. No rank is left on any host; the last
+    checkpoint loads and `--resume auto` on h1 alone continues to the same final step count."""
+    out = hosts.workdir("link-down") / "run"
+    # start-up: rank 1 sleeps before its first collective, and the link goes down meanwhile
+    env = {"HPCDL_INJECT": "1:1:sleep=3"} if phase == "start-up" else {}
+    job = Job(hosts, ["h1", "h2"], out, env)
+    try:
+        if phase == "training":
+            job.wait_for_step(8)
+        else:
+            job.wait_in_first_collective()
+        hosts.script("link", "h2", "down")
+        job.fault()
+        rc = job.wait()
+        text = job.output()
+        assert rc != 0, text[-4000:]
+        line = stall_line(text)
+        assert "on rank 0 (h1)" in line and re.search(r"since \d\d:\d\d:\d\d UTC", line), line
+        assert "h2" in line, line
+        left = assert_no_rank_left(hosts)
+        # the cut-off side: its own line and dump (its stderr went nowhere: the link is down)
+        dump = job.dump(1)
+        assert "on rank 1 (h2)" in dump, dump[:3000] or job.rank_log(1)[-3000:]
+        assert "MPI_Abort did not end rank 1 (h2) within HPCDL_STALL_EXIT_GRACE_S=2 s" in dump
+        assert "the rank ends itself with exit 3" in job.rank_log(1)
+        print(f"after the launcher exited, beside the holders: {left}")
+    finally:
+        hosts.script("link", "h2", "up")
+        end_leftovers(hosts, "h2")
+    if phase == "training":
+        step = last_checkpoint(out)
+        assert step >= 5, step
+        resume_to_the_end(hosts, ["h1"], out, step)
+    else:
+        assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+
+
+def test_a_link_that_comes_back_after_20_s_is_slow_not_dead(hosts):
+    """h2's eth0 down for 20 s with an abort limit of 60 s: the stall report warns (slow link),
+    then "stall over" once the link is back, and the job trains to the end, exit 0."""
+    out = hosts.workdir("link-flap") / "run"
+    job = Job(hosts, ["h1", "h2"], out, {"HPCDL_STALL_ABORT_S": "60"})
+    try:
+        job.wait_for_step(8)
+        hosts.script("link", "h2", "down")
+        time.sleep(20)
+    finally:
+        hosts.script("link", "h2", "up")
+    rc = job.wait(timeout=300)
+    text = job.output()
+    assert rc == 0, text[-4000:]
+    assert "slow link: every rank is alive" in text, text[-4000:]
+    # each rank that warned says so: in a watched collective, or in a raw MPI call
+    over = re.compile(r"stall over: (collective #\d+|MPI) .+ completed after \d+\.\d s "
+                      r"\(slow, not dead\)")
+    assert over.search(text) or over.search(job.rank_log(1)), text[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["steps"], summary["stopped"]) == (STEPS, "completed"), summary
+    assert_no_rank_left(hosts)
+
+
+# -- 2. a host freezes ------------------------------------------------------------------------
+@pytest.mark.parametrize("phase", ["training", "start-up"])
+def test_a_frozen_host_ends_the_job_naming_it_rank_gone(hosts, phase):
+    """Every process on h2 SIGSTOPped (rank, launcher proxy, holder): rank 0's heartbeat
+    reader sees rank 1's heartbeat stop, aborts after the abort limit with "rank gone: rank 1
+    on h2 silent since T". Once h2 thaws, nothing of the job is left."""
+    out = hosts.workdir("freeze") / "run"
+    env = {"HPCDL_INJECT": "1:1:sleep=4"} if phase == "start-up" else {}
+    job = Job(hosts, ["h1", "h2"], out, env)
+    try:
+        if phase == "training":
+            job.wait_for_step(8)
+        else:
+            job.wait_in_first_collective()
+        frozen = signal_host(hosts, "h2", signal.SIGSTOP)
+        job.fault()
+        assert any(is_rank(c) for c in frozen), frozen
+        # rank 0 ends (its own abort), whatever the launcher does about a frozen host
+        wait_until(lambda: "stall: aborting the job" in job.rank_log(0), "rank 0's abort", 120)
+        line = stall_line(job.rank_log(0))
+        assert re.search(r"rank gone: rank 1 on h2 silent since \d\d:\d\d:\d\d UTC", line), line
+        assert "HPCDL_STALL_ABORT_S=10 " in line
+        wait_until(lambda: not ranks_left(hosts)["h1"], "rank 0 to end", 60)
+        launcher_ended_while_frozen = job.process.poll() is not None
+        signal_host(hosts, "h2", signal.SIGCONT)
+        rc = job.wait()
+        assert rc != 0, job.output()[-4000:]
+        assert_no_rank_left(hosts)
+        print(f"launcher ended while h2 was frozen: {launcher_ended_while_frozen}")
+    finally:
+        end_leftovers(hosts, "h2")
+    if phase == "training":
+        assert last_checkpoint(out) >= 5
+
+
+# -- 3. a rank killed, a host's whole process tree killed ----------------------------------
+@pytest.mark.parametrize("what", ["rank", "host"])
+def test_a_killed_rank_or_host_ends_the_job_naming_it(hosts, what):
+    """SIGKILL of rank 1 on h2 (or of every process on h2: the launcher proxy as well): MPICH's
+    launcher ends the job at once, exit non-zero, naming the host and pid when its proxy saw
+    the rank die (with the proxy gone, MPICH names no one: a finding, docs/debugging.md); no
+    rank is left anywhere and the last checkpoint loads."""
+    out = hosts.workdir(f"kill-{what}") / "run"
+    job = Job(hosts, ["h1", "h2"], out)
+    try:
+        job.wait_for_step(8)
+        if what == "rank":
+            victims = [pid for pid, _, cmd in processes(hosts, "h2") if is_rank(cmd)]
+            assert victims
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+        else:
+            # every process but the namespace holder (the host itself stays for later tests)
+            assert any("hydra_pmi_proxy" in c for c in signal_host(hosts, "h2", signal.SIGKILL))
+        job.fault()
+        rc = job.wait()
+        text = job.output()
+        assert rc != 0, text[-4000:]
+        if what == "rank":  # MPICH names the host; with the proxy gone it names no one
+            assert "RUNNING AT h2" in text and "EXIT CODE: 9" in text, text[-4000:]
+        else:
+            assert "[mpiexec@h1]" in text and "assert (!closed) failed" in text, text[-4000:]
+        assert_no_rank_left(hosts)
+        print(text[-1500:])
+    finally:
+        end_leftovers(hosts, "h2")
+    step = last_checkpoint(out)
+    assert step >= 5, step
+
+
+# -- 4. a link degraded to a trickle ----------------------------------------------------------
+def test_a_link_shaped_to_a_trickle_is_slow_not_dead_and_the_report_says_slow_link(hosts):
+    """h2's link shaped to 1 mbit/s (tbf) for 12 s mid-training, abort limit 60 s: a gradient
+    allreduce (~350 kB) then takes seconds, past the warn limit; the report's verdict is "slow
+    link" (every rank alive and inside the collective), "stall over" follows, and the job trains
+    to the end, exit 0."""
+    out = hosts.workdir("trickle") / "run"
+    job = Job(hosts, ["h1", "h2"], out, {"HPCDL_STALL_ABORT_S": "60"})
+    try:
+        job.wait_for_step(8)
+        hosts.script("shape", "h2", "1mbit")
+        time.sleep(12)
+    finally:
+        hosts.script("shape", "h2", "off")
+    rc = job.wait(timeout=300)
+    text = job.output()
+    assert rc == 0, text[-4000:]
+    warnings = [ln for ln in text.splitlines() if "verdict: slow link" in ln]
+    assert warnings, text[-4000:]
+    print(f"\n{warnings[0]}")
+    assert "stall: aborting" not in text, text[-4000:]
+    assert "stall over:" in text + job.rank_log(1), text[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["steps"], summary["stopped"]) == (STEPS, "completed"), summary
+    assert_no_rank_left(hosts)
+
+
+# -- 5. the run directory's file system fills up during a checkpoint -----------------------
+def test_a_full_file_system_during_a_checkpoint_names_the_file_and_keeps_the_previous_one(hosts):
+    """A 20 MB tmpfs under the run directory, filled (but 128 kB) once the first checkpoint is
+    there: the next checkpoint write fails with ENOSPC; every rank exits 2 with rank 0's line
+    naming the file and the errno; the previous checkpoint is intact, and once space is freed
+    `--resume auto` trains to the end. The tmpfs is h1's own (a mount made in the root namespace
+    after the hosts were made does not reach their private mount namespaces), so this job runs
+    two ranks on h1."""
+    base = hosts.workdir("full")
+    out = base / "run"
+
+    def on_h1(command: str) -> str:
+        return hosts.run("h1", command, check=True).stdout
+
+    on_h1(f"mount -t tmpfs -o size=20m tmpfs {base}")
+    try:
+        job = Job(hosts, ["h1"], out, per_host=2)
+        ckpts = out / "checkpoints"
+        wait_until(lambda: "ckpt-" in hosts.run("h1", f"ls {ckpts} 2>/dev/null").stdout
+                   or job.process.poll() is not None, "the first checkpoint", 300)
+        on_h1(f"fallocate -l $(( $(df --output=avail -B1 {base} | tail -1) - 131072 )) "
+              f"{base}/filler")
+        job.fault()
+        rc = job.wait()
+        text = job.output()
+        assert rc == 2, text[-4000:]
+        lines = [ln for ln in text.splitlines() if "could not write checkpoint" in ln]
+        assert lines, text[-4000:]
+        print(f"\n{lines[0]}")
+        failed = re.search(r"checkpoint (\S+/ckpt-0*(\d+)\.pt): \[Errno 28\] No space left on "
+                           r"device; the previous checkpoint \S+/ckpt-0*(\d+)\.pt is intact",
+                           lines[0])
+        assert failed, lines[0]
+        kept = int(failed.group(3))
+        listing = on_h1(f"ls {ckpts}")
+        assert failed.group(1).rsplit("/", 1)[1] not in listing  # no half-written file
+        assert not [n for n in listing.split() if not n.endswith(".pt")], listing
+        assert_no_rank_left(hosts)
+        on_h1(f"rm {base}/filler")
+        done = hosts.mpirun("mpich", ["h1"], 1,
+                            f"hpcdl train --recipe {DEMO_RECIPE} --data {hosts.shards} "
+                            f"--out {out} --resume auto {TRAIN}", env=STALL, check=False,
+                            timeout=400)
+        resumed = done.stdout + done.stderr
+        assert done.returncode == 0, resumed[-4000:]
+        assert re.search(rf"resumed from \S+ckpt-0*{kept}\.pt at step {kept}\b", resumed)
+        summary = json.loads(on_h1(f"cat {out}/summary.json"))
+        assert (summary["steps"], summary["ranks"]) == (STEPS, 1), summary
+    finally:
+        hosts.run("h1", f"umount {base}")
+
+
+# -- 6. under Slurm, a node set DOWN mid-job ------------------------------------------------
+def test_a_node_set_down_under_slurm_requeues_the_job_which_resumes_on_the_other_hosts(
+        slurm, shards):
+    """sbatch -N 2 (h1, h2) of the rendered template; at step 8 h2 is set DOWN (`scontrol
+    update nodename=h2 state=down`): Slurm kills the job's steps and requeues it (JobRequeue=1,
+    a node failure), it starts again on two idle hosts by itself, the job body's `--resume auto`
+    continues from the last checkpoint to the uninterrupted step count, and the job ends
+    COMPLETED with exit code 0. Nobody touches the job in between."""
+    run_dir = slurm.workdir("run") / "node-down"
+    script = render(slurm, shards, run_dir, "2", "epochs=6", "train.checkpoint_every_steps=5")
+    job = on_controller(slurm, f"HPCDL_DOCTOR=0 sbatch --parsable {script}"
+                        ).stdout.strip().split(";")[0]
+    metrics = run_dir / "metrics.jsonl"
+
+    def state() -> str:
+        return job_field(slurm, job, "JobState")
+
+    try:
+        wait_until(lambda: metrics.exists() and metrics.read_text().count('"step"') >= 8,
+                   "step 8", 300)
+        on_controller(slurm, "scontrol update nodename=h2 state=down reason=fault-test")
+        wait_until(lambda: not ranks_left(slurm)["h2"], "h2's rank to be killed", 120)
+        wait_until(lambda: state() in ("COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL",
+                                       "TIMEOUT"), "the end", 400)
+    finally:
+        on_controller(slurm, "scontrol update nodename=h2 state=resume", check=False)
+    log = next((run_dir / "logs").glob("slurm-*.out")).read_text()
+    print("\n" + "\n".join(ln for ln in log.splitlines() if "restart" in ln or "exit" in ln))
+    assert state() == "COMPLETED" and job_field(slurm, job, "ExitCode") == "0:0", log[-4000:]
+    assert int(job_field(slurm, job, "Restarts")) >= 1, log[-4000:]
+    starts = re.findall(r"restart (\d) on (\S+): (\d) node", log)
+    # The requeued job starts by itself once Slurm's requeue delay (~2 min) is over, on any
+    # 2 idle hosts: h2 too, since it re-registered (ReturnToService=2 returns a DOWN node).
+    assert starts[0] == ("0", "h[1-2]", "2") and starts[-1][0] != "0", starts
+    assert starts[-1][2] == "2", starts
+    assert re.search(r"resumed from \S+ckpt-\d+\.pt at step [1-9]", log), log[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["steps"], summary["stopped"]) == (STEPS, "completed"), summary
