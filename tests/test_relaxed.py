@@ -3,6 +3,7 @@ local-SGD and compression terms (hpcdl/comm/policy.py, hpcdl/comm/powersgd.py,
 hpcdl/plan/model.py). The collectives themselves are tested in tests/mpi/test_consistency.py."""
 import pytest
 
+from hpcdl.errors import BadInputError
 from hpcdl.plan.machine import load_machine
 from hpcdl.plan.model import Placement, PlanInputs, allreduce_s, bucket_sizes, plan
 from hpcdl.plan.workload import Workload
@@ -187,7 +188,7 @@ def test_plan_names_a_bad_comm_key_of_the_recipe(tmp_path):
     from hpcdl.cli.plan import resolve
 
     path = write_recipe(tmp_path, algorithm="local_sgd", local_steps=0)
-    with pytest.raises(SystemExit, match=r"relaxed.yaml: comm.local_steps=0"):
+    with pytest.raises(BadInputError, match=r"relaxed.yaml: comm.local_steps=0"):
         resolve(plan_args("--recipe", path))
 
 
