@@ -727,15 +727,23 @@ def calibrate_across_hosts(args: argparse.Namespace, directory: str) -> int:
     if world.rank != 0:
         return 0
     doc = with_network(base, net)
-    try:
-        path = write_machine(doc, directory)
-    except OSError as exc:
-        print(f"hpcdl plan --calibrate: cannot write {directory}: {exc}; use --machines-dir",
-              file=sys.stderr)
-        return 1
+    path = write_machine_or_say(doc, directory)
+    if path is None:
+        return 2
     print(yaml.safe_dump({"network": doc["network"]}, sort_keys=False, width=100))
     print(f"wrote {path}")
     return 0
+
+
+def write_machine_or_say(doc: dict, directory: str) -> str | None:
+    """The machine file's path, or None after one line saying why it could not be written
+    (bad input: the caller exits 2)."""
+    try:
+        return write_machine(doc, directory)
+    except OSError as exc:
+        print(f"hpcdl plan --calibrate: cannot write {directory}: {exc}; use --machines-dir",
+              file=sys.stderr)
+        return None
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
@@ -752,12 +760,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
     m = measure(quick=args.quick, batch=args.batch_per_rank)
     doc = machine_document(m, previous)
-    try:
-        path = write_machine(doc, directory)
-    except OSError as exc:
-        print(f"hpcdl plan --calibrate: cannot write {directory}: {exc}; use --machines-dir",
-              file=sys.stderr)
-        return 1
+    path = write_machine_or_say(doc, directory)
+    if path is None:
+        return 2
     print(yaml.safe_dump({k: doc[k] for k in ("node", "compute", "intra_node", "data", "cpu")},
                          sort_keys=False,
                          width=100))
