@@ -142,6 +142,7 @@ forward_time_limit() {
 trap forward_time_limit USR1
 
 log "train: ${LAUNCH[*]}"
+train_start=$(date +%s)
 "${LAUNCH[@]}" &
 train_pid=$!
 [ "$time_up" = 1 ] && forward_time_limit  # came between the check above and the trap
@@ -152,7 +153,17 @@ wait "$train_pid"
 rc=$?
 trap - USR1
 
-[ "$rc" -eq "$CHECKPOINT_EXIT" ] && requeue "checkpoint written"
+# srun --kill-on-bad-exit counts the first rank's CHECKPOINT_EXIT as a failure and kills the
+# ranks still writing their way out (exit 143 for the launcher, seen across hosts, where ranks
+# end milliseconds apart): the run's own summary, written by this launch, says what happened.
+stopped_on_signal() {
+    local summary=$RUN_DIR/summary.json
+    [ -f "$summary" ] && [ "$(stat -c %Y "$summary")" -ge "$train_start" ] &&
+        grep -q '"stopped": "signal"' "$summary"
+}
+if [ "$rc" -eq "$CHECKPOINT_EXIT" ] || { [ "$rc" -ne 0 ] && stopped_on_signal; }; then
+    requeue "checkpoint written"
+fi
 log "training finished with exit code $rc"
 if [ "$rc" -eq 0 ] && [ "$TRAIN_DATA" = "$LOCAL_DATA" ] && [ "${HPCDL_KEEP_LOCAL:-0}" != 1 ]; then
     # The run is over: free the node-local disk (a requeued run keeps it, to skip the copy).

@@ -33,9 +33,11 @@ from test_slurm_across_hosts import DEMO_RECIPE, OVERRIDES, render, shards, slur
 __all__ = ["shards", "slurm"]  # module fixtures, used by name
 
 STALL = {"HPCDL_STALL_WARN_S": "2", "HPCDL_STALL_ABORT_S": "10", "HPCDL_STALL_EXIT_GRACE_S": "2"}
-#: 6 epochs of 7 steps; a checkpoint every 5 steps.
-STEPS = 42
-RUN_OVERRIDES = (*[o for o in OVERRIDES if not o.startswith("epochs=")], "epochs=6")
+#: 40 epochs of 7 steps; a checkpoint every 5 steps. Long enough that a fault applied after step
+#: 8 lands inside training on a quiet machine too (a step there takes ~25 ms: 42 steps were over
+#: before the link went down, and the job then hung in MPI_Finalize, outside any watchdog).
+STEPS = 7 * 40
+RUN_OVERRIDES = (*[o for o in OVERRIDES if not o.startswith("epochs=")], "epochs=40")
 TRAIN = f"--deterministic --no-eval --no-progress --checkpoint-every 5 {' '.join(RUN_OVERRIDES)}"
 #: processes every host keeps: the namespace holder, Slurm's daemons
 PERMANENT = ("sleep infinity", "slurmd", "slurmctld")
