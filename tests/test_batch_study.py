@@ -4,6 +4,7 @@ test split used only by the finals, seeds' spread, resume from record.json, tabl
 The sweep logic runs with a fake trainer (a formula of lr, batch and seed); the real
 Trainer's plumbing is the three-run bench's, tested in test_bench_train_convergence.py."""
 import argparse
+import json
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from hpcdl.bench import batch_study as study
 from hpcdl.bench import convergence
 from hpcdl.bench.report import format_table
+from hpcdl.errors import BadInputError
 from hpcdl.train.config import config_from_dict
 
 
@@ -21,6 +23,7 @@ def study_args(**changes) -> argparse.Namespace:
     args.batch_list = [128, 384, 768, 1536, 3072]
     args.grid_list = [0.5, 1.0, 2.0]
     args.extend_edges = 0          # the grid alone, unless a test asks for the extension
+    args.optimizer_list = list(study.OPTIMIZERS)
     for key, value in changes.items():
         setattr(args, key, value)
     return args
@@ -88,35 +91,105 @@ def test_study_tunes_on_holdout_then_runs_three_seeds_of_the_chosen_lr(tmp_path)
     assert result["ratios"]["lars_drop_top1_b128_to_b3072"] == pytest.approx(0.0, abs=1e-4)
 
 
-def test_a_best_lr_at_an_edge_widens_that_batch_s_grid_for_both_optimizers(tmp_path):
-    """fake_top1's LARS peaks at 2x its centre, the top of the x0.5/x1/x2 grid: every batch is
-    widened by x0.25 and x4, for SGD (whose best is inside) as for LARS."""
+def factors_tried(tune, opt, batch, args):
+    return sorted(round(r.lr / study.centre_lr(opt, batch, args), 6) for r in tune
+                  if r.batch == batch and r.optimizer == opt)
+
+
+def test_a_best_lr_at_an_edge_widens_that_optimizers_grid_beyond_that_edge(tmp_path):
+    """fake_top1's LARS peaks at 2x its centre, the top of the x0.5/x1/x2 grid: LARS's grid
+    gains x4 at every batch; SGD's best is inside, so its grid stays as it was."""
     trainer = FakeTrainer()
     args = study_args(extend_edges=1, batch_list=[128, 3072])
     result = study.execute_study(args, trainer, str(tmp_path))
     tune = [r for r in trainer.calls if r.phase == "tune"]
     for batch in (128, 3072):
-        for opt in study.OPTIMIZERS:
-            factors = sorted(round(r.lr / study.centre_lr(opt, batch, args), 6) for r in tune
-                             if r.batch == batch and r.optimizer == opt)
-            assert factors == pytest.approx([0.25, 0.5, 1.0, 2.0, 4.0], rel=1e-5)
+        assert factors_tried(tune, "lars", batch, args) == pytest.approx([0.5, 1, 2, 4])
+        assert factors_tried(tune, "sgd", batch, args) == pytest.approx([0.5, 1, 2])
     chosen = {(row["optimizer"], row["global_batch"]):
               round(row["lr"] / study.centre_lr(row["optimizer"], row["global_batch"], args), 3)
               for row in result["rows"]}
     assert chosen == {("lars", 128): 2.0, ("sgd", 128): 1.0, ("lars", 3072): 2.0,
                       ("sgd", 3072): 1.0}                       # still the true optima
+    assert not any(row["at_edge"] for row in result["rows"])
+    assert {row["tuned_lrs"] for row in result["rows"] if row["optimizer"] == "lars"} == {4}
     assert trainer.calls == tune + [r for r in trainer.calls if r.phase == "final"]
+
+
+@pytest.mark.parametrize("times, chosen_factor, at_edge, tuned", [(1, 1.0, True, 3),
+                                                                    (3, 2.0, False, 5)])
+def test_the_extension_repeats_until_the_choice_is_interior_or_says_it_is_not(
+        tmp_path, times, chosen_factor, at_edge, tuned):
+    """LARS peaks at x2; a grid of x0.25, x0.5 needs three steps up (x1, x2, x4) before x2 is
+    inside it. One step is not enough, and the row says so."""
+    args = study_args(extend_edges=times, batch_list=[384], grid_list=[0.25, 0.5],
+                      optimizer_list=["lars"], seeds=1)
+    result = study.execute_study(args, FakeTrainer(), str(tmp_path))
+    (row,) = result["rows"]
+    assert row["lr"] / study.centre_lr("lars", 384, args) == pytest.approx(chosen_factor)
+    assert (row["at_edge"], row["tuned_lrs"]) == (at_edge, tuned)
 
 
 def test_a_batch_is_widened_only_when_a_best_lr_is_at_an_edge_of_its_grid(tmp_path):
     trainer = FakeTrainer()
     args = study_args(extend_edges=1, batch_list=[384], grid_list=[1.0, 2.0, 4.0])
     study.execute_study(args, trainer, str(tmp_path))   # LARS best x2, SGD x1: SGD at an edge
-    assert sum(r.phase == "tune" for r in trainer.calls) == 10
+    assert sum(r.phase == "tune" for r in trainer.calls) == 7
+    tune = [r for r in trainer.calls if r.phase == "tune"]
+    assert factors_tried(tune, "sgd", 384, args) == pytest.approx([0.5, 1, 2, 4])
     trainer = FakeTrainer()
     args = study_args(extend_edges=1, batch_list=[384], grid_list=[0.5, 1.0, 2.0, 4.0])
     study.execute_study(args, trainer, str(tmp_path / "b"))   # both inside: no extension
     assert sum(r.phase == "tune" for r in trainer.calls) == 8
+
+
+def bench_json_of(result, ranks=2, **fields):
+    """The study's bench JSON as run_study writes it: each run's record carries its settings."""
+    args = study_args()
+    runs = []
+    for record in result["runs"]:
+        run = study.StudyRun(record["phase"], record["optimizer"], record["batch"],
+                             record["lr"], record["seed"])
+        recipe = study.study_recipe(run, args, ranks)
+        runs.append({**record, "ranks": ranks, "epochs": float(args.epochs),
+                     "micro_batch": recipe["batch"]["per_rank"],
+                     "accumulation": recipe["batch"]["accumulation"],
+                     "warmup_epochs": args.warmup_epochs, "weight_decay": args.weight_decay,
+                     "trust_coefficient": recipe["optimizer"].get("trust_coefficient"),
+                     **fields})
+    return {"runs": runs}
+
+
+def test_reused_runs_are_taken_only_where_every_recorded_setting_matches(tmp_path):
+    """An earlier study whose SGD decayed every parameter: its LARS runs are this study's
+    (LARS skips BN and biases under both policies), its SGD runs are not, and are trained."""
+    first = study.execute_study(study_args(batch_list=[128], seeds=1), FakeTrainer(),
+                                str(tmp_path / "first"))
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(bench_json_of(first)))    # no decay_policy: the first studies'
+    trainer = FakeTrainer()
+    args = study_args(batch_list=[128], seeds=1, reuse_runs=str(old))
+    again = study.execute_study(args, trainer, str(tmp_path / "again"))
+    assert {r.optimizer for r in trainer.calls} == {"sgd"}
+    assert len(trainer.calls) == 3 + 1
+    assert [r["lr"] for r in again["rows"]] == [r["lr"] for r in first["rows"]]
+    trainer = FakeTrainer()
+    args = study_args(batch_list=[128], seeds=1, reuse_runs=str(old),
+                      decay_policy="sgd_decays_all")
+    study.execute_study(args, trainer, str(tmp_path / "same-policy"))
+    assert trainer.calls == []
+    trainer = FakeTrainer()
+    args = study_args(batch_list=[128], seeds=1, reuse_runs=str(old), warmup_epochs=2.0)
+    study.execute_study(args, trainer, str(tmp_path / "other-warmup"))
+    assert len(trainer.calls) == 8                      # nothing matches: everything trained
+
+
+def test_a_reuse_file_that_is_not_a_study_is_named(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(BadInputError, match="x.json"):
+        study.execute_study(study_args(batch_list=[128], reuse_runs=str(bad)), FakeTrainer(),
+                            str(tmp_path / "out"))
 
 
 def test_an_interrupted_study_resumes_without_redoing_finished_runs(tmp_path):
@@ -133,7 +206,7 @@ def test_an_interrupted_study_resumes_without_redoing_finished_runs(tmp_path):
 
 def test_a_study_with_other_settings_on_the_same_out_is_refused(tmp_path):
     study.execute_study(study_args(batch_list=[128], seeds=1), FakeTrainer(), str(tmp_path))
-    with pytest.raises(SystemExit, match="epochs"):
+    with pytest.raises(BadInputError, match="epochs"):
         study.execute_study(study_args(batch_list=[128], seeds=1, epochs=3), FakeTrainer(),
                             str(tmp_path))
 
@@ -148,6 +221,10 @@ def test_study_recipes_differ_only_in_batch_lr_optimizer_and_seed():
     assert b["batch"] == {"global": 128, "per_rank": 64, "accumulation": 1}
     assert a["schedule"]["warmup_epochs"] == b["schedule"]["warmup_epochs"] == 0.5
     assert a["optimizer"]["weight_decay"] == b["optimizer"]["weight_decay"]
+    assert (b["optimizer"]["bn_weight_decay"], b["optimizer"]["bias_decay_mult"]) == (False, 0.0)
+    old = study.study_recipe(study.StudyRun("tune", "sgd", 128, 0.1, 0),
+                             study_args(decay_policy="sgd_decays_all"), ranks=2)
+    assert "bn_weight_decay" not in old["optimizer"]
     assert a["train"]["seed"] == 2
     config_from_dict(a)
     config_from_dict(b)
@@ -177,5 +254,5 @@ def test_table_and_plot_of_the_study(tmp_path):
 
 @pytest.mark.parametrize("flag, text", [("--batches", "128,x"), ("--grid", "0,1")])
 def test_bad_lists_are_named(flag, text):
-    with pytest.raises(SystemExit, match=flag):
+    with pytest.raises(BadInputError, match=flag):
         study.parse_list(text, float, flag)

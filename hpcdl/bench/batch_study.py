@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hpcdl.errors import BadInputError, mark_agreed
 from hpcdl.io import atomic_write_text
 
 __all__ = ["StudyRun", "OPTIMIZERS", "centre_lr", "tuning_runs", "edge_extensions", "select_lr",
@@ -61,9 +62,13 @@ SIGNATURE = "study.json"
 # What every run of one study shares; a second invocation on the same --out must match it.
 SIGNATURE_KEYS = ("epochs", "model", "width", "micro_batch", "warmup_epochs", "weight_decay",
                   "trust_coefficient", "min_scale", "source", "sgd_lr", "small_batch",
-                  "lars_lr", "max_steps")
-STUDY_COLUMNS = ["optimizer", "global_batch", "lr", "holdout_top1", "top1_mean", "top1_std",
-                 "top1_min", "top1_max", "seeds", "train_s_mean"]
+                  "lars_lr", "max_steps", "decay_policy")
+# Which parameters weight decay applies to. LARS always leaves BN's γ/β and every bias undecayed
+# (the MLPerf skip list); "skip_bn_bias" gives SGD the same (Goyal et al. §5.1 leave BN's
+# coefficients undecayed too), "sgd_decays_all" is the first studies' SGD (every parameter).
+DECAY_POLICIES = ("skip_bn_bias", "sgd_decays_all")
+STUDY_COLUMNS = ["optimizer", "global_batch", "lr", "holdout_top1", "tuned_lrs", "at_edge",
+                 "top1_mean", "top1_std", "top1_min", "top1_max", "seeds", "train_s_mean"]
 # The batch the LARS centre is anchored at: the three-run bench tuned lr 2 / η 0.02 there.
 LARS_ANCHOR_BATCH = 1536
 
@@ -88,10 +93,10 @@ def parse_list(text: str, kind: Callable[[str], Any], flag: str) -> list[Any]:
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"hpcdl bench convergence: {flag} {text!r} is not a comma-separated "
-                         f"list of numbers") from None
+        raise mark_agreed(BadInputError(f"{flag} {text!r} is not a comma-separated "
+                         f"list of numbers")) from None
     if not values or any(v <= 0 for v in values):
-        raise SystemExit(f"hpcdl bench convergence: {flag} {text!r} needs positive values")
+        raise mark_agreed(BadInputError(f"{flag} {text!r} needs positive values"))
     return values
 
 
@@ -107,7 +112,8 @@ def tuning_runs(args: argparse.Namespace) -> list[StudyRun]:
     """Every (optimizer, batch, lr) of the grid, seed 0, on the holdout split: the same number
     of values for each optimizer at each batch."""
     return [StudyRun("tune", opt, batch, round(centre_lr(opt, batch, args) * factor, 6), 0)
-            for batch in args.batch_list for opt in OPTIMIZERS for factor in args.grid_list]
+            for batch in args.batch_list for opt in args.optimizer_list
+            for factor in args.grid_list]
 
 
 def grid_step(grid: Sequence[float]) -> float:
@@ -117,27 +123,29 @@ def grid_step(grid: Sequence[float]) -> float:
 
 
 def edge_extensions(args: argparse.Namespace, records: dict[str, dict[str, Any]],
-                    runs: Sequence[StudyRun], factors: dict[int, list[float]]
+                    runs: Sequence[StudyRun], factors: dict[tuple[str, int], list[float]]
                     ) -> list[StudyRun]:
-    """The tuning runs one extension adds: at every batch where either optimizer's best holdout
-    lr is the smallest or the largest tried there, one grid step below the smallest and one
-    above the largest of that batch's ``factors`` (updated here), for both optimizers (the
-    same count for each)."""
+    """The tuning runs one extension adds: for each (optimizer, batch) whose best holdout lr
+    is the smallest or the largest value tried, one grid step beyond that edge (``factors``,
+    per optimizer and batch, updated here). Repeated ``--extend-edges`` times, this ends with
+    every chosen lr interior, or says which is not (``at_edge`` in the table)."""
     extra = []
+    step = grid_step(args.grid_list)
     for batch in args.batch_list:
-        at_edge = False
-        for opt in OPTIMIZERS:
+        for opt in args.optimizer_list:
+            best, _ = select_lr(records, runs, opt, batch)
+            mine = factors[(opt, batch)]
             lrs = sorted(r.lr for r in runs if r.phase == "tune" and r.optimizer == opt
                          and r.batch == batch)
-            best, _ = select_lr(records, runs, opt, batch)
-            at_edge |= best in (lrs[0], lrs[-1])
-        if not at_edge:
-            continue
-        step = grid_step(args.grid_list)
-        new = [factors[batch][0] / step, factors[batch][-1] * step]
-        factors[batch] = sorted([*factors[batch], *new])
-        extra += [StudyRun("tune", opt, batch, round(centre_lr(opt, batch, args) * factor, 6), 0)
-                  for factor in new for opt in OPTIMIZERS]
+            if best == lrs[0]:
+                new = mine[0] / step
+            elif best == lrs[-1]:
+                new = mine[-1] * step
+            else:
+                continue
+            factors[(opt, batch)] = sorted([*mine, new])
+            extra.append(StudyRun("tune", opt, batch,
+                                  round(centre_lr(opt, batch, args) * new, 6), 0))
     return extra
 
 
@@ -160,7 +168,8 @@ def select_lr(records: dict[str, dict[str, Any]], runs: Sequence[StudyRun], opti
 
 def final_runs(args: argparse.Namespace, chosen: dict[tuple[str, int], float]) -> list[StudyRun]:
     return [StudyRun("final", opt, batch, chosen[(opt, batch)], seed)
-            for batch in args.batch_list for opt in OPTIMIZERS for seed in range(args.seeds)]
+            for batch in args.batch_list for opt in args.optimizer_list
+            for seed in range(args.seeds)]
 
 
 def study_micro_batch(args: argparse.Namespace, ranks: int) -> int:
@@ -182,6 +191,8 @@ def study_recipe(run: StudyRun, args: argparse.Namespace, ranks: int) -> dict[st
                      "trust_coefficient": args.trust_coefficient}
     else:
         optimizer = {"name": "sgd", "momentum": 0.9, "weight_decay": args.weight_decay}
+        if args.decay_policy == "skip_bn_bias":
+            optimizer.update(bn_weight_decay=False, bias_decay_mult=0.0)
     return {
         "name": f"fmnist_study_{run.key}",
         "source": "hpcdl bench convergence --study (You et al. arXiv:1708.03888 Fig. 1 in "
@@ -200,8 +211,10 @@ def study_recipe(run: StudyRun, args: argparse.Namespace, ranks: int) -> dict[st
 
 
 def aggregate(records: dict[str, dict[str, Any]], finals: Sequence[StudyRun],
-              holdout: dict[tuple[str, int], float]) -> list[dict[str, Any]]:
-    """One row per (optimizer, batch): the seeds' top-1 mean, sample std, min and max."""
+              holdout: dict[tuple[str, int], float], tune: Sequence[StudyRun] = ()
+              ) -> list[dict[str, Any]]:
+    """One row per (optimizer, batch): the seeds' top-1 mean, sample std, min and max, how
+    many lrs were tuned and whether the chosen one is still an edge of them."""
     rows = []
     groups: dict[tuple[str, int], list[StudyRun]] = {}
     for run in finals:
@@ -212,6 +225,9 @@ def aggregate(records: dict[str, dict[str, Any]], finals: Sequence[StudyRun],
         rows.append({
             "optimizer": opt, "global_batch": batch, "lr": runs[0].lr,
             "holdout_top1": holdout.get((opt, batch)),
+            "tuned_lrs": len(tried := sorted(r.lr for r in tune if r.optimizer == opt
+                                             and r.batch == batch)),
+            "at_edge": bool(tried) and runs[0].lr in (tried[0], tried[-1]),
             "top1_mean": statistics.fmean(top1) if top1 else None,
             "top1_std": statistics.stdev(top1) if len(top1) > 1 else 0.0 if top1 else None,
             "top1_min": min(top1) if top1 else None, "top1_max": max(top1) if top1 else None,
@@ -306,12 +322,53 @@ def check_signature(args: argparse.Namespace, out: str, write: bool) -> None:
         if saved != signature:
             diff = {k: (saved.get(k), signature[k]) for k in signature if saved.get(k) !=
                     signature[k]}
-            raise SystemExit(f"hpcdl bench convergence --study: {path} was written by a study "
+            raise mark_agreed(BadInputError(f"{path} was written by a study "
                              f"with other settings (saved, now): {diff}; use another --out or "
-                             f"the same settings")
+                             f"the same settings"))
     elif write:
         os.makedirs(out, exist_ok=True)
         atomic_write_text(path, json.dumps(signature, indent=1) + "\n")
+
+
+def _legacy_policy(record: dict[str, Any]) -> str:
+    """Records from before ``decay_policy`` was recorded: SGD then decayed every parameter."""
+    return record.get("decay_policy", "sgd_decays_all")
+
+
+def reuse_records(args: argparse.Namespace, out: str) -> int:
+    """Copy the runs of an earlier study's bench JSON (``--reuse-runs``) into ``out`` as
+    finished runs, each only if every setting its record carries is this study's (epochs,
+    per-rank batch, accumulation, warm-up, weight decay, η, and for SGD the decay policy);
+    returns how many were taken. The model and width are not in a record: the file must come
+    from a study of the same model."""
+    path = args.reuse_runs
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadInputError(f"--reuse-runs {path}: not a study's bench JSON ({e})") from None
+    taken = 0
+    for record in old:
+        run = StudyRun(record["phase"], record["optimizer"], record["batch"], record["lr"],
+                       record["seed"])
+        if run.optimizer not in args.optimizer_list:
+            continue
+        recipe = study_recipe(run, args, record["ranks"])
+        wanted = {"epochs": float(args.epochs), "micro_batch": recipe["batch"]["per_rank"],
+                  "accumulation": recipe["batch"]["accumulation"],
+                  "warmup_epochs": args.warmup_epochs, "weight_decay": args.weight_decay,
+                  "trust_coefficient": recipe["optimizer"].get("trust_coefficient")}
+        if any(record.get(k) != v for k, v in wanted.items()):
+            continue
+        if run.optimizer == "sgd" and _legacy_policy(record) != args.decay_policy:
+            continue
+        target = os.path.join(out, run.key, RECORD)
+        if not os.path.exists(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            atomic_write_text(target, json.dumps({**record, "reused_from": path}, indent=1)
+                              + "\n")
+        taken += 1
+    return taken
 
 
 def execute_study(args: argparse.Namespace, runner: Runner, out: str, write: bool = True,
@@ -321,12 +378,15 @@ def execute_study(args: argparse.Namespace, runner: Runner, out: str, write: boo
     returns its record (``top1``, ``train_s``, ...) or None when stopped by a signal (then
     this returns None too). Runs with a record.json under ``out`` are not run again."""
     check_signature(args, out, write)
+    if getattr(args, "reuse_runs", None) and write:
+        reuse_records(args, out)
     barrier()
     records: dict[str, dict[str, Any]] = {}
     tune = tuning_runs(args)
     if not _do_runs(tune, runner, out, records, write, barrier):
         return None
-    factors = {batch: sorted(args.grid_list) for batch in args.batch_list}
+    factors = {(opt, batch): sorted(args.grid_list) for batch in args.batch_list
+               for opt in args.optimizer_list}
     for _ in range(getattr(args, "extend_edges", 0)):
         extra = edge_extensions(args, records, tune, factors)
         if not extra:
@@ -336,12 +396,12 @@ def execute_study(args: argparse.Namespace, runner: Runner, out: str, write: boo
             return None
     chosen, holdout = {}, {}
     for batch in args.batch_list:
-        for opt in OPTIMIZERS:
+        for opt in args.optimizer_list:
             chosen[(opt, batch)], holdout[(opt, batch)] = select_lr(records, tune, opt, batch)
     finals = final_runs(args, chosen)
     if not _do_runs(finals, runner, out, records, write, barrier):
         return None
-    rows = aggregate(records, finals, holdout)
+    rows = aggregate(records, finals, holdout, tune)
     return {"rows": rows, "ratios": study_ratios(rows),
             "runs": [records[r.key] for r in (*tune, *finals)]}
 
@@ -355,11 +415,21 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", default="0.5,1,2",
                         help="--study: lr multipliers of each method's centre lr, the same "
                              "count for both (default 0.5,1,2)")
-    parser.add_argument("--extend-edges", type=int, default=1,
-                        help="--study: times a batch's grid is widened by one step on both "
-                             "sides, for both optimizers, where either's best lr is at an edge "
-                             "(default 1; 0: the grid alone)")
+    parser.add_argument("--extend-edges", type=int, default=3,
+                        help="--study: times an (optimizer, batch) grid is widened by one step "
+                             "beyond the edge its best lr sits on, until every choice is "
+                             "interior (default 3; 0: the grid alone)")
     parser.add_argument("--seeds", type=int, default=3, help="--study: seeds per final point")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                        help="--study: which optimizers (default lars,sgd)")
+    parser.add_argument("--decay-policy", choices=DECAY_POLICIES, default="skip_bn_bias",
+                        help="--study: skip_bn_bias (default): no weight decay on BN and "
+                             "biases for either optimizer (LARS's MLPerf skip list); "
+                             "sgd_decays_all: SGD decays every parameter (the first studies)")
+    parser.add_argument("--reuse-runs", metavar="JSON", default=None,
+                        help="--study: take the finished runs of an earlier study's bench JSON "
+                             "whose settings match (same model and width), instead of "
+                             "training them again")
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="--study: write the top-1 vs batch plot here (default "
                              "OUT/study.png)")
@@ -381,10 +451,14 @@ def run_study(args: argparse.Namespace) -> int:
 
     args.batch_list = parse_list(args.batches, int, "--batches")
     args.grid_list = parse_list(args.grid, float, "--grid")
+    args.optimizer_list = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    if not args.optimizer_list or set(args.optimizer_list) - set(OPTIMIZERS):
+        raise mark_agreed(BadInputError(f"--optimizers {args.optimizers!r}: choose "
+                         f"from {','.join(OPTIMIZERS)}"))
     if args.seeds < 1:
-        raise SystemExit("hpcdl bench convergence: --seeds must be >= 1")
+        raise mark_agreed(BadInputError("--seeds must be >= 1"))
     if args.extend_edges < 0:
-        raise SystemExit("hpcdl bench convergence: --extend-edges must be >= 0")
+        raise mark_agreed(BadInputError("--extend-edges must be >= 0"))
     world = MPI.COMM_WORLD
     # Pinned in study.json: another rank count (hence another per-rank batch) on the same
     # --out is refused instead of mixing batch-norm batches.
@@ -405,7 +479,7 @@ def run_study(args: argparse.Namespace) -> int:
                 log.warning("run %s stopped by a signal: rerun the same command to resume",
                             run.key)
                 return None
-            return run_record(run.key, recipe, summary)
+            return {**run_record(run.key, recipe, summary), "decay_policy": args.decay_policy}
 
         try:
             configure_threads(comm)
