@@ -53,5 +53,5 @@ setup(
         # through its C API from the site's module or tests/ccl_env.sh (docs/comm.md); IPEX
         # stopped at 2.8 and requires torch 2.8 (docs/intel.md).
     },
-    entry_points={"console_scripts": ["hpcdl=hpcdl.cli.main:main"]},
+    entry_points={"console_scripts": ["hpcdl=hpcdl.cli.main:cli"]},
 )

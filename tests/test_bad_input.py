@@ -455,3 +455,15 @@ def test_prep_stage_of_missing_shards_exits_2(capsys, tmp_path):
     line = command_line(capsys, "prep stage", "--shards", str(tmp_path / "none"), "--to",
                         str(tmp_path / "local"))
     assert str(tmp_path / "none") in line
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["bench", "allreduce", "--repeats", "3"], "--repeats 3"),
+    (["bench", "relaxed", "--runs", "nope"], "'nope'"),
+    (["bench", "convergence", "--study", "--grid", "0,1"], "--grid"),
+])
+def test_a_bench_given_bad_arguments_exits_2_with_one_line_naming_them(capsys, argv, named):
+    """Every command's bad input is exit 2 and one line (the benches once exited 1)."""
+    assert main(argv) == EXIT_BAD_INPUT
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hpcdl bench:")]
+    assert len(lines) == 1 and named in lines[0], lines

@@ -149,6 +149,31 @@ def test_injection_spec_parses_and_rejects_garbage():
     assert parse_injection("") is None
     with pytest.raises(ValueError, match="RANK:SEQ"):
         parse_injection("1:explode")
+    # a slow checkpoint write is the trainer's: no collective is touched, and it only sleeps
+    assert parse_injection("0:checkpoint:sleep=8") is None
+    assert parse_injection("0:checkpoint2:sleep=8") is None
+    with pytest.raises(ValueError, match="RANK:checkpointN:sleep"):
+        parse_injection("0:checkpoint:raise")
+
+
+def test_a_slow_checkpoint_write_is_rehearsed_on_its_rank_only_before_the_rename(tmp_path):
+    from hpcdl.train import checkpoint as ckpt
+
+    assert ckpt.injected_write_pause(0, "0:checkpoint:sleep=2.5") == (1, 2.5)
+    assert ckpt.injected_write_pause(0, "0:checkpoint2:sleep=6") == (2, 6.0)
+    assert ckpt.injected_write_pause(1, "0:checkpoint:sleep=2.5") == (0, 0.0)
+    assert ckpt.injected_write_pause(0, "0:3:sleep=2.5") == (0, 0.0)
+    seen = []
+    path = tmp_path / "ckpt-000000001.pt"
+    real_sleep = ckpt.time.sleep
+    try:
+        ckpt.time.sleep = lambda s: seen.append((s, sorted(p.name for p in tmp_path.iterdir())))
+        ckpt.save_checkpoint(str(path), {k: 0 for k in ckpt._REQUIRED}, pause_s=0.5)
+    finally:
+        ckpt.time.sleep = real_sleep
+    ((slept, during),) = seen
+    assert slept == 0.5 and during[0].startswith(".ckpt-000000001.pt.") and path.name not in during
+    assert path.exists()
 
 
 def test_monitor_records_each_collective_in_order():
@@ -232,3 +257,13 @@ def test_hpcdl_dump_makes_a_rank_dump_its_stacks_periodically(tmp_path):
     assert out.returncode == 0, out.stderr
     log = (tmp_path / "logs" / "rank-0000.log").read_text()
     assert log.count("waiting_for_a_collective") >= 2
+
+
+def test_a_world_level_call_on_a_one_rank_communicator_is_not_called_one_host_slow():
+    """LTFB watches its exchange with the partner trainer on the trainer's own communicator:
+    with one rank there, "every rank is alive ... one host" would be false; the verdict points
+    at the call's name, which names the partner's ranks and hosts."""
+    from hpcdl.debug.stall import stall_verdict
+
+    verdict = stall_verdict(0, 1, 22, {}, ["h1"], now=100.0, stale_s=5.0, since=90.0)
+    assert "outside this rank's communicator" in verdict and "one host" not in verdict

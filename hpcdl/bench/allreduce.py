@@ -262,8 +262,10 @@ def launch_bench(mpiexec: list[str], python: str, np: int, bench_args: list[str]
     proc = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=1800)
     if proc.returncode != 0:
-        raise SystemExit(f"hpcdl bench allreduce: `{' '.join(command)}` failed (exit "
-                         f"{proc.returncode}):\n{proc.stderr[-2000:]}")
+        # a failed run, not bad input: exit 1 (hpcdl.cli.main makes a message-only exit 2)
+        print(f"hpcdl bench allreduce: `{' '.join(command)}` failed (exit {proc.returncode}):\n"
+              f"{proc.stderr[-2000:]}", file=sys.stderr)
+        raise SystemExit(1)
     with open(json_path, encoding="utf-8") as f:
         return json.load(f)
 

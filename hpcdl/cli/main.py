@@ -24,7 +24,7 @@ from types import ModuleType
 
 import hpcdl
 import hpcdl.cli
-from hpcdl.errors import EXIT_BAD_INPUT, BadInputError
+from hpcdl.errors import EXIT_BAD_INPUT, BadInputError, mark_agreed
 
 
 def _command_modules(package: ModuleType, skip: Sequence[str] = ()) -> list[ModuleType]:
@@ -106,7 +106,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except BadInputError as error:
         return report_bad_input(args.command, error, _debug(args))
+    except SystemExit as stop:
+        # The benches check their arguments with SystemExit("hpcdl bench NAME: what is
+        # wrong"), the same on every rank: bad input, exit 2 like every other command's.
+        if args.command != "bench" or not isinstance(stop.code, str):
+            raise
+        message = stop.code.removeprefix("hpcdl bench").removeprefix(":").strip()
+        return report_bad_input(args.command, mark_agreed(BadInputError(message)),
+                                _debug(args))
+
+
+def cli() -> None:
+    """The ``hpcdl`` executable: :func:`main`, then the process ends (MPI_Finalize guarded:
+    a peer cut off at that moment would otherwise hold this rank forever)."""
+    code = main()
+    from hpcdl.debug.stall import guard_mpi_finalize
+
+    guard_mpi_finalize()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -11,7 +11,9 @@ thread that issued it, so the communication thread's bucket reductions get their
 
 ``HPCDL_INJECT=RANK:SEQ:raise`` or ``RANK:SEQ:sleep=SECONDS`` makes rank RANK raise (or sleep)
 just before its SEQ-th collective: how the tests (and a curious user) rehearse a dead or stuck
-rank without editing the trainer.
+rank without editing the trainer. ``RANK:checkpointN:sleep=SECONDS`` is the trainer's (its
+N-th checkpoint write is slow, hpcdl/train/checkpoint.py) and ``RANK:exit:sleep=SECONDS``
+delays MPI_Finalize (``guard_mpi_finalize``): no collective is touched.
 """
 from __future__ import annotations
 
@@ -75,12 +77,18 @@ def parse_injection(text: str) -> tuple[int, int, str, float] | None:
     try:
         rank, seq, action = text.split(":", 2)
         kind, _, seconds = action.partition("=")
-        if kind not in ("raise", "sleep"):
+        checkpoint = seq.startswith("checkpoint") or seq == "exit"
+        if kind not in ("raise", "sleep") or (checkpoint and kind != "sleep"):
             raise ValueError(kind)
-        return int(rank), int(seq), kind, float(seconds or 0)
+        parsed = int(rank), seq, kind, float(seconds or 0)
+        if checkpoint:  # a slow checkpoint write or exit: not a collective's
+            int(seq[len("checkpoint"):] or 1) if seq != "exit" else 0
+            return None
+        return parsed[0], int(seq), kind, parsed[3]
     except ValueError:
-        raise ValueError(f"HPCDL_INJECT={text!r}: expected RANK:SEQ:raise or "
-                         f"RANK:SEQ:sleep=SECONDS") from None
+        raise ValueError(f"HPCDL_INJECT={text!r}: expected RANK:SEQ:raise, "
+                         f"RANK:SEQ:sleep=SECONDS, RANK:checkpointN:sleep=SECONDS or "
+                         f"RANK:exit:sleep=SECONDS") from None
 
 
 class _Watch:

@@ -201,6 +201,8 @@ def format_stall_report(rank: int, size: int, seq: int, name: str, waited_s: flo
     head = f"stall: rank {rank} has waited {waited_s:.1f} s in collective #{seq} {name}; "
     if late:
         head += f"{len(late)} of {size} rank(s) have not arrived: {_compact_ranks(late)}"
+    elif size == 1:  # a world-level call on a one-rank communicator (LTFB's exchange)
+        head += "its peers are outside this rank's communicator (the call's name gives them)"
     elif len(groups) <= 1:
         head += "every rank has arrived (a slow network, or an MPI progress problem)"
     lines = [head]
@@ -290,6 +292,10 @@ def stall_verdict(rank: int, size: int, seq: int | None,
     """The one line that names who stopped answering, where, and since when; "rank gone" vs
     "slow link" as far as the heartbeats can tell. ``since``: when this rank entered ``#seq``
     (the last moment every rank was known to answer: ``#seq-1`` had completed)."""
+    if size == 1:  # a world-level call watched on a one-rank communicator (LTFB's exchange)
+        return (f"waiting since {utc_clock(since)} on ranks outside this rank's communicator: "
+                f"the ones the call's name gives (their host or its link failed, or they are "
+                f"slow)")
     kinds = classify_peers(rank, size, seq, beats, hosts, now, stale_s, since)
     parts = []
     if kinds["gone"]:
@@ -377,6 +383,42 @@ def end_process(code: int) -> None:
     """The last resort of a rank whose MPI_Abort reached no one: children first, then itself."""
     kill_child_processes()
     os._exit(code)
+
+
+#: The shortest time MPI_Finalize is given before SIGALRM ends the rank.
+FINALIZE_MIN_S = 60.0
+
+
+def guard_mpi_finalize(environ: Mapping[str, str] = os.environ) -> float:
+    """Arm SIGALRM so this process ends if MPI_Finalize outlasts ``HPCDL_STALL_ABORT_S`` (at
+    least :data:`FINALIZE_MIN_S`: an exit under load may be slow, not stuck); returns the limit
+    armed (0: none). Call once the command's work is done.
+
+    MPI_Finalize waits for every peer (MPICH: a barrier through the process manager); a host
+    cut off in that last moment holds every rank there forever, outside any watchdog (the
+    watchdog has stopped; Python's own signal handlers no longer run). SIGALRM's default
+    action ends the process from the kernel, whatever the interpreter is doing: the launcher
+    sees a rank killed by signal 14 and ends the job. ``HPCDL_INJECT=RANK:exit:sleep=S``
+    rehearses it: rank RANK sleeps S s first (docs/debugging.md)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return 0.0
+    abort_s = thresholds_from_env(environ=environ).abort_s
+    limit = max(abort_s, FINALIZE_MIN_S) if abort_s > 0 else 0.0
+    rank = mpi.COMM_WORLD.Get_rank()
+    injected = environ.get("HPCDL_INJECT", "").strip().split(":", 2)
+    if len(injected) == 3 and injected[1] == "exit" and injected[0] == str(rank):
+        seconds = float(injected[2].partition("=")[2] or 0)
+        logging.getLogger(LOGGER_NAME).warning("sleeping %g s (HPCDL_INJECT) before MPI_Finalize",
+                                               seconds)
+        time.sleep(seconds)
+    if limit <= 0:
+        return 0.0
+    logging.getLogger(LOGGER_NAME).debug("MPI_Finalize gets %.0f s, then SIGALRM ends the rank",
+                                         limit)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, int(limit + 0.999)))
+    return limit
 
 
 # -- the watchdog thread ----------------------------------------------------------------------

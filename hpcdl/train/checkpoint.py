@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,13 +98,35 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 # -- write, read, choose ------------------------------------------------------------------------
-def save_checkpoint(path: str, state: Mapping[str, Any]) -> None:
-    """Write ``state`` atomically (rank 0 only; the caller gathers the RNG states first)."""
+def injected_write_pause(rank: int, text: str | None = None) -> tuple[int, float]:
+    """(N, seconds): rank ``rank``'s N-th checkpoint write of this run pauses that long between
+    the data and the rename, under ``HPCDL_INJECT=RANK:checkpointN:sleep=SECONDS`` (N defaults
+    to 1): how the fault tests land a fault while a checkpoint is half written
+    (docs/debugging.md). (0, 0.0) otherwise."""
+    text = os.environ.get("HPCDL_INJECT", "") if text is None else text
+    match = re.fullmatch(r"(\d+):checkpoint(\d*):sleep=([0-9.]+)", text.strip())
+    if match is None or int(match.group(1)) != rank:
+        return 0, 0.0
+    return int(match.group(2) or 1), float(match.group(3))
+
+
+def save_checkpoint(path: str, state: Mapping[str, Any], pause_s: float = 0.0) -> None:
+    """Write ``state`` atomically (rank 0 only; the caller gathers the RNG states first).
+    ``pause_s``: a rehearsed slow write (:func:`injected_write_pause`), after the data is in
+    the temporary file and before it takes the checkpoint's name."""
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
         raise ValueError(f"save_checkpoint {path}: state lacks {missing}")
+
+    def write(f: Any) -> None:
+        torch.save(dict(state), f)
+        if pause_s > 0:
+            f.flush()
+            log.warning("pausing %.1f s inside the write of %s (HPCDL_INJECT)", pause_s, path)
+            time.sleep(pause_s)
+
     try:
-        atomic_write(path, lambda f: torch.save(dict(state), f))
+        atomic_write(path, write)
     except (OSError, RuntimeError) as exc:
         # torch.save reports a failed write as RuntimeError("unexpected pos ..."), with the
         # OSError (ENOSPC, EFBIG) only as its context: name the OSError, the cause a person

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -114,6 +115,10 @@ class LTFB:
         self.seed = config.train.seed
         self.layout: TrainerLayout = split_world(world, ltfb.trainers)
         self.index, self.trainers = self.layout.index, ltfb.trainers
+        # Every rank's host, so a stall in a world-level exchange names the partner's hosts
+        # (the stall watchdog watches it on the trainer's communicator, which lacks them).
+        self.hosts: list[str] = world.allgather(socket.gethostname()) if ltfb.trainers > 1 \
+            else []
         self.comm = hpcdl.comm.init(backend or config.comm.backend, self.layout.trainer_comm,
                                     bucket_bytes=int(config.comm.bucket_mb * 2**20),
                                     wire_dtype=config.comm.wire_dtype)
@@ -241,9 +246,21 @@ class LTFB:
         """One integer summed over the world: has any rank been signalled?"""
         flag = np.array([0 if self._signal is None else 1], dtype=np.int64)
         total = np.empty_like(flag)
-        with watch_region(self.comm, "LTFB stop check (world)"):  # the stall watchdog sees it
+        # the stall watchdog sees it; its name says where the ranks it waits for run
+        with watch_region(self.comm, f"LTFB stop check ({self._where()})"):
             self.world.Allreduce(flag, total, op=MPI.SUM)
         return bool(total[0])
+
+    def _where(self, trainer: int | None = None) -> str:
+        """``world ranks 4-7 on c401-002,c401-003``: where trainer ``trainer``'s ranks run
+        (None: every rank of the world)."""
+        size = self.layout.trainer_size
+        first, last = (0, len(self.hosts) - 1) if trainer is None else \
+            (trainer * size, (trainer + 1) * size - 1)
+        hosts = sorted(set(self.hosts[first:last + 1]))
+        ranks = f"world rank {first}" if first == last else f"world ranks {first}-{last}"
+        shown = ",".join(hosts[:4]) + (f",... ({len(hosts)} hosts)" if len(hosts) > 4 else "")
+        return f"{ranks} on {shown}"
 
     def play_round(self, round_index: int) -> dict[str, Any]:
         """Round ``round_index``: meet the partner, swap, score both models on the local
@@ -263,7 +280,8 @@ class LTFB:
             model_tensors = state_tensors(trainer.model)
             tensors = state_tensors(trainer.model, trainer.optimizer) \
                 if self.ltfb.exchange == "weights+optimizer" else model_tensors
-            with watch_region(self.comm, f"LTFB exchange with trainer {partner}"):
+            with watch_region(self.comm, f"LTFB exchange with trainer {partner} "
+                              f"({self._where(partner)})"):
                 theirs = exchange_flat(flatten_state(tensors), self.layout, partner)
             mine = score_model(trainer.model, self.tournament_loader,
                                self.layout.trainer_comm, trainer.memory_format)

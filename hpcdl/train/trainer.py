@@ -222,6 +222,9 @@ class Trainer:
         self.last_eval: dict[str, Any] | None = None
         self._last_eval_step = -1
         self._last_checkpoint_step = -1
+        # HPCDL_INJECT=RANK:checkpointN:sleep=S: the N-th checkpoint write pauses (fault tests)
+        self._write_injection = ckpt.injected_write_pause(self.rank)
+        self._writes = 0
         self._stop_signal: int | None = None
         self._metrics: MetricsWriter | None = None
         self._images_this_run = 0
@@ -669,7 +672,9 @@ class Trainer:
                 with self._span("checkpoint", "io"):
                     state = self.state_dict(optimizer_state)
                     state["rng"] = rngs
-                    ckpt.save_checkpoint(path, state)
+                    self._writes += 1
+                    nth, pause_s = self._write_injection
+                    ckpt.save_checkpoint(path, state, pause_s if self._writes == nth else 0.0)
                     ckpt.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints)
                 log.info("checkpoint %s", path)
             except OSError as exc:  # CheckpointWriteError: disk full, quota, file-size limit

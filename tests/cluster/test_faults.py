@@ -44,14 +44,18 @@ PERMANENT = ("sleep infinity", "slurmd", "slurmctld")
 
 
 class Job:
-    """`hpcdl train` as ranks of mpiexec across ``hosts``, in the background."""
+    """`hpcdl train` (or ``program``) as ranks of mpiexec across ``hosts``, in the background;
+    ``metrics``: where its steps are counted (default OUT/metrics.jsonl)."""
 
     def __init__(self, cluster, hosts: list[str], out: Path, env: dict[str, str] | None = None,
-                 per_host: int = 1, args: str = "") -> None:
+                 per_host: int = 1, args: str = "", program: str | None = None,
+                 metrics: Path | None = None) -> None:
         self.cluster, self.hosts, self.out = cluster, hosts, out
+        self.metrics = metrics or out / "metrics.jsonl"
         self.log_path = out.parent / f"{out.name}.launcher.log"
-        line = (f"{cluster.launch_command('mpich', hosts, per_host)} hpcdl train --recipe "
-                f"{DEMO_RECIPE} --data {cluster.shards} --out {out} {TRAIN} {args}")
+        program = program or (f"hpcdl train --recipe {DEMO_RECIPE} --data {cluster.shards} "
+                              f"--out {out} {TRAIN} {args}")
+        line = f"{cluster.launch_command('mpich', hosts, per_host)} {program}"
         environ = cluster.env({**launcher_env("mpich"), **STALL, **(env or {})})
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
@@ -59,7 +63,7 @@ class Job:
                 stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True)
 
     def steps(self) -> int:
-        metrics = self.out / "metrics.jsonl"
+        metrics = self.metrics
         return metrics.read_text().count('"step"') if metrics.exists() else 0
 
     def wait_for_step(self, step: int, limit: float = 300) -> None:
@@ -81,6 +85,15 @@ class Job:
                    "rank 0 in its first collective", limit)
         assert self.process.poll() is None, self.output()
         assert self.steps() == 0
+
+    def wait_in_checkpoint_write(self, limit: float = 300) -> None:
+        """Rank 0 is inside a checkpoint write (``HPCDL_INJECT=0:checkpointN:sleep=S`` holds it
+        there): its temporary file exists, the checkpoint's name does not yet."""
+        ckpts = self.out / "checkpoints"
+        wait_until(lambda: any(ckpts.glob(".ckpt-*.tmp")) or self.process.poll() is not None,
+                   "rank 0 inside a checkpoint write", limit)
+        assert self.process.poll() is None, self.output()
+        (self.writing,) = [p.name.split(".")[1] for p in ckpts.glob(".ckpt-*.tmp")]
 
     def fault(self) -> None:
         self.fault_at = time.monotonic()
@@ -175,6 +188,22 @@ def signal_host(cluster, host: str, sig: signal.Signals) -> list[str]:
     return hit
 
 
+#: How each phase is reached: start-up holds rank 1 before its first collective (rank 0 waits
+#: in it); a checkpoint write holds rank 0 inside its second checkpoint write (step 7, the
+#: first epoch's end), after the data and before the rename, while rank 1 waits for it.
+PHASE_ENV = {"training": {}, "start-up": {"HPCDL_INJECT": "1:1:sleep=4"},
+             "checkpoint": {"HPCDL_INJECT": "0:checkpoint2:sleep=6"}}
+
+
+def reach(job: Job, phase: str) -> None:
+    if phase == "training":
+        job.wait_for_step(8)
+    elif phase == "start-up":
+        job.wait_in_first_collective()
+    else:
+        job.wait_in_checkpoint_write()
+
+
 def stall_line(text: str) -> str:
     lines = [ln for ln in text.splitlines() if "stall: aborting the job (MPI_Abort 3)" in ln]
     assert lines, text[-4000:]
@@ -206,22 +235,19 @@ def resume_to_the_end(cluster, hosts: list[str], run_dir: Path, after: int) -> d
 
 
 # -- 1. a host's link goes down ---------------------------------------------------------------
-@pytest.mark.parametrize("phase", ["training", "start-up"])
+@pytest.mark.parametrize("phase", ["training", "start-up", "checkpoint"])
 def test_a_host_whose_link_goes_down_ends_the_job_and_its_cut_off_rank_ends_itself(hosts, phase):
     """h2's eth0 down: rank 0 (h1) aborts after the abort limit, naming both hosts and since
     when (the shared directory still carries rank 1's heartbeats: it is alive and waiting, so
     the verdict is "slow link ... or not at all"); rank 1, cut off, aborts too, its MPI_Abort
     reaches no one, and it ends itself after the grace. No rank is left on any host; the last
-    checkpoint loads and `--resume auto` on h1 alone continues to the same final step count."""
+    checkpoint loads and `--resume auto` on h1 alone continues to the same final step count.
+    During a checkpoint write, the write itself is rank 0's alone: it completes, and it is the
+    one the resume loads."""
     out = hosts.workdir("link-down") / "run"
-    # start-up: rank 1 sleeps before its first collective, and the link goes down meanwhile
-    env = {"HPCDL_INJECT": "1:1:sleep=3"} if phase == "start-up" else {}
-    job = Job(hosts, ["h1", "h2"], out, env)
+    job = Job(hosts, ["h1", "h2"], out, PHASE_ENV[phase])
     try:
-        if phase == "training":
-            job.wait_for_step(8)
-        else:
-            job.wait_in_first_collective()
+        reach(job, phase)
         hosts.script("link", "h2", "down")
         job.fault()
         rc = job.wait()
@@ -240,17 +266,16 @@ def test_a_host_whose_link_goes_down_ends_the_job_and_its_cut_off_rank_ends_itse
     finally:
         hosts.script("link", "h2", "up")
         end_leftovers(hosts, "h2")
-    if phase == "training":
-        step = last_checkpoint(out)
-        assert step >= 5, step
-        resume_to_the_end(hosts, ["h1"], out, step)
-    else:
+    if phase == "start-up":
         assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+        return
+    step = last_checkpoint(out)
+    assert step >= 5, step
+    if phase == "checkpoint":  # the write the fault landed in completed and loads
+        assert f"ckpt-{step:09d}" == job.writing, (step, job.writing)
+    resume_to_the_end(hosts, ["h1"], out, step)
 
 
-@pytest.mark.skip(reason="open finding (2026-12-01): on a quiet machine a 20 s link-down of h2 "
-                  "in the middle of training showed no stall at all (1,400 steps ran through); "
-                  "passed under load earlier; to be understood before it gates CI")
 def test_a_link_that_comes_back_after_20_s_is_slow_not_dead(hosts):
     """h2's eth0 down for 20 s with an abort limit of 60 s: the stall report warns (slow link),
     then "stall over" once the link is back, and the job trains to the end, exit 0."""
@@ -260,39 +285,127 @@ def test_a_link_that_comes_back_after_20_s_is_slow_not_dead(hosts):
     try:
         job.wait_for_step(8)
         hosts.script("link", "h2", "down")
+        print(f"\nlink down at {time.strftime('%H:%M:%S')} step {job.steps()}")
         time.sleep(20)
     finally:
         hosts.script("link", "h2", "up")
+        print(f"link up at {time.strftime('%H:%M:%S')} step {job.steps()}")
     rc = job.wait(timeout=300)
     text = job.output()
     assert rc == 0, text[-4000:]
-    # The warning names the silent peer; which verdict depends on where each rank was waiting
-    # when the link went (measured: "slow link" when both were inside one collective).
-    assert re.search(r"stall: .*(slow link|alive but not arrived|not heard from)", text), \
-        text[-4000:]
+    # The warning's verdict is on the line after it (the first pass at this test searched one
+    # line, found nothing and was skipped as "no stall"; the stall was there). Which verdict
+    # depends on where each rank was waiting when the link went: "slow link" when both were
+    # inside one collective.
+    stalls = [ln for ln in text.splitlines() if "stall" in ln or "verdict:" in ln]
+    assert re.search(r"slow link|alive but not arrived|not heard from", "\n".join(stalls)), \
+        stalls or text[-4000:]
+    print("\n".join(stalls))
     # each rank that warned says so: in a watched collective, or in a raw MPI call
     over = re.compile(r"stall over: (collective #\d+|MPI) .+ completed after \d+\.\d s "
                       r"\(slow, not dead\)")
-    assert over.search(text) or over.search(job.rank_log(1)), text[-4000:]
+    assert over.search(text) or over.search(job.rank_log(1)), stalls
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["steps"], summary["stopped"]) == (7 * 200, "completed"), summary
     assert_no_rank_left(hosts)
 
 
+def test_a_link_cut_while_the_ranks_finalize_ends_them_within_the_abort_limit(hosts):
+    """The work done (summary.json written), rank 1 held before MPI_Finalize
+    (``HPCDL_INJECT=1:exit:sleep=8``) while h2's link goes down: MPI_Finalize cannot complete on
+    either side, and nothing watches it but the SIGALRM each rank arms once its command is
+    done (HPCDL_STALL_ABORT_S, at least 60 s). Both ranks end (killed by signal 14), the launcher
+    exits non-zero, nothing is left on any host, and the run's record says it completed."""
+    out = hosts.workdir("link-down-exit") / "run"
+    job = Job(hosts, ["h1", "h2"], out, {"HPCDL_INJECT": "1:exit:sleep=8"})
+    try:
+        wait_until(lambda: "before MPI_Finalize" in job.rank_log(1)
+                   or job.process.poll() is not None, "rank 1 at MPI_Finalize", 300)
+        assert job.process.poll() is None, job.output()[-4000:]
+        hosts.script("link", "h2", "down")
+        job.fault()
+        wait_until(lambda: not any(ranks_left(hosts).values()), "every rank to end", 150)
+        print(f"\nevery rank ended {time.monotonic() - job.fault_at:.1f} s after the fault")
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["steps"], summary["stopped"]) == (STEPS, "completed"), summary
+    finally:
+        hosts.script("link", "h2", "up")
+    rc = job.wait()
+    assert rc != 0, job.output()[-4000:]
+    print(job.output()[-1500:])
+    assert_no_rank_left(hosts)
+    end_leftovers(hosts, "h2")
+
+
+# -- 1b. every entry point, its host's link cut -----------------------------------------------
+def entry_program(cluster, entry: str, out: Path) -> tuple[str, Path, dict[str, str]]:
+    """(program, where its rank-0 progress is read, env) of each entry point; progress is a
+    metrics file where the entry point writes one, else rank 0's heartbeat."""
+    beats = out / "heartbeat"
+    if entry == "demo":  # preparing Fashion-MNIST takes rank 0 longer than the short limit
+        return (f"hpcdl demo --out {out} --no-progress", out / "metrics.jsonl",
+                {"HPCDL_STALL_ABORT_S": "60"})
+    if entry == "ltfb":
+        return (f"hpcdl train --recipe {DEMO_RECIPE} --data {cluster.shards} --out {out} "
+                f"--algorithm ltfb --trainers 2 --tournament-interval 2 {TRAIN}",
+                out / "trainer-00" / "metrics.jsonl", {})
+    if entry == "bench":
+        return ("hpcdl bench allreduce --backends mpi --only-listed --sizes 16777216 "
+                "--repeats 5000 --warmup 1", beats, {"HPCDL_HEARTBEAT_DIR": str(beats)})
+    return (f"python3 {REPO / 'tests' / 'cluster' / 'programs' / 'own_loop.py'}", beats,
+            {"HPCDL_HEARTBEAT_DIR": str(beats)})
+
+
+@pytest.mark.parametrize("entry", ["demo", "ltfb", "bench", "own-loop"])
+def test_every_entry_point_ends_a_job_whose_host_is_cut_off(hosts, entry):
+    """`hpcdl demo`, LTFB (trainers on different hosts: only the tournaments cross hosts), `hpcdl
+    bench allreduce` and a user's own loop on `hpcdl.comm.init`, each with h2's link taken down
+    mid-run: the default stall watchdog ends each job (exit 3) with rank 0's line naming h2,
+    rank 1 ends itself (its dump says so; under LTFB it is rank 0 of trainer 1, in that
+    trainer's directory), and no rank is left on any host. The demo runs with a 60 s abort
+    limit: preparing Fashion-MNIST keeps rank 0 away from collectives longer than 10 s."""
+    out = hosts.workdir(f"entry-{entry}") / "run"
+    out.mkdir(parents=True)
+    program, progress, env = entry_program(hosts, entry, out)
+    job = Job(hosts, ["h1", "h2"], out, env, program=program,
+              metrics=progress if progress.suffix == ".jsonl" else None)
+    try:
+        if progress.suffix == ".jsonl":
+            job.wait_for_step(6, limit=600)
+        else:  # these write no metrics (and no heartbeat while busy): 10 s after both ranks
+            # started, well inside their loops (the bench: 5,000 allreduces of 16 MiB)
+            wait_until(lambda: all(ranks_left(hosts)[h] for h in ("h1", "h2"))
+                       or job.process.poll() is not None, "both ranks", 300)
+            time.sleep(10)
+            assert job.process.poll() is None, job.output()[-4000:]
+        hosts.script("link", "h2", "down")
+        job.fault()
+        rc = job.wait()
+        # rank 0's line, from its output or (when MPI_Abort cut that short) its log and dump
+        text = "\n".join([job.output(), *(p.read_text(errors="replace") for p in
+                                          (*out.rglob("rank-*.log"), *out.rglob("*.stall.txt")))])
+        assert rc == 3, text[-4000:]
+        line = stall_line("\n".join(ln for ln in text.splitlines() if "(h1)" in ln))
+        assert "on rank 0 (h1)" in line and "h2" in line, line
+        assert_no_rank_left(hosts)
+        dumps = [p.read_text(errors="replace") for p in out.rglob("rank-*.stall.txt")]
+        assert any(re.search(r"MPI_Abort did not end rank \d \(h2\)", d) for d in dumps), dumps
+    finally:
+        hosts.script("link", "h2", "up")
+        end_leftovers(hosts, "h2")
+
+
 # -- 2. a host freezes ------------------------------------------------------------------------
-@pytest.mark.parametrize("phase", ["training", "start-up"])
+@pytest.mark.parametrize("phase", ["training", "start-up", "checkpoint"])
 def test_a_frozen_host_ends_the_job_naming_it_rank_gone(hosts, phase):
     """Every process on h2 SIGSTOPped (rank, launcher proxy, holder): rank 0's heartbeat
     reader sees rank 1's heartbeat stop, aborts after the abort limit with "rank gone: rank 1
-    on h2 silent since T". Once h2 thaws, nothing of the job is left."""
+    on h2 silent since T". Once h2 thaws, nothing of the job is left, and `--resume auto` on
+    both hosts (the fault repaired) continues to the same final step count."""
     out = hosts.workdir("freeze") / "run"
-    env = {"HPCDL_INJECT": "1:1:sleep=4"} if phase == "start-up" else {}
-    job = Job(hosts, ["h1", "h2"], out, env)
+    job = Job(hosts, ["h1", "h2"], out, PHASE_ENV[phase])
     try:
-        if phase == "training":
-            job.wait_for_step(8)
-        else:
-            job.wait_in_first_collective()
+        reach(job, phase)
         frozen = signal_host(hosts, "h2", signal.SIGSTOP)
         job.fault()
         assert any(is_rank(c) for c in frozen), frozen
@@ -310,21 +423,30 @@ def test_a_frozen_host_ends_the_job_naming_it_rank_gone(hosts, phase):
         print(f"launcher ended while h2 was frozen: {launcher_ended_while_frozen}")
     finally:
         end_leftovers(hosts, "h2")
-    if phase == "training":
-        assert last_checkpoint(out) >= 5
+    if phase == "start-up":
+        return
+    step = last_checkpoint(out)
+    assert step >= 5, step
+    if phase == "checkpoint":
+        assert f"ckpt-{step:09d}" == job.writing, (step, job.writing)
+    resume_to_the_end(hosts, ["h1", "h2"], out, step)
 
 
 # -- 3. a rank killed, a host's whole process tree killed ----------------------------------
-@pytest.mark.parametrize("what", ["rank", "host"])
-def test_a_killed_rank_or_host_ends_the_job_naming_it(hosts, what):
+@pytest.mark.parametrize("what, phase", [("rank", "training"), ("host", "training"),
+                                         ("rank", "start-up"), ("rank", "checkpoint"),
+                                         ("host", "checkpoint")])
+def test_a_killed_rank_or_host_ends_the_job_naming_it(hosts, what, phase):
     """SIGKILL of rank 1 on h2 (or of every process on h2: the launcher proxy as well): MPICH's
     launcher ends the job at once, exit non-zero, naming the host and pid when its proxy saw
     the rank die (with the proxy gone, MPICH names no one: a finding, docs/debugging.md); no
-    rank is left anywhere and the last checkpoint loads."""
-    out = hosts.workdir(f"kill-{what}") / "run"
-    job = Job(hosts, ["h1", "h2"], out)
+    rank is left anywhere and the last checkpoint loads. During a checkpoint write the launcher
+    kills rank 0 in the middle of it: that file never takes a checkpoint's name, and `--resume
+    auto` on both hosts loads the one before."""
+    out = hosts.workdir(f"kill-{what}-{phase}") / "run"
+    job = Job(hosts, ["h1", "h2"], out, PHASE_ENV[phase])
     try:
-        job.wait_for_step(8)
+        reach(job, phase)
         if what == "rank":
             victims = [pid for pid, _, cmd in processes(hosts, "h2") if is_rank(cmd)]
             assert victims
@@ -345,20 +467,29 @@ def test_a_killed_rank_or_host_ends_the_job_naming_it(hosts, what):
         print(text[-1500:])
     finally:
         end_leftovers(hosts, "h2")
+    if phase == "start-up":
+        assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+        return
     step = last_checkpoint(out)
     assert step >= 5, step
+    if phase == "checkpoint":  # the half-written one never took its name
+        assert not (out / "checkpoints" / f"{job.writing}.pt").exists()
+        assert f"ckpt-{step:09d}" < job.writing
+        resume_to_the_end(hosts, ["h1", "h2"], out, step)
 
 
 # -- 4. a link degraded to a trickle ----------------------------------------------------------
-def test_a_link_shaped_to_a_trickle_is_slow_not_dead_and_the_report_says_slow_link(hosts):
-    """h2's link shaped to 1 mbit/s (tbf) for 12 s mid-training, abort limit 60 s: a gradient
-    allreduce (~350 kB) then takes seconds, past the warn limit; the report's verdict is "slow
-    link" (every rank alive and inside the collective), "stall over" follows, and the job trains
-    to the end, exit 0."""
-    out = hosts.workdir("trickle") / "run"
-    job = Job(hosts, ["h1", "h2"], out, {"HPCDL_STALL_ABORT_S": "60"})
+@pytest.mark.parametrize("phase", ["training", "start-up", "checkpoint"])
+def test_a_link_shaped_to_a_trickle_is_slow_not_dead_and_the_report_says_slow_link(hosts, phase):
+    """h2's link shaped to 1 mbit/s (tbf) for 12 s, abort limit 60 s: a gradient allreduce
+    (~350 kB) then takes seconds, past the warn limit; in training the report's verdict is
+    "slow link" (every rank alive and inside the collective), "stall over" follows, and the job
+    trains to the end, exit 0. At start-up and during a checkpoint write (where rank 1 waits
+    for rank 0's write, and says so) no verdict may say "rank gone"."""
+    out = hosts.workdir(f"trickle-{phase}") / "run"
+    job = Job(hosts, ["h1", "h2"], out, {"HPCDL_STALL_ABORT_S": "60", **PHASE_ENV[phase]})
     try:
-        job.wait_for_step(8)
+        reach(job, phase)
         hosts.script("shape", "h2", "1mbit")
         time.sleep(12)
     finally:
@@ -366,11 +497,13 @@ def test_a_link_shaped_to_a_trickle_is_slow_not_dead_and_the_report_says_slow_li
     rc = job.wait(timeout=300)
     text = job.output()
     assert rc == 0, text[-4000:]
-    warnings = [ln for ln in text.splitlines() if "verdict: slow link" in ln]
-    assert warnings, text[-4000:]
-    print(f"\n{warnings[0]}")
+    stalls = [ln for ln in text.splitlines() if "stall" in ln or "verdict:" in ln]
+    print("\n" + "\n".join(stalls))
+    if phase == "training":
+        assert any("verdict: slow link" in ln for ln in stalls), stalls or text[-4000:]
+    assert not any("rank gone" in ln for ln in stalls), stalls
     assert "stall: aborting" not in text, text[-4000:]
-    assert "stall over:" in text + job.rank_log(1), text[-4000:]
+    assert "stall over:" in text + job.rank_log(1), stalls or text[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["steps"], summary["stopped"]) == (STEPS, "completed"), summary
     assert_no_rank_left(hosts)
@@ -396,8 +529,9 @@ def test_a_full_file_system_during_a_checkpoint_names_the_file_and_keeps_the_pre
         ckpts = out / "checkpoints"
         wait_until(lambda: "ckpt-" in hosts.run("h1", f"ls {ckpts} 2>/dev/null").stdout
                    or job.process.poll() is not None, "the first checkpoint", 300)
-        on_h1(f"fallocate -l $(( $(df --output=avail -B1 {base} | tail -1) - 131072 )) "
-              f"{base}/filler")
+        # the job keeps writing meanwhile: measure and fill again until fallocate fits
+        on_h1(f"for i in 1 2 3 4 5 6 7 8; do fallocate -l $(( $(df --output=avail -B1 {base} "
+              f"| tail -1) - 131072 )) {base}/filler && break; sleep 0.2; done")
         job.fault()
         rc = job.wait()
         text = job.output()
