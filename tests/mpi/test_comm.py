@@ -6,9 +6,11 @@ on one machine: uniform nodes at p=2 and 4, the unequal-nodes leader path at p=3
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -308,16 +310,18 @@ def test_ccl_constants_match_the_installed_header():
                      header.read_text())
 
 
-def _one_host_env() -> dict[str, str | None]:
-    return {key: os.environ.get(key) for key in hpcdl.comm.ccl.ONE_HOST_DEFAULTS}
-
-
-def _restore_env(saved: dict[str, str | None]) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+@contextlib.contextmanager
+def one_host_env_kept() -> Iterator[None]:
+    """The oneCCL one-host defaults `hpcdl.comm.init("ccl")` may set, as they were before."""
+    saved = {key: os.environ.get(key) for key in hpcdl.comm.ccl.ONE_HOST_DEFAULTS}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 #: the same on every rank (tmp_path is not): the message every rank raises is rank 0's
@@ -329,12 +333,8 @@ def test_ccl_without_oneccl_names_what_is_missing(world, monkeypatch):
     it was looked for and how to get it (hpcdl train turns it into exit 2)."""
     monkeypatch.setattr(hpcdl.comm.ccl, "_library", None)  # as in a fresh process
     monkeypatch.setenv("CCL_ROOT", NO_ONECCL)
-    saved = _one_host_env()
-    try:
-        with pytest.raises(hpcdl.comm.ccl.CCLUnavailableError) as info:
-            hpcdl.comm.init("ccl")
-    finally:
-        _restore_env(saved)
+    with one_host_env_kept(), pytest.raises(hpcdl.comm.ccl.CCLUnavailableError) as info:
+        hpcdl.comm.init("ccl")
     message = str(info.value)
     assert "\n" not in message
     assert f"CCL_ROOT={NO_ONECCL}" in message and "libccl.so.2" in message
@@ -348,12 +348,8 @@ def test_ccl_missing_on_one_rank_fails_every_rank_naming_it(world, monkeypatch):
     monkeypatch.setattr(hpcdl.comm.ccl, "_library", None)
     if world.rank == 1:
         monkeypatch.setenv("CCL_ROOT", NO_ONECCL)
-    saved = _one_host_env()
-    try:
-        with pytest.raises(hpcdl.comm.ccl.CCLUnavailableError) as info:
-            hpcdl.comm.init("ccl")
-    finally:
-        _restore_env(saved)
+    with one_host_env_kept(), pytest.raises(hpcdl.comm.ccl.CCLUnavailableError) as info:
+        hpcdl.comm.init("ccl")
     assert "libccl.so.2" in str(info.value)
     if world.rank != 1:
         assert str(info.value).startswith(f"rank 1 of {world.size}")
