@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 from cluster_hosts import REPO, SCRIPT, job_field, launcher_env, on_controller
-from test_slurm_across_hosts import DEMO_RECIPE, OVERRIDES, render, shards, slurm, wait_until
+from test_slurm_across_hosts import DEMO_RECIPE, OVERRIDES, render, shards, wait_until
 
-__all__ = ["shards", "slurm"]  # module fixtures, used by name
+__all__ = ["shards"]  # a module fixture, used by name
 
 STALL = {"HPCDL_STALL_WARN_S": "2", "HPCDL_STALL_ABORT_S": "10", "HPCDL_STALL_EXIT_GRACE_S": "2"}
 #: 40 epochs of 7 steps; a checkpoint every 5 steps. Long enough that a fault applied after step
@@ -121,6 +121,35 @@ class Job:
     def dump(self, rank: int) -> str:
         path = self.out / "logs" / "heartbeat" / f"rank-{rank:04d}.stall.txt"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def make_the_hosts_again(cluster) -> None:
+    """Tear the hosts down and make them again, as a site reboots nodes a fault went through.
+    Measured without it (2026-12-01, the whole cluster stage): every MPICH job under `srun
+    --mpi=pmi2` after this module's faults failed in MPI_Init (garbled PMI-2 requests, UCX
+    "Destination is unreachable") on all three hosts, while each passed on fresh hosts, and
+    Intel MPI's and Open MPI's passed either way. What state the faults leave (killed ranks'
+    shared memory, half-closed connections) is not pinned down; what is left in /dev/shm is
+    printed for the record."""
+    left = {h: cluster.listing(h, "/dev/shm") for h in cluster.hosts}
+    print(f"\n/dev/shm after the faults: {left}")
+    cluster.script("down")
+    cluster.script("up", str(len(cluster.hosts)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hosts_made_again_afterwards(cluster):
+    """The next module starts on fresh hosts."""
+    yield
+    make_the_hosts_again(cluster)
+
+
+@pytest.fixture(scope="module")
+def slurm_on_fresh_hosts(cluster):
+    """Slurm on hosts made again after the faults before it."""
+    make_the_hosts_again(cluster)
+    cluster.script("slurm", "up", timeout=120)
+    return cluster
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +282,8 @@ def test_a_host_whose_link_goes_down_ends_the_job_and_its_cut_off_rank_ends_itse
         rc = job.wait()
         text = job.output()
         assert rc != 0, text[-4000:]
-        line = stall_line(text)
+        # rank 0's own log too: its stderr's last line can be lost to its MPI_Abort
+        line = stall_line(text + "\n" + job.rank_log(0))
         assert "on rank 0 (h1)" in line and re.search(r"since \d\d:\d\d:\d\d UTC", line), line
         assert "h2" in line, line
         left = assert_no_rank_left(hosts)
@@ -564,12 +594,13 @@ def test_a_full_file_system_during_a_checkpoint_names_the_file_and_keeps_the_pre
 
 # -- 6. under Slurm, a node set DOWN mid-job ------------------------------------------------
 def test_a_node_set_down_under_slurm_requeues_the_job_which_resumes_on_the_other_hosts(
-        slurm, shards):
+        slurm_on_fresh_hosts, shards):
     """sbatch -N 2 (h1, h2) of the rendered template; at step 8 h2 is set DOWN (`scontrol
     update nodename=h2 state=down`): Slurm kills the job's steps and requeues it (JobRequeue=1,
     a node failure), it starts again on two idle hosts by itself, the job body's `--resume auto`
     continues from the last checkpoint to the uninterrupted step count, and the job ends
     COMPLETED with exit code 0. Nobody touches the job in between."""
+    slurm = slurm_on_fresh_hosts
     run_dir = slurm.workdir("run") / "node-down"
     script = render(slurm, shards, run_dir, "2", "epochs=6", "train.checkpoint_every_steps=5")
     job = on_controller(slurm, f"HPCDL_DOCTOR=0 sbatch --parsable {script}"
