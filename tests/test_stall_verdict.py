@@ -44,6 +44,19 @@ def test_a_peer_whose_heartbeat_stopped_is_gone_one_that_beats_is_alive():
     assert kinds == {"gone": [1], "unheard": [], "busy": [2], "waiting": [3]}
 
 
+def test_a_peer_blocked_in_a_raw_mpi_call_waits_on_data_it_is_not_busy():
+    """Measured on the test cluster: h2's link cut while rank 1 was in the trainer's raw loss
+    allreduce and rank 0, past it, in the next gradient allreduce: rank 1 waits on data in
+    flight (slow link), it is not "busy outside collectives"."""
+    now = 1000.0
+    beats = {0: _beat(0, 25, True, now), 1: {**_beat(1, 24, False, now - 1.0, host="h2"),
+                                             "blocked_in": "MPI Allreduce at trainer.py:466"}}
+    kinds = classify_peers(0, 2, 25, beats, ["h1", "h2"], now, stale_s=10.0, since=now - 10.0)
+    assert kinds["waiting"] == [1] and kinds["busy"] == []
+    line = stall_verdict(0, 2, 25, beats, ["h1", "h2"], now, stale_s=10.0, since=now - 10.0)
+    assert line.startswith("slow link:") and "between hosts h1,h2" in line, line
+
+
 def test_a_stale_heartbeat_from_before_the_wait_counts_from_when_the_wait_began():
     # Healthy ranks do not write: rank 1's last beat is from start-up, but collective #6
     # completed (so rank 1 answered) 8 s ago -- not yet silent for stale_s.

@@ -250,8 +250,8 @@ def classify_peers(rank: int, size: int, seq: int | None,
     ``gone`` (nothing from it for more than ``stale_s`` after that moment and its heartbeat:
     frozen, killed, or cut off; a rank that never wrote counts only where its host's ranks
     write here), ``unheard`` (no heartbeat, and none from its host: another host's directory),
-    ``busy`` (alive, not arrived at ``#seq``), ``waiting`` (alive, inside ``#seq`` like us; with
-    ``seq=None``, this rank is blocked in a raw MPI call: inside any call counts). A live rank
+    ``busy`` (alive, not arrived at ``#seq``, in no MPI call), ``waiting`` (alive, inside
+    ``#seq`` like us, or blocked in any MPI call: a collective or a raw one). A live rank
     that is quiet rewrites its heartbeat within ``stale_s``."""
     seen_hosts = {hosts[r] for r in beats if r < len(hosts)}
     kinds: dict[str, list[int]] = {"gone": [], "unheard": [], "busy": [], "waiting": []}
@@ -264,11 +264,13 @@ def classify_peers(rank: int, size: int, seq: int | None,
             kinds["gone" if visible and now - since > stale_s else "unheard"].append(r)
         elif now - max(last_heard(beat), since) > stale_s:
             kinds["gone"].append(r)
-        elif beat.get("in_collective") or (seq is None and beat.get("blocked_in")) or \
+        elif beat.get("in_collective") or beat.get("blocked_in") or \
                 (seq is not None and int(beat["seq"]) >= seq):
             # Alive and inside a collective -- ours, an earlier one, or a later one it reached
             # because its share of ours left it (an eager send into a dead link completes on
-            # the sender): every such rank waits on data in flight, not on work.
+            # the sender) -- or blocked in a raw MPI call between two of ours (the trainer's
+            # loss check: we passed it, so its data left us): every such rank waits on data
+            # in flight, not on work.
             kinds["waiting"].append(r)
         else:
             kinds["busy"].append(r)
