@@ -233,6 +233,26 @@ def reach(job: Job, phase: str) -> None:
         job.wait_in_checkpoint_write()
 
 
+def checkpoint_after_the_fault(out: Path, job: Job, phase: str, write_completed: bool
+                               ) -> int | None:
+    """The step of the newest complete checkpoint once the job has ended (None at start-up,
+    where none may exist). A fault during a checkpoint write leaves the one being written when
+    rank 0's own write could complete (``write_completed``), else the one before it: the
+    half-written file never took a checkpoint's name."""
+    ckpts = out / "checkpoints"
+    if phase == "start-up":
+        assert not ckpts.exists() or not list(ckpts.iterdir())
+        return None
+    step = last_checkpoint(out)
+    assert step >= 5, step
+    if phase == "checkpoint" and write_completed:
+        assert f"ckpt-{step:09d}" == job.writing, (step, job.writing)
+    elif phase == "checkpoint":
+        assert not (ckpts / f"{job.writing}.pt").exists()
+        assert f"ckpt-{step:09d}" < job.writing
+    return step
+
+
 def stall_line(text: str) -> str:
     lines = [ln for ln in text.splitlines() if "stall: aborting the job (MPI_Abort 3)" in ln]
     assert lines, text[-4000:]
@@ -296,14 +316,10 @@ def test_a_host_whose_link_goes_down_ends_the_job_and_its_cut_off_rank_ends_itse
     finally:
         hosts.script("link", "h2", "up")
         end_leftovers(hosts, "h2")
-    if phase == "start-up":
-        assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
-        return
-    step = last_checkpoint(out)
-    assert step >= 5, step
-    if phase == "checkpoint":  # the write the fault landed in completed and loads
-        assert f"ckpt-{step:09d}" == job.writing, (step, job.writing)
-    resume_to_the_end(hosts, ["h1"], out, step)
+    # during a checkpoint write, rank 0's own write completes: the resume loads that one
+    step = checkpoint_after_the_fault(out, job, phase, write_completed=True)
+    if step is not None:
+        resume_to_the_end(hosts, ["h1"], out, step)
 
 
 def test_a_link_that_comes_back_after_20_s_is_slow_not_dead(hosts):
@@ -453,13 +469,9 @@ def test_a_frozen_host_ends_the_job_naming_it_rank_gone(hosts, phase):
         print(f"launcher ended while h2 was frozen: {launcher_ended_while_frozen}")
     finally:
         end_leftovers(hosts, "h2")
-    if phase == "start-up":
-        return
-    step = last_checkpoint(out)
-    assert step >= 5, step
-    if phase == "checkpoint":
-        assert f"ckpt-{step:09d}" == job.writing, (step, job.writing)
-    resume_to_the_end(hosts, ["h1", "h2"], out, step)
+    step = checkpoint_after_the_fault(out, job, phase, write_completed=True)
+    if step is not None:
+        resume_to_the_end(hosts, ["h1", "h2"], out, step)
 
 
 # -- 3. a rank killed, a host's whole process tree killed ----------------------------------
@@ -497,14 +509,9 @@ def test_a_killed_rank_or_host_ends_the_job_naming_it(hosts, what, phase):
         print(text[-1500:])
     finally:
         end_leftovers(hosts, "h2")
-    if phase == "start-up":
-        assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
-        return
-    step = last_checkpoint(out)
-    assert step >= 5, step
-    if phase == "checkpoint":  # the half-written one never took its name
-        assert not (out / "checkpoints" / f"{job.writing}.pt").exists()
-        assert f"ckpt-{step:09d}" < job.writing
+    # the launcher kills rank 0 in the middle of its write: the checkpoint before it loads
+    step = checkpoint_after_the_fault(out, job, phase, write_completed=False)
+    if phase == "checkpoint":
         resume_to_the_end(hosts, ["h1", "h2"], out, step)
 
 
