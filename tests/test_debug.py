@@ -157,12 +157,13 @@ def test_injection_spec_parses_and_rejects_garbage():
 
 
 def test_a_slow_checkpoint_write_is_rehearsed_on_its_rank_only_before_the_rename(tmp_path):
+    from hpcdl.debug.inject import injected_pause
     from hpcdl.train import checkpoint as ckpt
 
-    assert ckpt.injected_write_pause(0, "0:checkpoint:sleep=2.5") == (1, 2.5)
-    assert ckpt.injected_write_pause(0, "0:checkpoint2:sleep=6") == (2, 6.0)
-    assert ckpt.injected_write_pause(1, "0:checkpoint:sleep=2.5") == (0, 0.0)
-    assert ckpt.injected_write_pause(0, "0:3:sleep=2.5") == (0, 0.0)
+    assert injected_pause(0, "checkpoint", "0:checkpoint:sleep=2.5") == (1, 2.5)
+    assert injected_pause(0, "checkpoint", "0:checkpoint2:sleep=6") == (2, 6.0)
+    assert injected_pause(1, "checkpoint", "0:checkpoint:sleep=2.5") == (0, 0.0)
+    assert injected_pause(0, "checkpoint", "0:3:sleep=2.5") == (0, 0.0)
     seen = []
     path = tmp_path / "ckpt-000000001.pt"
     real_sleep = ckpt.time.sleep

@@ -24,6 +24,7 @@ import uuid
 from collections import deque
 from typing import Any
 
+from hpcdl.debug.inject import is_named_point
 from hpcdl.debug.log import COLLECTIVES_LOGGER, debug_enabled
 from hpcdl.debug.stall import (
     StallWatchdog,
@@ -77,14 +78,11 @@ def parse_injection(text: str) -> tuple[int, int, str, float] | None:
     try:
         rank, seq, action = text.split(":", 2)
         kind, _, seconds = action.partition("=")
-        checkpoint = seq.startswith("checkpoint") or seq == "exit"
-        if kind not in ("raise", "sleep") or (checkpoint and kind != "sleep"):
+        named = is_named_point(seq)  # a pause at a point of the run, not at a collective
+        if kind not in ("raise", "sleep") or (named and kind != "sleep"):
             raise ValueError(kind)
         parsed = int(rank), seq, kind, float(seconds or 0)
-        if checkpoint:  # a slow checkpoint write or exit: not a collective's
-            int(seq[len("checkpoint"):] or 1) if seq != "exit" else 0
-            return None
-        return parsed[0], int(seq), kind, parsed[3]
+        return None if named else (parsed[0], int(seq), kind, parsed[3])
     except ValueError:
         raise ValueError(f"HPCDL_INJECT={text!r}: expected RANK:SEQ:raise, "
                          f"RANK:SEQ:sleep=SECONDS, RANK:checkpointN:sleep=SECONDS or "

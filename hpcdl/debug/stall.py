@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpcdl.debug.inject import injected_pause
 from hpcdl.debug.log import LOGGER_NAME
 
 DEFAULT_WARN_S = 60.0
@@ -407,10 +408,9 @@ def guard_mpi_finalize(environ: Mapping[str, str] = os.environ) -> float:
         return 0.0
     abort_s = thresholds_from_env(environ=environ).abort_s
     limit = max(abort_s, FINALIZE_MIN_S) if abort_s > 0 else 0.0
-    rank = mpi.COMM_WORLD.Get_rank()
-    injected = environ.get("HPCDL_INJECT", "").strip().split(":", 2)
-    if len(injected) == 3 and injected[1] == "exit" and injected[0] == str(rank):
-        seconds = float(injected[2].partition("=")[2] or 0)
+    _, seconds = injected_pause(mpi.COMM_WORLD.Get_rank(), "exit",
+                                environ.get("HPCDL_INJECT", ""))
+    if seconds > 0:
         logging.getLogger(LOGGER_NAME).warning("sleeping %g s (HPCDL_INJECT) before MPI_Finalize",
                                                seconds)
         time.sleep(seconds)

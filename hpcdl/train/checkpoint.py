@@ -98,22 +98,10 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 # -- write, read, choose ------------------------------------------------------------------------
-def injected_write_pause(rank: int, text: str | None = None) -> tuple[int, float]:
-    """(N, seconds): rank ``rank``'s N-th checkpoint write of this run pauses that long between
-    the data and the rename, under ``HPCDL_INJECT=RANK:checkpointN:sleep=SECONDS`` (N defaults
-    to 1): how the fault tests land a fault while a checkpoint is half written
-    (docs/debugging.md). (0, 0.0) otherwise."""
-    text = os.environ.get("HPCDL_INJECT", "") if text is None else text
-    match = re.fullmatch(r"(\d+):checkpoint(\d*):sleep=([0-9.]+)", text.strip())
-    if match is None or int(match.group(1)) != rank:
-        return 0, 0.0
-    return int(match.group(2) or 1), float(match.group(3))
-
-
 def save_checkpoint(path: str, state: Mapping[str, Any], pause_s: float = 0.0) -> None:
     """Write ``state`` atomically (rank 0 only; the caller gathers the RNG states first).
-    ``pause_s``: a rehearsed slow write (:func:`injected_write_pause`), after the data is in
-    the temporary file and before it takes the checkpoint's name."""
+    ``pause_s``: a rehearsed slow write (``HPCDL_INJECT=0:checkpointN:sleep=S``), after the data
+    is in the temporary file and before it takes the checkpoint's name."""
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
         raise ValueError(f"save_checkpoint {path}: state lacks {missing}")

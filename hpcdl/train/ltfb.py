@@ -119,6 +119,7 @@ class LTFB:
         # (the stall watchdog watches it on the trainer's communicator, which lacks them).
         self.hosts: list[str] = world.allgather(socket.gethostname()) if ltfb.trainers > 1 \
             else []
+        self._stop_check = f"LTFB stop check ({self._where()})" if self.hosts else ""
         self.comm = hpcdl.comm.init(backend or config.comm.backend, self.layout.trainer_comm,
                                     bucket_bytes=int(config.comm.bucket_mb * 2**20),
                                     wire_dtype=config.comm.wire_dtype)
@@ -247,7 +248,7 @@ class LTFB:
         flag = np.array([0 if self._signal is None else 1], dtype=np.int64)
         total = np.empty_like(flag)
         # the stall watchdog sees it; its name says where the ranks it waits for run
-        with watch_region(self.comm, f"LTFB stop check ({self._where()})"):
+        with watch_region(self.comm, self._stop_check):
             self.world.Allreduce(flag, total, op=MPI.SUM)
         return bool(total[0])
 

@@ -29,6 +29,7 @@ import torch
 
 from hpcdl.comm.policy import create_policy
 from hpcdl.data.nodes import node_path
+from hpcdl.debug.inject import injected_pause
 from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.optim.factory import set_learning_rate
 from hpcdl.train import checkpoint as ckpt
@@ -223,7 +224,7 @@ class Trainer:
         self._last_eval_step = -1
         self._last_checkpoint_step = -1
         # HPCDL_INJECT=RANK:checkpointN:sleep=S: the N-th checkpoint write pauses (fault tests)
-        self._write_injection = ckpt.injected_write_pause(self.rank)
+        self._write_injection = injected_pause(self.rank, "checkpoint")
         self._writes = 0
         self._stop_signal: int | None = None
         self._metrics: MetricsWriter | None = None
