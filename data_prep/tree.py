@@ -38,6 +38,8 @@ class SplitListing:
     keys: list[str] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
     empty_classes: list[str] = field(default_factory=list)
+    #: files (or label rows) left out while listing, as the sharder's skips: key and reason
+    skipped: list[dict[str, str]] = field(default_factory=list)
 
 
 def list_classes(tree: str) -> list[str]:
@@ -75,13 +77,35 @@ def scan_class_folders(tree: str, split: str, classes: list[str]) -> SplitListin
     return listing
 
 
-def read_loc_solution(path: str) -> dict[str, str]:
-    """Kaggle's LOC_val_solution.csv: image id (file name without extension) -> wnid."""
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.reader(f))
-    if not rows or rows[0][:2] != ["ImageId", "PredictionString"]:
-        raise ValueError(f"{path}: expected the header 'ImageId,PredictionString'")
-    return {row[0]: row[1].split()[0] for row in rows[1:] if row}
+def read_loc_solution(path: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """Kaggle's LOC_val_solution.csv: (image id -> wnid, [(image id, why its row is unusable)]).
+
+    A row is unusable when it has no image id or no class (an empty PredictionString): the
+    image it names is then skipped like an unreadable file (``--strict`` refuses it). A file
+    that is not such a CSV at all (not UTF-8, an unterminated quote, another header) is a ValueError
+    naming it: no row of it can be trusted.
+    """
+    labels: dict[str, str] = {}
+    bad: list[tuple[str, str]] = []
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f, strict=True)  # an unterminated quote is an error
+            header = next(reader, None)
+            if header is None or header[:2] != ["ImageId", "PredictionString"]:
+                raise ValueError(f"{path}: expected the header 'ImageId,PredictionString'")
+            for row in reader:
+                if not row:
+                    continue
+                tokens = row[1].split() if len(row) > 1 else []
+                if row[0] and tokens:
+                    labels[row[0]] = tokens[0]
+                else:
+                    what = "no image id" if not row[0] else "no class in PredictionString"
+                    bad.append((row[0], f"{path} line {reader.line_num}: {what}"))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path}: not a readable CSV file ({exc}); expected Kaggle's "
+                         f"{LOC_SOLUTION}") from None
+    return labels, bad
 
 
 def read_devkit_ground_truth(path: str, files: list[str], classes: list[str],
@@ -124,14 +148,24 @@ def scan_flat_val(tree: str, classes: list[str], labels_file: str | None,
     if labels_file is None:
         raise FileNotFoundError(f"{root}: flat validation files need --val-labels "
                                 f"({LOC_SOLUTION} or {DEVKIT_GROUND_TRUTH})")
+    unusable: list[tuple[str, str]] = []
     if labels_file.endswith(".csv"):
-        wnid_of = read_loc_solution(labels_file)
+        wnid_of, unusable = read_loc_solution(labels_file)
     else:
         wnid_of = read_devkit_ground_truth(labels_file, files, classes, synsets)
     index = {c: i for i, c in enumerate(classes)}
     listing = SplitListing()
+    # A row without an image id is reported as itself; one naming a file not in val/ is
+    # ignored like any row of an absent file.
+    listing.skipped = [{"key": why.split(": ")[0], "reason": why} for image_id, why in unusable
+                       if not image_id]
+    why_not = dict(unusable)
     for f in files:
-        wnid = wnid_of.get(os.path.splitext(f)[0])
+        image_id = os.path.splitext(f)[0]
+        if image_id in why_not:
+            listing.skipped.append({"key": f"val/{f}", "reason": why_not[image_id]})
+            continue
+        wnid = wnid_of.get(image_id)
         if wnid is None:
             raise ValueError(f"{labels_file}: no label for val/{f}")
         if wnid not in index:
