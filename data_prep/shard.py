@@ -323,7 +323,8 @@ def shard_tree(src: str, out: str, shards: int, val_shards: int | None = None,
     if comm is not None:
         listing = comm.bcast(listing, root=0)
     if isinstance(listing, Exception):
-        raise listing
+        # Every rank raises the same error here: one of the tree's is agreed (one line, exit 2)
+        raise mark_agreed(listing) if isinstance(listing, BadInputError) else listing
     classes, listings = listing
     unlisted = [s for split_listing in listings.values() for s in split_listing.skipped]
     if strict and unlisted:  # every rank holds the same listing: every rank raises this

@@ -27,8 +27,18 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+from hpcdl.errors import BadInputError
+
 LOC_SOLUTION = "LOC_val_solution.csv"
 DEVKIT_GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
+
+
+class TreeError(BadInputError, ValueError):
+    """The source tree or its labels file cannot be sharded as given (the message names it)."""
+
+
+class TreeMissingError(TreeError, FileNotFoundError):
+    """A folder or labels file the tree needs is not there."""
 
 
 @dataclass
@@ -46,10 +56,10 @@ def list_classes(tree: str) -> list[str]:
     """Sorted class folder names under ``TREE/train``."""
     train = os.path.join(tree, "train")
     if not os.path.isdir(train):
-        raise FileNotFoundError(f"{train}: no train/ folder; expected TREE/train/<class>/*")
+        raise TreeMissingError(f"{train}: no train/ folder; expected TREE/train/<class>/*")
     classes = sorted(e.name for e in os.scandir(train) if e.is_dir())
     if not classes:
-        raise ValueError(f"{train}: no class folders; expected TREE/train/<class>/*")
+        raise TreeError(f"{train}: no class folders; expected TREE/train/<class>/*")
     return classes
 
 
@@ -64,7 +74,7 @@ def scan_class_folders(tree: str, split: str, classes: list[str]) -> SplitListin
     index = {c: i for i, c in enumerate(classes)}
     unknown = sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name not in index)
     if unknown:
-        raise ValueError(f"{root}: folders {unknown[:5]} are not train classes")
+        raise TreeError(f"{root}: folders {unknown[:5]} are not train classes")
     listing = SplitListing()
     for name in classes:
         folder = os.path.join(root, name)
@@ -92,7 +102,7 @@ def read_loc_solution(path: str) -> tuple[dict[str, str], list[tuple[str, str]]]
             reader = csv.reader(f, strict=True)  # an unterminated quote is an error
             header = next(reader, None)
             if header is None or header[:2] != ["ImageId", "PredictionString"]:
-                raise ValueError(f"{path}: expected the header 'ImageId,PredictionString'")
+                raise TreeError(f"{path}: expected the header 'ImageId,PredictionString'")
             for row in reader:
                 if not row:
                     continue
@@ -103,7 +113,7 @@ def read_loc_solution(path: str) -> tuple[dict[str, str], list[tuple[str, str]]]
                     what = "no image id" if not row[0] else "no class in PredictionString"
                     bad.append((row[0], f"{path} line {reader.line_num}: {what}"))
     except (UnicodeDecodeError, csv.Error) as exc:
-        raise ValueError(f"{path}: not a readable CSV file ({exc}); expected Kaggle's "
+        raise TreeError(f"{path}: not a readable CSV file ({exc}); expected Kaggle's "
                          f"{LOC_SOLUTION}") from None
     return labels, bad
 
@@ -112,9 +122,14 @@ def read_devkit_ground_truth(path: str, files: list[str], classes: list[str],
                              synsets: str | None) -> dict[str, str]:
     """Devkit list: line i is the ILSVRC2012_ID of the i-th sorted validation file."""
     with open(path, encoding="utf-8") as f:
-        ids = [int(line) for line in f if line.strip()]
+        lines = [(n, line.strip()) for n, line in enumerate(f, start=1) if line.strip()]
+    not_ids = [(n, text) for n, text in lines if not text.isdigit()]
+    if not_ids:
+        raise TreeError(f"{path} line {not_ids[0][0]}: {not_ids[0][1][:40]!r} is not an "
+                        f"ILSVRC2012_ID (1..1000, one per line)")
+    ids = [int(text) for _, text in lines]
     if len(ids) != len(files):
-        raise ValueError(f"{path}: {len(ids)} labels for {len(files)} validation files")
+        raise TreeError(f"{path}: {len(ids)} labels for {len(files)} validation files")
     if synsets:
         with open(synsets, encoding="utf-8") as f:
             id_to_wnid = [line.split()[0] for line in f if line.strip()]
@@ -125,7 +140,7 @@ def read_devkit_ground_truth(path: str, files: list[str], classes: list[str],
         id_to_wnid = classes
     bad = [i for i in ids if not 1 <= i <= len(id_to_wnid)]
     if bad:
-        raise ValueError(f"{path}: ids {bad[:5]} outside 1..{len(id_to_wnid)}")
+        raise TreeError(f"{path}: ids {bad[:5]} outside 1..{len(id_to_wnid)}")
     return {os.path.splitext(f)[0]: id_to_wnid[i - 1] for f, i in zip(files, ids, strict=True)}
 
 
@@ -146,7 +161,7 @@ def scan_flat_val(tree: str, classes: list[str], labels_file: str | None,
     files = [f for f in _files(root) if f not in (LOC_SOLUTION, DEVKIT_GROUND_TRUTH)]
     labels_file = labels_file or find_val_labels(tree)
     if labels_file is None:
-        raise FileNotFoundError(f"{root}: flat validation files need --val-labels "
+        raise TreeMissingError(f"{root}: flat validation files need --val-labels "
                                 f"({LOC_SOLUTION} or {DEVKIT_GROUND_TRUTH})")
     unusable: list[tuple[str, str]] = []
     if labels_file.endswith(".csv"):
@@ -167,9 +182,9 @@ def scan_flat_val(tree: str, classes: list[str], labels_file: str | None,
             continue
         wnid = wnid_of.get(image_id)
         if wnid is None:
-            raise ValueError(f"{labels_file}: no label for val/{f}")
+            raise TreeError(f"{labels_file}: no label for val/{f}")
         if wnid not in index:
-            raise ValueError(f"{labels_file}: val/{f} has class {wnid!r}, not a train class")
+            raise TreeError(f"{labels_file}: val/{f} has class {wnid!r}, not a train class")
         listing.keys.append(f"val/{f}")
         listing.labels.append(index[wnid])
     return listing

@@ -164,6 +164,17 @@ def test_a_labels_file_that_is_not_the_csv_exits_2_naming_it(capsys, tree, tmp_p
     assert_refused(code, err, tmp_path / "shards", path, why)
 
 
+def test_a_devkit_ground_truth_line_that_is_no_id_exits_2_naming_file_and_line(capsys, tree,
+                                                                              tmp_path):
+    os.unlink(os.path.join(tree.root, "LOC_val_solution.csv"))
+    path = os.path.join(tree.root, "ILSVRC2012_validation_ground_truth.txt")
+    with open(path, "w") as f:
+        f.write("1\n2\nn01440764\n1\n")
+    code, _, err = prep_shard(capsys, tree, tmp_path / "shards")
+    assert_refused(code, err, tmp_path / "shards", f"{path} line 3: 'n01440764' is not an "
+                                                   f"ILSVRC2012_ID")
+
+
 # -- several ranks: a verdict every rank reached ends cleanly; one rank's error ends the job ------
 needs_mpiexec = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 
@@ -194,3 +205,12 @@ def test_one_ranks_own_error_ends_the_job_and_its_line_gets_out(tree, tmp_path):
     assert code == EXIT_BAD_INPUT, out
     assert len(lines) == 1 and "train-00001-of-00002.h5" in lines[0], out
     assert not (out_dir / "manifest.json").exists()
+
+
+@needs_mpiexec
+def test_a_bad_labels_file_under_two_ranks_is_one_line_and_exit_2_without_an_abort(tree,
+                                                                                   tmp_path):
+    path = rewrite_csv(tree, lambda lines: ["Image,Label", *lines[1:]])
+    code, out = mpiexec_prep_shard(tree, tmp_path / "shards")
+    assert_refused(code, out, tmp_path / "shards", path, "expected the header")
+    assert "MPI_Abort" not in out and "BAD TERMINATION" not in out  # every rank agreed
