@@ -32,6 +32,7 @@ import numpy as np
 
 from hpcdl.data.format import FORMAT_VERSION, MANIFEST, shard_name
 from hpcdl.data_prep.tree import scan_tree
+from hpcdl.errors import BadInputError, mark_agreed
 from hpcdl.io import atomic_write_bytes, atomic_write_text, sha256_file
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "shard_name", "shard_tree", "sha256_file"]
@@ -42,6 +43,10 @@ JPEG_QUALITY = 90
 
 class SkipSample(Exception):
     """A source file that cannot become a training image; the message is the reason."""
+
+
+class BadSourceError(BadInputError, RuntimeError):
+    """``--strict``: source files (or label rows) that would have been skipped, named."""
 
 
 class InjectedFailure(RuntimeError):
@@ -63,6 +68,11 @@ def decode_rgb(data: bytes, resize: int):
     JPEGs are decoded at a reduced DCT scale (Pillow's draft mode) when the target allows,
     which is most of the sharding time saved on ImageNet's ~400x350 average image.
     CMYK, grayscale, palette and alpha images become RGB.
+
+    Every exception of the decoding is the file's fault, not the sharder's: Pillow's format
+    plugins parse untrusted bytes and raise whatever their parser meets (OSError and
+    SyntaxError mostly, but also EOFError, struct.error, IndexError, KeyError, ...), so all of
+    them make the file a skipped sample with the reason.
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -70,28 +80,37 @@ def decode_rgb(data: bytes, resize: int):
         img = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
         raise SkipSample("not an image") from exc
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise SkipSample(f"corrupt image header: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - see above: any plugin error is a corrupt file
+        raise SkipSample(f"corrupt image header: {_reason(exc)}") from exc
     try:
         target = resized_size(*img.size, resize)
         if img.format == "JPEG" and target != img.size:
             img.draft("RGB", target)
         img.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise SkipSample(f"corrupt {img.format or 'image'}: {exc}") from exc
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    if img.size != target:
-        img = img.resize(target, Image.Resampling.BICUBIC)
-    return np.asarray(img)
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+        if img.size != target:
+            img = img.resize(target, Image.Resampling.BICUBIC)
+        return np.asarray(img)
+    except Exception as exc:  # noqa: BLE001 - see above
+        raise SkipSample(f"corrupt {img.format or 'image'}: {_reason(exc)}") from exc
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as a skip reason: its type when the message alone does not say it."""
+    text = str(exc)
+    return text if isinstance(exc, OSError) and text else f"{type(exc).__name__}: {text}"
 
 
 def encode_sample(path: str, resize: int, image_format: str) -> tuple[np.ndarray, tuple]:
     """The stored bytes and (H, W, C) of one source file, or SkipSample with the reason."""
     import simplejpeg
 
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:  # EACCES, EIO, a file gone since the scan: this file, not the run
+        raise SkipSample(f"unreadable ({exc.strerror or exc})") from exc
     if not data:
         raise SkipSample("empty file")
     rgb = np.ascontiguousarray(decode_rgb(data, resize))
@@ -265,9 +284,16 @@ def build_manifest(classes: list[str], listings: dict, records: list[dict],
         "splits": splits,
         "shards": [{k: r[k] for k in ("name", "split", "index", "num_samples", "bytes", "sha256")}
                    for r in records],
-        "skipped": [s for r in records for s in r["skipped"]],
+        "skipped": [s for listing in listings.values() for s in listing.skipped]
+                   + [s for r in records for s in r["skipped"]],
         "empty_classes": {split: listing.empty_classes for split, listing in listings.items()},
     }
+
+
+def _strict_message(skipped: list[dict]) -> str:
+    return ("--strict: bad source files: "
+            + "; ".join(f"{s['key']} ({s['reason']})" for s in skipped)
+            + "; fix or remove them, or run without --strict to skip them")
 
 
 def shard_tree(src: str, out: str, shards: int, val_shards: int | None = None,
@@ -276,8 +302,8 @@ def shard_tree(src: str, out: str, shards: int, val_shards: int | None = None,
                comm=None, progress: bool = False, fail_after: int | None = None) -> dict:
     """Shard ``src`` into ``out``; every rank of ``comm`` (mpi4py, or None: serial) calls it.
 
-    Returns the manifest (on every rank). Raises RuntimeError naming the files when
-    ``strict`` and a source file had to be skipped.
+    Returns the manifest (on every rank). Raises :class:`BadSourceError` (agreed: on every
+    rank) naming the files when ``strict`` and a source file had to be skipped.
     """
     if image_format not in ("jpeg", "raw"):
         raise ValueError(f"--format {image_format!r}: expected jpeg or raw")
@@ -297,8 +323,12 @@ def shard_tree(src: str, out: str, shards: int, val_shards: int | None = None,
     if comm is not None:
         listing = comm.bcast(listing, root=0)
     if isinstance(listing, Exception):
-        raise listing
+        # Every rank raises the same error here: one of the tree's is agreed (one line, exit 2)
+        raise mark_agreed(listing) if isinstance(listing, BadInputError) else listing
     classes, listings = listing
+    unlisted = [s for split_listing in listings.values() for s in split_listing.skipped]
+    if strict and unlisted:  # every rank holds the same listing: every rank raises this
+        raise mark_agreed(BadSourceError(_strict_message(unlisted)))
     options = {"image_format": image_format, "resize": resize, "seed": seed,
                "format_version": FORMAT_VERSION, "classes": classes}
     jobs = make_jobs(listings, shards, val_shards, seed)
@@ -331,9 +361,8 @@ def shard_tree(src: str, out: str, shards: int, val_shards: int | None = None,
         gathered = comm.allgather(records)
         records = [r for part in gathered for r in part]
     failed = [s for r in records if r.get("failed") for s in r["skipped"]]
-    if failed:
-        raise RuntimeError("--strict: bad source files: "
-                           + "; ".join(f"{s['key']} ({s['reason']})" for s in failed))
+    if failed:  # gathered: every rank raises the same error
+        raise mark_agreed(BadSourceError(_strict_message(failed)))
     manifest = build_manifest(classes, listings, records, options)
     if rank == 0:
         atomic_write_text(os.path.join(out, MANIFEST), json.dumps(manifest, indent=1) + "\n")

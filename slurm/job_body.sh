@@ -93,6 +93,23 @@ run_step() {  # run_step NAME PER_NODE CPUS CMD...: run one launcher step in the
     "${LAUNCH[@]}" || { local rc=$?; log "$name failed (exit $rc)"; exit "$rc"; }
 }
 
+# The node-local shards go with the job, whatever its end: a failed doctor, stage or training,
+# a `exit` anywhere below, or a signal that ends this shell (bash runs the EXIT trap then too).
+# Kept only for a requeued run (it skips the copy) or when HPCDL_KEEP_LOCAL=1. Staging may
+# have started on every node, so the removal runs through the launcher, one task per node.
+staged=0 keep_local=0
+remove_local_data() {
+    local rc=$?
+    trap - EXIT
+    if [ "$staged" = 1 ] && [ "$keep_local" = 0 ] && [ "${HPCDL_KEEP_LOCAL:-0}" != 1 ]; then
+        log "removing the staged shards $LOCAL_ROOT on every node (job exit $rc)"
+        launcher_command 1 1 rm -rf "$LOCAL_ROOT"
+        "${LAUNCH[@]}" || log "could not remove $LOCAL_ROOT on every node"
+    fi
+    exit "$rc"
+}
+trap remove_local_data EXIT
+
 # A time-limit signal before training starts (a long staging) would kill this shell by
 # default: note it, and requeue instead of starting to train.
 time_up=0
@@ -112,6 +129,7 @@ TRAIN_DATA=$DATA
 if [ "${HPCDL_STAGE:-1}" = 1 ]; then
     stage_per_node=1
     [ "$LAUNCHER" = ibrun ] || [ -n "${HPCDL_RANKS_PER_NODE:-}" ] && stage_per_node=$RANKS_PER_NODE
+    staged=1  # from here on, a partial copy may be on any node
     run_step stage "$stage_per_node" 1 hpcdl prep stage --shards "$DATA" --to "$LOCAL_DATA" \
         "${STAGE_ARGS[@]}"
     TRAIN_DATA=$LOCAL_DATA
@@ -124,6 +142,7 @@ fi
 requeue() {
     log "$1; requeueing job $SLURM_JOB_ID (next run: --resume auto)"
     scontrol requeue "$SLURM_JOB_ID" || { log "scontrol requeue failed"; exit 1; }
+    keep_local=1  # the next run of this job finds its shards staged
     exit 0
 }
 [ "$time_up" = 1 ] && requeue "no time left to train"
@@ -165,9 +184,4 @@ if [ "$rc" -eq "$CHECKPOINT_EXIT" ] || { [ "$rc" -ne 0 ] && stopped_on_signal; }
     requeue "checkpoint written"
 fi
 log "training finished with exit code $rc"
-if [ "$rc" -eq 0 ] && [ "$TRAIN_DATA" = "$LOCAL_DATA" ] && [ "${HPCDL_KEEP_LOCAL:-0}" != 1 ]; then
-    # The run is over: free the node-local disk (a requeued run keeps it, to skip the copy).
-    launcher_command 1 1 rm -rf "$LOCAL_ROOT"
-    "${LAUNCH[@]}" || log "could not remove $LOCAL_ROOT on every node"
-fi
-exit "$rc"
+exit "$rc"  # the EXIT trap frees the node-local disk

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import h5py
 import pytest
 
 from hpcdl.cli.main import main
@@ -141,6 +142,60 @@ def test_shard_unreadable_when_read_is_named_not_a_bare_hdf5_error(shards):
     loader.close()
 
 
+# -- labels and samples against the model -----------------------------------------------------
+def test_manifest_of_another_class_count_than_the_recipe_stops_before_step_1(capsys, tmp_path,
+                                                                             shards,
+                                                                             tiny_recipe):
+    code, err = train(capsys, tiny_recipe, shards, tmp_path / "out",
+                      overrides=[*ONE_RANK, "model.num_classes=5"])
+    assert_one_line(code, err, f"manifest {shards / 'manifest.json'} has 3 classes",
+                    "model.num_classes is 5")
+    assert not (tmp_path / "out").exists()  # stopped before training: nothing left
+
+
+def set_label(shard, row, label):
+    """Rewrite one stored label in place: the file keeps its size (the open-time check
+    passes), only --verify-shards' sha256 would tell."""
+    size = os.path.getsize(shard)
+    with h5py.File(shard, "r+") as f:
+        f["labels"][row] = label
+    assert os.path.getsize(shard) == size
+
+
+@pytest.mark.parametrize("label", [-100, 3])  # the loss's ignore index; the class count
+def test_a_label_outside_the_classes_is_named_with_its_shard_and_sample(shards, label):
+    from hpcdl.data import ShardedImageNet
+    from hpcdl.data.format import ShardError
+
+    shard = shards / "train-00001-of-00002.h5"
+    set_label(shard, 2, label)
+    loader = ShardedImageNet(str(shards), batch_size=2, image_size=16, workers=1)
+    with pytest.raises(ShardError, match=rf"shard {shard}: label {label} of sample 2 is outside "
+                                         rf"0\.\.2 \(the manifest's 3 classes"):
+        for _ in loader:
+            pass
+    loader.close()
+
+
+def test_a_sample_that_does_not_decode_is_named_with_its_shard_and_index(shards):
+    from hpcdl.data import ShardedImageNet
+    from hpcdl.data.format import ShardError
+
+    shard = shards / "train-00000-of-00002.h5"
+    with h5py.File(shard, "r") as f:
+        stored = f["images"][4].tobytes()
+    data = shard.read_bytes()
+    assert data.count(stored) == 1
+    at = data.index(stored)
+    shard.write_bytes(data[:at] + bytes(16) + data[at + 16:])  # same size, JPEG header gone
+    loader = ShardedImageNet(str(shards), batch_size=2, image_size=16, workers=1)
+    with pytest.raises(ShardError, match=rf"shard {shard}: sample 4 does not decode "
+                                         rf"\(ValueError: .*hpcdl prep verify"):
+        for _ in loader:
+            pass
+    loader.close()
+
+
 # -- checkpoints -------------------------------------------------------------------------------
 @pytest.mark.parametrize("override, differs", [
     ("model.width=8", "model.width=4 (this run: 8)"),
@@ -260,6 +315,16 @@ def test_every_rank_stops_on_bad_input_and_rank_0_prints_one_line(tmp_path, shar
     code, out = finish(mpiexec_train(tiny_recipe, shards, tmp_path / "out"))
     assert_one_line(code, out, "manifest", "is unreadable or corrupt")
     assert "MPI_Abort" not in out and "BAD TERMINATION" not in out  # a clean exit, every rank
+
+
+@needs_mpiexec
+def test_a_class_count_mismatch_is_agreed_and_every_rank_exits_2_cleanly(tmp_path, shards,
+                                                                        tiny_recipe):
+    code, out = finish(mpiexec_train(tiny_recipe, shards, tmp_path / "out",
+                                     "model.num_classes=1000"))
+    assert_one_line(code, out, f"manifest {shards / 'manifest.json'} has 3 classes",
+                    "model.num_classes is 1000")
+    assert "MPI_Abort" not in out and "BAD TERMINATION" not in out  # agreed: no abort
 
 
 @needs_mpiexec

@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-from hpcdl.errors import EXIT_BAD_INPUT
+from hpcdl.errors import EXIT_BAD_INPUT, BadInputError
 
 COMMAND = "prep"
 HELP = "shard an ImageNet tree into HDF5, verify shards, stage them to node-local disk"
@@ -70,16 +70,17 @@ def run_shard(args: argparse.Namespace) -> int:
                               resize=args.resize, image_format=args.format, seed=args.seed,
                               strict=args.strict, val_labels=args.val_labels,
                               synsets=args.synsets, comm=comm, progress=not args.no_progress)
+    except BadInputError as exc:
+        if exc.agreed:  # every rank raised it (--strict's gathered verdict): one line, exit 2
+            if comm.rank == 0:
+                print(f"hpcdl prep shard: {exc}", file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
+        return _fail_alone(comm, exc, EXIT_BAD_INPUT)
     except Exception as exc:  # noqa: BLE001 - report, then make sure no rank is left waiting
-        # The tree, the labels, --strict's bad files, a directory that cannot be written: all
-        # input a person fixes (exit 2); anything else is a bug (exit 1, with the traceback).
+        # The tree, the labels, a directory that cannot be written: all input a person fixes
+        # (exit 2); anything else is a bug (exit 1, with the traceback).
         bad_input = isinstance(exc, (OSError, ValueError, RuntimeError))
-        print(f"hpcdl prep shard (rank {comm.rank}): {exc}", file=sys.stderr, flush=True)
-        code = EXIT_BAD_INPUT if bad_input else 1
-        if comm.size > 1:
-            # An error of one rank alone (a full disk, a file gone) would leave the others in
-            # the final allgather; finished shards stay valid and a rerun resumes from them.
-            comm.Abort(code)
+        code = _fail_alone(comm, exc, EXIT_BAD_INPUT if bad_input else 1)
         if not bad_input:
             raise
         return code
@@ -90,12 +91,27 @@ def run_shard(args: argparse.Namespace) -> int:
             print(f"{split}: {info['num_samples']} images in {info['num_shards']} shards")
         for item in manifest["skipped"]:
             print(f"skipped {item['key']}: {item['reason']}")
+        if manifest["skipped"]:
+            print(f"skipped {len(manifest['skipped'])} source file(s) or label row(s), listed "
+                  f"in {args.out}/manifest.json ('skipped'); --strict refuses them")
         for split, empty in manifest["empty_classes"].items():
             if empty:
                 print(f"empty class folders in {split}: {', '.join(empty)}")
         print(f"sharded {total} images in {seconds:.1f} s on {comm.size} ranks "
               f"({total / max(seconds, 1e-9):.0f} img/s) -> {args.out}")
     return 0
+
+
+def _fail_alone(comm, exc: BaseException, code: int) -> int:
+    """Report an error this rank may have alone; with peers, end the job (they could be in
+    the final allgather) after the grace that lets this rank's line reach the launcher.
+    Finished shards stay valid and a rerun resumes from them."""
+    print(f"hpcdl prep shard (rank {comm.rank}): {exc}", file=sys.stderr, flush=True)
+    if comm.size > 1:
+        from hpcdl.debug.faults import abort_after_output
+
+        abort_after_output(comm, code)
+    return code
 
 
 def run_verify(args: argparse.Namespace) -> int:

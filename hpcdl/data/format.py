@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 
 from hpcdl.errors import BadInputError
 from hpcdl.io import sha256_file
 
-__all__ = ["FORMAT_VERSION", "MANIFEST", "ManifestError", "ShardError", "check_shard_files",
-           "read_manifest", "shard_name", "split_shards"]
+__all__ = ["FORMAT_VERSION", "MANIFEST", "SPLITS", "ManifestError", "ShardError",
+           "check_num_classes", "check_shard_files", "read_manifest", "shard_name",
+           "split_shards"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+#: The splits a shard directory may hold (the tree's train/ and val/ folders).
+SPLITS = ("train", "val")
 _ENTRY_KEYS = ("name", "split", "index", "num_samples", "bytes", "sha256")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class ManifestError(BadInputError, ValueError):
@@ -79,7 +84,59 @@ def read_manifest(shard_dir: str) -> dict:
             isinstance(e, dict) and all(k in e for k in _ENTRY_KEYS) for e in shards):
         raise ManifestError(f"manifest {path}: 'shards' must list entries with "
                             f"{', '.join(_ENTRY_KEYS)}; {redo}")
+    classes = manifest.get("classes")
+    if not isinstance(classes, list) or not classes or not all(
+            isinstance(c, str) for c in classes):
+        raise ManifestError(f"manifest {path}: 'classes' must be a non-empty list of class "
+                            f"names; {redo}")
+    _check_entries(path, shards, redo)
     return manifest
+
+
+def _check_entries(path: str, entries: list[dict], redo: str) -> None:
+    """Every entry is a shard the format defines: a known split, an index below its split's
+    shard count, and exactly that shard's name (:func:`shard_name`), once.
+
+    The names become paths (the loader opens them, ``prep stage`` writes them on every node),
+    so a name that is anything else -- ``../../x``, an absolute path, another file of the
+    directory -- is refused here, before any path is built from it."""
+    counts = {split: sum(1 for e in entries if e["split"] == split) for split in SPLITS}
+    seen: set[str] = set()
+    for position, entry in enumerate(entries):
+        split, index = entry["split"], entry["index"]
+        if split not in SPLITS:
+            why = f"split {ascii(split)} is not one of {', '.join(SPLITS)}"
+        elif not isinstance(index, int) or not 0 <= index < counts[split]:
+            why = f"index {index!r} is outside 0..{counts[split] - 1} ({split} has " \
+                  f"{counts[split]} shards)"
+        elif entry["name"] != shard_name(split, index, counts[split]):
+            why = f"the name must be {shard_name(split, index, counts[split])!r}"
+        elif entry["name"] in seen:
+            why = "listed twice"
+        elif not all(isinstance(entry[k], int) and entry[k] >= 0
+                     for k in ("num_samples", "bytes")):
+            why = "num_samples and bytes must be non-negative integers"
+        elif not isinstance(entry["sha256"], str) or not _SHA256.fullmatch(entry["sha256"]):
+            why = f"sha256 {ascii(entry['sha256'])[:80]} is not 64 hex digits"
+        else:
+            seen.add(entry["name"])
+            continue
+        # ascii(): a hostile name cannot break the one-line message (newlines, escapes)
+        raise ManifestError(f"manifest {path}: shard entry {position} {ascii(entry['name'])}: "
+                            f"{why}; {redo}")
+
+
+def check_num_classes(shard_dir: str, manifest: dict, num_classes: int | None) -> None:
+    """Raise :class:`ManifestError` when the model's ``num_classes`` (the recipe's
+    ``model.num_classes``; None: the recipe does not say, nothing to compare) differs from the
+    manifest's class count: labels would index past the model's outputs mid-run, or a class
+    would never be trained."""
+    have = len(manifest["classes"])
+    if num_classes is not None and num_classes != have:
+        raise ManifestError(f"manifest {os.path.join(shard_dir, MANIFEST)} has {have} classes, "
+                            f"the recipe's model.num_classes is {num_classes}; set "
+                            f"model.num_classes={have} or train on shards of {num_classes} "
+                            f"classes")
 
 
 def split_shards(manifest: dict, split: str) -> list[dict]:

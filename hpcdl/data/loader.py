@@ -13,7 +13,12 @@ Lustre and NFS need; set ``HDF5_USE_FILE_LOCKING=FALSE`` as well for older h5py/
 The shards this rank's node reads are checked against the manifest when the loader is built:
 their sizes always (a ``stat`` each), their sha256 with ``verify_shards=True`` (each local rank
 hashes its share of the node's shards). A shard that still fails to open or read later raises
-:class:`~hpcdl.data.format.ShardError` naming it, never a bare HDF5 error.
+:class:`~hpcdl.data.format.ShardError` naming it, never a bare HDF5 error; so does a shard
+whose labels fall outside the manifest's classes (checked when its labels are read, the whole
+shard at once) and a sample whose stored bytes do not decode (HDF5 keeps no checksum of them,
+so a damaged shard of the right size is found only here: the error names shard and sample).
+Given the model's ``num_classes``, the loader refuses a manifest of another class count when
+it is built, before any step.
 """
 from __future__ import annotations
 
@@ -34,7 +39,13 @@ from hpcdl.data.augment import (
     random_resized_crop_boxes,
     sample_uniforms,
 )
-from hpcdl.data.format import ShardError, check_shard_files, read_manifest, split_shards
+from hpcdl.data.format import (
+    ShardError,
+    check_num_classes,
+    check_shard_files,
+    read_manifest,
+    split_shards,
+)
 from hpcdl.data.sampler import (
     epoch_order,
     node_shard_indices,
@@ -106,7 +117,7 @@ class ShardedImageNet:
                  batch_size: int = 32, image_size: int = 224, seed: int = 0, workers: int = 2,
                  rotate_shards: bool = False, min_scale: float = 0.08,
                  crop: str = "random_resized", resize: int = 256,
-                 verify_shards: bool = False):
+                 verify_shards: bool = False, num_classes: int | None = None):
         if not 0 <= node_index < num_nodes:
             raise ValueError(f"node_index={node_index} outside 0..{num_nodes - 1}")
         if not 0 <= local_rank < local_size:
@@ -123,6 +134,7 @@ class ShardedImageNet:
                              f"{CAFFE_CROPS}")
         self.crop, self.resize = crop, resize
         self.manifest = read_manifest(shard_dir)
+        check_num_classes(shard_dir, self.manifest, num_classes)
         self.classes = self.manifest["classes"]
         self.image_format = self.manifest["image_format"]
         self.entries = split_shards(self.manifest, split)
@@ -182,10 +194,26 @@ class ShardedImageNet:
                 path = self._shard_path(shard)
                 try:
                     f = h5py.File(path, "r", locking=False)
-                    self._files[shard] = (f, f["images"], f["shapes"][:], f["labels"][:])
+                    opened = (f, f["images"], f["shapes"][:], f["labels"][:])
                 except (OSError, KeyError) as exc:
                     raise self._unreadable(shard, exc) from None
+                error = self._label_error(shard, opened[3])
+                if error is not None:
+                    f.close()
+                    raise error
+                self._files[shard] = opened
             return self._files[shard]
+
+    def _label_error(self, shard: int, labels: np.ndarray) -> ShardError | None:
+        """Every label must index a class: an ignore index such as -100 would drop the sample
+        from the loss silently, one >= the class count would fail deep in the loss."""
+        bad = np.flatnonzero((labels < 0) | (labels >= len(self.classes)))
+        if not len(bad):
+            return None
+        return ShardError(f"shard {self._shard_path(shard)}: label {int(labels[bad[0]])} of "
+                          f"sample {int(bad[0])} is outside 0..{len(self.classes) - 1} (the "
+                          f"manifest's {len(self.classes)} classes; {len(bad)} such sample(s)); "
+                          f"re-shard with `hpcdl prep shard`")
 
     def _shard_path(self, shard: int) -> str:
         return os.path.join(self.shard_dir, self.entries[shard]["name"])
@@ -239,8 +267,17 @@ class ShardedImageNet:
             boxes = [centre_crop_box(int(h), int(w), size) for h, w, _ in shapes]
             flips = [False] * len(indices)
         for b, (shape, box, flip) in enumerate(zip(shapes.tolist(), boxes, flips, strict=True)):
-            crop_resize(data[b], shape, self.image_format, box, size, flip, out=images[b])
+            try:
+                crop_resize(data[b], shape, self.image_format, box, size, flip, out=images[b])
+            except (ValueError, RuntimeError) as exc:  # simplejpeg: ValueError; torch: Runtime
+                raise self._undecodable(int(indices[b]), exc) from None
         return images, torch.from_numpy(labels)
+
+    def _undecodable(self, index: int, exc: BaseException) -> ShardError:
+        shard = int(np.searchsorted(self.offsets, index, side="right") - 1)
+        return ShardError(f"shard {self._shard_path(shard)}: sample {index - self.offsets[shard]} "
+                          f"does not decode ({type(exc).__name__}: {exc}); check it with `hpcdl "
+                          f"prep verify {self.shard_dir}` and copy it again, or re-shard")
 
     def __iter__(self):
         batches = range(self.start_batch, self.num_batches)

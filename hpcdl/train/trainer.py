@@ -266,7 +266,8 @@ class Trainer:
                                    workers=data.workers, rotate_shards=data.rotate_shards,
                                    min_scale=data.min_scale, crop=data.crop,
                                    resize=data.val_resize,
-                                   verify_shards=self.options.verify_shards)
+                                   verify_shards=self.options.verify_shards,
+                                   num_classes=self.config.model.get("num_classes"))
 
     def _build_schedule(self):
         from hpcdl.optim import create_schedule
