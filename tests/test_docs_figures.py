@@ -1,0 +1,128 @@
+"""The docs' measured figures cannot drift from their raw files: every generated block
+regenerates to what the docs hold, and every other table of numbers links the raw file it
+came from."""
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcdl.errors import BadInputError
+from hpcdl.figures import CLOSE, OPEN, blocks, doc_files, regenerate
+
+ROOT = Path(__file__).resolve().parents[1]
+#: A raw file is linked when a row of the table, or its caption (the lines just above it
+#: up to the previous table or heading), links into docs/results/.
+RAW_LINK = re.compile(r"\]\((?:\.\./)?(?:docs/)?results/[^)]+\)")
+CAPTION_LINES = 12
+#: A table of settings, not measurements, says so in a comment on the line above it.
+NOT_MEASURED = "<!-- not measured: "
+
+
+def test_every_generated_block_matches_its_raw_files():
+    assert regenerate(ROOT, doc_files(ROOT), write=False) == [], \
+        "run: python3 -m hpcdl.cli.main bench report --docs"
+
+
+def test_the_docs_hold_a_generated_block_for_each_builder():
+    from hpcdl.figures.tables import TABLES
+
+    found = {b.name for path in doc_files(ROOT) for b in blocks(path)}
+    assert found == set(TABLES)
+
+
+def _copy_with_edit(tmp_path: Path, old: str, new: str) -> Path:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results").symlink_to(ROOT / "docs" / "results")
+    doc = tmp_path / "docs" / "performance.md"
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert old in text
+    doc.write_text(text.replace(old, new, 1))
+    return doc
+
+
+def test_a_figure_edited_by_hand_fails_the_check(tmp_path):
+    # the per-host byte ratio of hierarchical local SGD, rounded up by hand
+    doc = _copy_with_edit(tmp_path, "| 4.44 / 3.86 |", "| 4.44 / 4.00 |")
+    assert regenerate(tmp_path, [doc], write=False) == ["docs/performance.md: relaxed-network"]
+    regenerate(tmp_path, [doc], write=True)
+    assert "| 4.44 / 3.86 |" in doc.read_text()
+
+
+def test_a_block_without_its_end_marker_is_bad_input(tmp_path):
+    doc = _copy_with_edit(tmp_path, CLOSE, "")
+    with pytest.raises(BadInputError, match="performance.md:.*no '<!-- end generated -->'"):
+        regenerate(tmp_path, [doc], write=False)
+
+
+def test_the_report_command_checks_the_docs_and_prints_how_ratios_are_computed():
+    done = subprocess.run([sys.executable, "-m", "hpcdl.cli.main", "bench", "report", "--docs",
+                           "--check", "--root", str(ROOT)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "relaxed-network: bytes each host's eth0 sent" in done.stdout
+    assert "0 block(s) differ from their raw files" in done.stdout
+
+
+def tables_outside_blocks(path: Path) -> list[tuple[int, list[str], list[str]]]:
+    """(first line number, caption lines, table lines) of every Markdown table of ``path``
+    that no generated block holds."""
+    lines = path.read_text().splitlines()
+    inside = set()
+    for block in blocks(path):
+        inside.update(range(block.start, block.end + 1))
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i not in inside:
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            k = i
+            while k > 0 and i - k < CAPTION_LINES and not lines[k - 1].startswith(("|", "#")) \
+                    and not OPEN.match(lines[k - 1].strip()) and lines[k - 1].strip() != CLOSE:
+                k -= 1
+            found.append((i + 1, lines[k:i], lines[i:j]))
+            i = j
+        else:
+            i += 1
+    return found
+
+
+def measured(row: str) -> bool:
+    """A data row holding a measured-looking number (a decimal, or a figure with a unit)."""
+    cells = [VERSION_OR_CODE.sub("", c) for c in row.strip("|").split("|")]
+    return any(re.search(r"\d\.\d|\d\s*(?:%|s\b|ms|MB|GB|img/s|×)", c) for c in cells[1:])
+
+
+#: versions (5.0.2) and code spans name things; they are not figures
+VERSION_OR_CODE = re.compile(r"`[^`]*`|\d+\.\d+\.\d+")
+
+
+#: the docs whose tables are records of measurements (the others' tables are settings,
+#: commands and references); their every number is generated or links its raw file
+MEASURED_DOCS = ("docs/performance.md", "docs/mpi.md", "docs/comm.md", "docs/data.md",
+                 "docs/training.md", "docs/ltfb.md", "docs/intel.md", "README.md")
+
+
+@pytest.mark.parametrize("doc", MEASURED_DOCS)
+def test_every_measured_table_is_generated_or_links_its_raw_file(doc):
+    unlinked = []
+    for line, caption, table in tables_outside_blocks(ROOT / doc):
+        rows = table[2:]
+        if not any(measured(r) for r in rows) or (caption and caption[-1].startswith(NOT_MEASURED)):
+            continue
+        if not any(RAW_LINK.search(t) for t in caption + table):
+            unlinked.append(f"{doc}:{line}: {table[0][:70]}")
+    assert unlinked == [], "generate these from docs/results/ or link the raw file:\n" + \
+        "\n".join(unlinked)
+
+
+def test_the_check_reads_a_copy_not_the_tree(tmp_path):
+    # guards the edit test above: it must not rewrite the repository's own docs
+    before = (ROOT / "docs" / "performance.md").read_text()
+    doc = _copy_with_edit(tmp_path, "| 4.44 / 3.86 |", "| 9.99 / 3.86 |")
+    regenerate(tmp_path, [doc], write=True)
+    assert (ROOT / "docs" / "performance.md").read_text() == before
+    shutil.rmtree(tmp_path / "docs")
