@@ -100,10 +100,9 @@ def measured(row: str) -> bool:
 VERSION_OR_CODE = re.compile(r"`[^`]*`|\d+\.\d+\.\d+")
 
 
-#: the docs whose tables are records of measurements (the others' tables are settings,
-#: commands and references); their every number is generated or links its raw file
-MEASURED_DOCS = ("docs/performance.md", "docs/mpi.md", "docs/comm.md", "docs/data.md",
-                 "docs/training.md", "docs/ltfb.md", "docs/intel.md", "README.md")
+#: every doc but the notebooks of docs/results/ (superseded runs, kept verbatim as history)
+MEASURED_DOCS = ("README.md", *sorted(str(p.relative_to(ROOT))
+                                      for p in (ROOT / "docs").glob("*.md")))
 
 
 @pytest.mark.parametrize("doc", MEASURED_DOCS)
