@@ -57,6 +57,15 @@ def test_a_block_without_its_end_marker_is_bad_input(tmp_path):
         regenerate(tmp_path, [doc], write=False)
 
 
+def test_a_missing_raw_file_is_bad_input_naming_the_block(tmp_path):
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    doc = tmp_path / "docs" / "performance.md"
+    doc.write_text("<!-- generated: loader -->\n<!-- end generated -->\n")
+    with pytest.raises(BadInputError, match="block 'loader' cannot be built from "
+                                            "docs/results/loader-fair-baselines"):
+        regenerate(tmp_path, [doc], write=False)
+
+
 def test_the_report_command_checks_the_docs_and_prints_how_ratios_are_computed():
     done = subprocess.run([sys.executable, "-m", "hpcdl.cli.main", "bench", "report", "--docs",
                            "--check", "--root", str(ROOT)], capture_output=True, text=True,

@@ -72,7 +72,11 @@ def render(name: str, root: Path, doc: Path) -> tuple[str, str]:
         raise BadInputError(f"generated block {name!r} has no builder; known: "
                             f"{', '.join(sorted(TABLES))}")
     table = TABLES[name]
-    body = table.build(root)
+    try:
+        body = table.build(root)
+    except (OSError, KeyError, ValueError, StopIteration) as exc:
+        raise BadInputError(f"{doc}: block {name!r} cannot be built from "
+                            f"{', '.join(table.sources)}: {type(exc).__name__}: {exc}") from exc
     sources = ", ".join(table.sources)
     links = ", ".join(
         f"[{Path(s).name}]({os.path.relpath(root / s, doc.parent)}{'/' if s.endswith('/') else ''})"
