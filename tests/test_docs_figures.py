@@ -51,6 +51,23 @@ def test_a_figure_edited_by_hand_fails_the_check(tmp_path):
     assert "| 4.44 / 3.86 |" in doc.read_text()
 
 
+def test_a_summary_cell_edited_by_hand_fails_the_check(tmp_path):
+    # the summary at the top of performance.md is generated from the same raw files
+    doc = _copy_with_edit(tmp_path, "4.44× / 3.86× fewer bytes", "4.44× / 4.10× fewer bytes")
+    assert regenerate(tmp_path, [doc], write=False) == ["docs/performance.md: summary"]
+
+
+def test_the_summary_quotes_its_sections_tables():
+    # one function per figure: the summary's cells are the figures its sections' tables show
+    text = (ROOT / "docs" / "performance.md").read_text()
+    summary = text.split("<!-- generated: summary", 1)[1].split(CLOSE, 1)[0]
+    for figure in ("0.960 [0.927–0.996]", "| 4.44 / 3.86 | 4.14 |", "**0.546**", "**−0.14**",
+                   "0.842 [0.835–0.915]", "**10 of 12**"):
+        assert figure in text.replace(summary, ""), figure
+    for figure in ("0.960", "4.44× / 3.86×", "0.546", "−0.14", "0.84×", "10 of 12"):
+        assert figure in summary, figure
+
+
 def test_a_block_without_its_end_marker_is_bad_input(tmp_path):
     doc = _copy_with_edit(tmp_path, CLOSE, "")
     with pytest.raises(BadInputError, match="performance.md:.*no '<!-- end generated -->'"):
