@@ -126,6 +126,37 @@ def allreduce_ratios(root: Path) -> str:
                "goal"], rows, right=1)
 
 
+CCL_FILE = "allreduce-ccl-2026-12-01.json"
+CCL_RATIOS = ("ccl_vs_mpi_busbw_100MB", "ccl_best_vs_mpi_busbw_100MB",
+              "ccl_vs_default_busbw_100MB", "ccl_best_vs_default_busbw_100MB")
+
+
+def _gbps(x: float) -> str:
+    """Two decimals, three below 0.1 GB/s (where two would hide the order of magnitude)."""
+    return f(x) if x >= 0.1 else f(x, 3)
+
+
+def allreduce_ccl(root: Path) -> str:
+    report = load(root, CCL_FILE)
+    records = report["results"]
+    base = next(r["tuning"] for r in records if r["backend"] == "ccl").split()
+    labels = {"default": "`default` (= `shm`)", "mpi": "MPICH `MPI_Allreduce`"}
+    cells: dict[str, dict[int, list[str]]] = {label: {} for label in labels.values()}
+    for r in records:
+        if r["backend"] in labels:
+            label = labels[r["backend"]]
+        elif r["backend"] in ("ccl", "ccl-tuned"):
+            changed = [t for t in r["tuning"].split() if t not in base]
+            label = ("`ccl`, " + ", ".join(f"`{t}`" for t in changed) if changed else
+                     "`ccl`, oneCCL defaults + hpcdl's one-host `CCL_ATL_SHM=1` (run twice)")
+        else:
+            continue
+        cells.setdefault(label, {}).setdefault(r["bytes"], []).append(_gbps(r["busbw_GBps"]))
+    rows = [[label, *(" / ".join(by[size]) for size in SIZES)] for label, by in cells.items()]
+    ratios = ", ".join(f"`{k}` {f(report['ratios'][k])}" for k in CCL_RATIOS)
+    return f"{md(['row', '1 MB', '16 MB', '100 MB'], rows)}\n\n{ratios}"
+
+
 # ---- training step ---------------------------------------------------------------------
 
 STEP_DIR = "shard-update-quiet-2026-12-01"
@@ -637,6 +668,21 @@ def planner_papers(root: Path) -> str:
                "published", "bound by"], rows, right=2)
 
 
+RELAXED_PLANS = (("alexnet_bn_32k", "AlexNet-BN 32K"), ("resnet50_32k", "ResNet-50 32K"))
+RELAXED_POLICIES = (("sync", "sync"), ("local", "local SGD, H = 8"),
+                    ("hier", "hierarchical, H = 8"), ("psgd2", "PowerSGD r = 2"),
+                    ("psgd4", "PowerSGD r = 4"))
+
+
+def planner_relaxed(root: Path) -> str:
+    rows = []
+    for stem, label in RELAXED_PLANS:
+        minutes = [load(root, f"{PAPERS_DIR}/relaxed-{stem}-skx-{key}.json")["total_s"] / 60
+                   for key, _ in RELAXED_POLICIES]
+        rows.append([f"{label}, 2,048 ranks on `skx`", *(f"{m:.1f}" for m in minutes)])
+    return md(["planned minutes", *(name for _, name in RELAXED_POLICIES)], rows)
+
+
 PLAN_NETWORK = "plan-network-2026-12-01/predicted-vs-measured-cal2gbit.json"
 PLAN_NETWORK_BACKENDS = (("ring", "hpcdl's `ring` backend vs the ring cost"),
                          ("mpi", "MPICH's `MPI_Allreduce` vs the Rabenseifner cost"))
@@ -855,6 +901,10 @@ TABLES: dict[str, Table] = {
         tuple(f"{RESULTS}/{n}" for p in (2, 4) for n in ALLREDUCE_FILES[p]),
         "each ratio is the bench's own, hpcdl's busbw over the baseline's in the same run; "
         "the site run's value in brackets.", allreduce_ratios),
+    "allreduce-ccl": Table(
+        (f"{RESULTS}/{CCL_FILE}",),
+        "busbw as the JSON records it (one run, p = 2); a `ccl` row is named by the settings "
+        "that differ from the first `ccl` tuning; ratios are the bench's own.", allreduce_ccl),
     "training-step": Table(
         (f"{RESULTS}/{STEP_DIR}/",),
         f"img/s per rank: median over runs; {SAME_RUN}; the DDP goal's need is goal × the "
@@ -908,6 +958,11 @@ TABLES: dict[str, Table] = {
         "per-iteration terms and the total as each plan's JSON records them; steps = epochs × "
         "dataset ÷ global batch; 'bound by' is the dominant term's share of the iteration "
         "(exposed allreduce, or compute); published minutes are the paper's.", planner_papers),
+    "planner-relaxed": Table(
+        tuple(f"{RESULTS}/{PAPERS_DIR}/relaxed-{stem}-skx-{key}.json"
+              for stem, _ in RELAXED_PLANS for key, _ in RELAXED_POLICIES),
+        "each cell is one plan's `total_s` ÷ 60 (the command in each JSON; warm-up steps "
+        "synchronous).", planner_relaxed),
     "planner-network": Table(
         (f"{RESULTS}/{PLAN_NETWORK}",),
         "predicted ÷ measured allreduce time of each row (both runs), the network calibrated "
