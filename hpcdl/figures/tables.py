@@ -653,6 +653,18 @@ def paper_plans(root: Path) -> list[PaperPlan]:
             for name, run, hw, published in PAPERS]
 
 
+MEMORY_CLASSES = ("batch_norm", "relu", "add", "pool", "dropout", "lrn")
+
+
+def _largest_classes(by_class: Mapping[str, float], n: int = 4) -> str:
+    """The ``n`` largest dense classes in ms, then the memory-bound passes summed."""
+    dense = sorted(((k, v) for k, v in by_class.items() if k not in MEMORY_CLASSES),
+                   key=lambda kv: -kv[1])[:n]
+    memory = sum(v for k, v in by_class.items() if k in MEMORY_CLASSES)
+    return ", ".join(f"{k} {v * 1000:.1f}" for k, v in dense) + \
+        f", memory passes {memory * 1000:.1f}"
+
+
 def planner_papers(root: Path) -> str:
     rows = []
     for p in paper_plans(root):
@@ -660,12 +672,14 @@ def planner_papers(root: Path) -> str:
         dominant, share = p.bound
         rows.append([f"{p.run}, {p.report['inputs']['epochs']:.4g} epochs ({p.steps:,} steps), "
                      f"{p.hardware}",
-                     f"{it['compute_s']:.1f} + {it['optimizer_s']:.1f} + "
-                     f"{it['comm_exposed_s']:.1f} = {it['iteration_s']:.1f} ms",
+                     f"{it['compute_s']:.1f} ms ({_largest_classes(p.report['compute_by_class'])})",
+                     f"{it['optimizer_s']:.1f} ms",
+                     f"{it['comm_s']:.1f} / {it['comm_hidden_s']:.1f} / "
+                     f"{it['comm_exposed_s']:.1f} ms", f"{it['iteration_s']:.1f} ms",
                      f"**{p.minutes:.1f} min**", f"{p.published_min:g} min",
-                     f"{dominant} ({share:.0%})"])
-    return md(["run", "compute + LARS + exposed allreduce = iteration", "predicted",
-               "published", "bound by"], rows, right=2)
+                     f"{dominant} ({share:.0%} of the iteration)"])
+    return md(["run", "compute (largest classes, ms)", "LARS", "allreduce total / hidden / exposed",
+               "iteration", "predicted", "published", "bound by"], rows, right=2)
 
 
 RELAXED_PLANS = (("alexnet_bn_32k", "AlexNet-BN 32K"), ("resnet50_32k", "ResNet-50 32K"))
@@ -681,6 +695,29 @@ def planner_relaxed(root: Path) -> str:
                    for key, _ in RELAXED_POLICIES]
         rows.append([f"{label}, 2,048 ranks on `skx`", *(f"{m:.1f}" for m in minutes)])
     return md(["planned minutes", *(name for _, name in RELAXED_POLICIES)], rows)
+
+
+#: (file suffix, column): each plan re-run with one figure of the spec file changed (scaled
+#: in a copy under --machines-dir) or one option; benchmarks/plan_papers.sh runs them all
+SENSITIVITY = (("", "as shipped"), ("-dense08", "dense fractions × 0.8"),
+               ("-dense125", "× 1.25"), ("-mem08", "memory passes × 0.8"), ("-mem125", "× 1.25"),
+               ("-nooverhead", "no per-layer overhead"), ("-noov", "overlap off"),
+               ("-rab", "`rabenseifner`"), ("-hier", "`hierarchical`"))
+#: per plan, the variants run (the file suffixes of SENSITIVITY it has)
+SENSITIVITY_PLANS = (("alexnet_bn_32k-skx", "AlexNet-BN 32K on `skx`",
+                      ("", "-dense08", "-dense125", "-mem08", "-mem125", "-nooverhead", "-noov",
+                       "-rab", "-hier")),
+                     ("resnet50_32k-knl", "ResNet-50 32K on `knl`",
+                      ("", "-dense08", "-dense125", "-mem08", "-mem125", "-nooverhead", "-rab")))
+
+
+def planner_sensitivity(root: Path) -> str:
+    def minutes(stem: str, suffix: str) -> str:
+        return f"{load(root, f'{PAPERS_DIR}/{stem}{suffix}.json')['total_s'] / 60:.2f}"
+
+    rows = [[label, *(minutes(stem, s) if s in runs else "—" for s, _ in SENSITIVITY)]
+            for stem, label, runs in SENSITIVITY_PLANS]
+    return md(["planned minutes, 2,048 ranks", *(name for _, name in SENSITIVITY)], rows)
 
 
 PLAN_NETWORK = "plan-network-2026-12-01/predicted-vs-measured-cal2gbit.json"
@@ -963,6 +1000,11 @@ TABLES: dict[str, Table] = {
               for stem, _ in RELAXED_PLANS for key, _ in RELAXED_POLICIES),
         "each cell is one plan's `total_s` ÷ 60 (the command in each JSON; warm-up steps "
         "synchronous).", planner_relaxed),
+    "planner-sensitivity": Table(
+        tuple(f"{RESULTS}/{PAPERS_DIR}/{stem}{suffix}.json"
+              for stem, _, runs in SENSITIVITY_PLANS for suffix in runs),
+        "each cell is one plan's `total_s` ÷ 60; '—' where no such plan was run.",
+        planner_sensitivity),
     "planner-network": Table(
         (f"{RESULTS}/{PLAN_NETWORK}",),
         "predicted ÷ measured allreduce time of each row (both runs), the network calibrated "
