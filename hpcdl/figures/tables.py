@@ -165,13 +165,15 @@ STEP_MODELS = (("alexnet_bn-224-b32-np2", "AlexNet-BN 224 px, 32", 1.10, 0.95),
                ("resnet50-112-b16-np2", "ResNet-50 112 px, 16", 1.05, 0.97))
 
 
+def _step_reports(root: Path, prefix: str) -> list[Mapping[str, Any]]:
+    return [json.loads(p.read_text())
+            for p in sorted((root / RESULTS / STEP_DIR).glob(f"{prefix}-run*.json"))]
+
+
 def _step_runs(root: Path, prefix: str) -> list[dict[str, float]]:
     """images/s per rank of each mode, one dict per run."""
-    runs = []
-    for path in sorted((root / RESULTS / STEP_DIR).glob(f"{prefix}-run*.json")):
-        report = json.loads(path.read_text())
-        runs.append({r["mode"]: r["images_per_s_per_rank"] for r in report["results"]})
-    return runs
+    return [{r["mode"]: r["images_per_s_per_rank"] for r in report["results"]}
+            for report in _step_reports(root, prefix)]
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,7 @@ class StepFigures:
     ratios: dict[str, list[float]]  # per run: "a/b" -> a's rate ÷ b's
     ddp_goal: float
     ceiling_goal: float
+    flops_fraction: list[float]  # per run: the step's training FLOP rate ÷ a 2048² matmul's
 
 
 STEP_RATIOS = (("ours_allreduce", "no_comm"), ("ours_allreduce", "ddp_gloo"),
@@ -195,7 +198,8 @@ def step_figures(root: Path) -> list[StepFigures]:
         out.append(StepFigures(
             label, len(runs), {m: statistics.median(r[m] for r in runs) for m in runs[0]},
             {f"{a}/{b}": [r[a] / r[b] for r in runs] for a, b in STEP_RATIOS},
-            ddp_goal, ceiling_goal))
+            ddp_goal, ceiling_goal,
+            [r["ratios"]["flops_fraction_of_matmul"] for r in _step_reports(root, prefix)]))
     return out
 
 
@@ -211,10 +215,11 @@ def training_step(root: Path) -> str:
                      f(s.median_rate["no_comm"]), f(s.median_rate["ddp_gloo"]),
                      *(spread(s.ratios[f"{a}/{b}"]) for a, b in STEP_RATIOS[:3]),
                      f"{s.ddp_goal:.2f}× → {f(ddp_need(s), 3)}",
-                     spread(s.ratios["ours/ours_allreduce"])])
+                     spread(s.ratios["ours/ours_allreduce"]), _minmax(s.flops_fraction, 2)])
     header = ["model, per-rank batch, 2 ranks", "default step img/s", "no_comm", "ddp_gloo",
               "default ÷ no_comm", "default ÷ ddp_gloo", "ddp_gloo ÷ no_comm",
-              "DDP goal needs (÷ ceiling)", "sharded ÷ default"]
+              "DDP goal needs (÷ ceiling)", "sharded ÷ default",
+              "FLOP rate ÷ 2048² matmul, min–max"]
     return md(header, rows)
 
 
