@@ -151,3 +151,59 @@ def test_the_check_reads_a_copy_not_the_tree(tmp_path):
     regenerate(tmp_path, [doc], write=True)
     assert (ROOT / "docs" / "performance.md").read_text() == before
     shutil.rmtree(tmp_path / "docs")
+
+
+#: a figure in prose: a number with two or more decimals (one-decimal and whole numbers are
+#: mostly settings and sizes, which this check leaves alone)
+PROSE_FIGURE = re.compile(r"(?<![\w.`/-])[−-]?\d+\.\d{2,}(?![\w.])")
+#: performance.md's prose figures that no generated block shows, each with where it comes from
+NOT_IN_A_BLOCK = {
+    "0.09": "the largest gap between a bucket size's two runs (the bucket table)",
+    "0.08": "gloo's added CPU at 1-2gbit, the across-hosts notes' runs",
+    "0.02": "η (a setting); the window-1 rows' distance outside the band (its column)",
+    "0.004": "η tried before the study (a setting)",
+    "0.01": "η tried before the study (a setting)",
+    "0.81": "bf16's seed range (the bf16 accuracy table)",
+    "0.07": "fp32's seed range (the bf16 accuracy table)",
+    "0.62": "the two SGD policies' holdout gap at 1,536 (the holdout column)",
+    "4.67": "same-policy SGD's holdout minus its final at 1,536 (the convergence table)",
+    "3.92": "a superseded headline (notebook)",
+    "2.96": "a superseded headline (notebook)",
+    "0.400": "window 1's prediction, `predicted_step_s` of its JSON",
+    "0.937": "the calibrated bandwidth over the tbf rate (cal2gbit JSON)",
+    "0.620": "elastic-resume top-1 (its JSON)",
+}
+
+
+def prose_figures(path: Path) -> list[tuple[int, str]]:
+    """(line, figure) of each prose figure outside generated blocks, tables and code."""
+    lines = path.read_text().splitlines()
+    inside = {i for b in blocks(path) for i in range(b.start, b.end + 1)}
+    found, code = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            code = not code
+        elif not (code or i in inside or line.startswith("|")):
+            found += [(i + 1, m) for m in PROSE_FIGURE.findall(re.sub(r"`[^`]*`", "", line))]
+    return found
+
+
+def stray_prose_figures(path: Path) -> list[str]:
+    """Prose figures of ``path`` that no generated block of it shows and NOT_IN_A_BLOCK does
+    not account for."""
+    lines = path.read_text().splitlines()
+    generated = "\n".join(line for b in blocks(path) for line in lines[b.start:b.end + 1])
+    return [f"{path.name}:{n}: {fig}" for n, fig in prose_figures(path)
+            if fig not in generated and fig not in NOT_IN_A_BLOCK]
+
+
+def test_performance_prose_quotes_only_figures_its_generated_blocks_show():
+    stray = stray_prose_figures(ROOT / "docs" / "performance.md")
+    assert stray == [], "quote the generated table, or say where it comes from:\n" + \
+        "\n".join(stray)
+
+
+def test_a_prose_figure_edited_by_hand_fails_the_prose_check(tmp_path):
+    # a figure restated in prose and then edited by hand no longer matches any block
+    doc = _copy_with_edit(tmp_path, "4.44× (h1) and 3.86× (h2)", "4.44× (h1) and 3.91× (h2)")
+    assert [s.split(": ")[-1] for s in stray_prose_figures(doc)] == ["3.91"]
