@@ -16,7 +16,8 @@ Ratios are computed one way everywhere (stated under each table and printed by t
 two modes measured in the same run give one ratio per run, reported as the median
 [min–max] over runs; quantities from separate runs are compared as the ratio of their
 medians; bytes across hosts are compared per host (each host against itself), the total
-given beside them.
+given beside them. A block that quotes other blocks' figures (performance.md's summary,
+README's demo line) computes them with those blocks' own functions, never again.
 """
 from __future__ import annotations
 
