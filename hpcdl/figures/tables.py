@@ -725,6 +725,78 @@ def planner_sensitivity(root: Path) -> str:
     return md(["planned minutes, 2,048 ranks", *(name for _, name in SENSITIVITY)], rows)
 
 
+SIMULATE_DIR = "plan-simulate-2026-12-01"
+#: (file stem, label, the paper's minutes) of the papers' two runs on Stampede2's fat tree
+SIMULATED_RUNS = (("alexnet-bn-skx", "AlexNet-BN, 1,024 SKX × 2 ranks", 11),
+                  ("resnet50-knl", "ResNet-50, 2,048 KNL", 20))
+#: per run, the (allreduce, placement, fabric) cells simulated at 2,048 ranks
+SIMULATED_CELLS = {
+    "alexnet-bn-skx": (("ring", "contiguous", "28to20"), ("ring", "contiguous", "nonblocking"),
+                       ("ring", "scattered", "28to20"), ("ring", "random", "28to20"),
+                       ("ring", "random", "nonblocking"),
+                       ("hierarchical", "contiguous", "28to20"),
+                       ("hierarchical", "random", "28to20"),
+                       ("rabenseifner", "contiguous", "28to20"),
+                       ("rabenseifner", "contiguous", "nonblocking"),
+                       ("rabenseifner", "scattered", "28to20"),
+                       ("rabenseifner", "scattered", "nonblocking"),
+                       ("rabenseifner", "random", "28to20")),
+    "resnet50-knl": (("ring", "contiguous", "28to20"), ("ring", "contiguous", "nonblocking"),
+                     ("ring", "scattered", "28to20"), ("ring", "random", "28to20"),
+                     ("ring", "random", "nonblocking"))}
+FABRICS = {"28to20": "28:20", "nonblocking": "non-blocking"}
+
+
+def _simulated_file(stem: str, allreduce: str, placement: str, fabric: str) -> str:
+    algorithm = "" if allreduce == "ring" else f"{allreduce}-"
+    return f"{SIMULATE_DIR}/{stem}-{algorithm}{placement}-{fabric}.json"
+
+
+def _simulated_rows(root: Path, stem: str, cell: tuple[str, str, str]) -> dict[int, Any]:
+    """The simulation's rows of one file, by rank count."""
+    report = load(root, _simulated_file(stem, *cell))
+    return {r["procs"]: r for r in report["simulation"]["rows"]}
+
+
+def simulate_papers(root: Path) -> str:
+    rows = []
+    for stem, label, paper in SIMULATED_RUNS:
+        for i, cell in enumerate(SIMULATED_CELLS[stem]):
+            r = _simulated_rows(root, stem, cell)[2048]
+            allreduce, placement, fabric = cell
+            name = label if i == 0 else "" if allreduce == SIMULATED_CELLS[stem][i - 1][0] \
+                else f"— {allreduce}"
+            rows.append([name, placement, FABRICS[fabric],
+                         f"{r['comm_formula_s'] * 1000:.0f} → {r['comm_simulated_s'] * 1000:.0f} "
+                         f"ms ({f(r['comm_ratio'])}×)",
+                         f"{f(r['iteration_formula_s'], 3)} → {f(r['iteration_simulated_s'], 3)} "
+                         f"s ({f(r['iteration_ratio'])}×)",
+                         f"{r['total_formula_s'] / 60:.1f} → {r['total_simulated_s'] / 60:.1f} min",
+                         f"{paper} min" if i == 0 else ""])
+    return md(["run (2,048 ranks)", "placement", "fabric", "allreduce/step formula → simulated",
+               "step formula → simulated", "training time formula → simulated", "paper"],
+              rows, right=3)
+
+
+SCALING_CELLS = (("ring", "contiguous", "28to20"), ("ring", "random", "28to20"),
+                 ("ring", "random", "nonblocking"))
+
+
+def simulate_scaling(root: Path) -> str:
+    rows = []
+    for stem, label, _ in SIMULATED_RUNS:
+        by_cell = [_simulated_rows(root, stem, c) for c in SCALING_CELLS]
+        for i, procs in enumerate(sorted(by_cell[0])):
+            cells = [c[procs] for c in by_cell]
+            rows.append([label if i == 0 else "", f"{procs:,}",
+                         f"{cells[0]['comm_formula_s'] * 1000:.0f}",
+                         *(f"{c['comm_simulated_s'] * 1000:.0f}" for c in cells),
+                         f"{cells[0]['total_formula_s'] / 60:.1f}",
+                         *(f"{c['total_simulated_s'] / 60:.1f}" for c in cells)])
+    return md(["run", "ranks", "allreduce ms: formula", "contiguous", "random", "random nb",
+               "time min: formula", "contiguous", "random", "random nb"], rows, right=1)
+
+
 PLAN_NETWORK = "plan-network-2026-12-01/predicted-vs-measured-cal2gbit.json"
 PLAN_NETWORK_BACKENDS = (("ring", "hpcdl's `ring` backend vs the ring cost"),
                          ("mpi", "MPICH's `MPI_Allreduce` vs the Rabenseifner cost"))
@@ -1025,6 +1097,17 @@ TABLES: dict[str, Table] = {
               for stem, _, runs in SENSITIVITY_PLANS for suffix in runs),
         "each cell is one plan's `total_s` ÷ 60; '—' where no such plan was run.",
         planner_sensitivity),
+    "simulate-papers": Table(
+        tuple(f"{RESULTS}/{_simulated_file(stem, *c)}"
+              for stem, *_ in SIMULATED_RUNS for c in SIMULATED_CELLS[stem]),
+        "the 2,048-rank row of each simulation's JSON (`simulation.rows`): the formula's "
+        "figure, then SimGrid's, and their ratio (`comm_ratio`, `iteration_ratio`).",
+        simulate_papers),
+    "simulate-scaling": Table(
+        tuple(f"{RESULTS}/{_simulated_file(stem, *c)}"
+              for stem, *_ in SIMULATED_RUNS for c in SCALING_CELLS),
+        "every row of each simulation's sweep (`simulation.rows`); 'random nb' is random "
+        "placement on the non-blocking tree.", simulate_scaling),
     "planner-network": Table(
         (f"{RESULTS}/{PLAN_NETWORK}",),
         "predicted ÷ measured allreduce time of each row (both runs), the network calibrated "
