@@ -3,7 +3,8 @@
     {"bench": NAME, "machine": {cpu, cores, ranks, mpi, torch}, "command": "...",
      "results": [records], "ratios": {name: value}}
 
-docs/performance.md quotes the ratios; the records carry the raw measurements.
+The records carry the raw measurements; the docs' measured tables are generated from the files
+kept in docs/results/ (``hpcdl bench report --docs``, :mod:`hpcdl.figures`), never typed.
 """
 from __future__ import annotations
 

@@ -1,0 +1,1132 @@
+"""One builder per measured table of the docs: read the raw JSON under ``docs/results/``,
+return the Markdown table. Each declares its sources (the files it reads, linked from the
+block's marker) and how its ratios are computed (printed under the table).
+
+Rounding is the only liberty a builder takes; every number in a table is a field of a raw
+file or an arithmetic of fields stated in ``how``.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = "docs/results"
+SAME_RUN = ("ratios between modes of one run are computed per run, then the median "
+            "[min–max] over runs")
+SEPARATE_RUNS = "quantities from separate runs are compared as the ratio of their medians"
+
+
+@dataclass(frozen=True)
+class Table:
+    sources: tuple[str, ...]
+    how: str
+    build: Callable[[Path], str]
+
+
+def load(root: Path, name: str) -> Any:
+    return json.loads((root / RESULTS / name).read_text())
+
+
+def md(header: Sequence[str], rows: Sequence[Sequence[Any]], right: int = 1) -> str:
+    """A Markdown table; columns from index ``right`` on are right-aligned."""
+    align = ["---" if i < right else "---:" for i in range(len(header))]
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def f(x: float, nd: int = 2) -> str:
+    """Fixed decimals, true minus sign (docs' convention)."""
+    return f"{x:.{nd}f}".replace("-", "−")
+
+
+def signed(x: float, nd: int = 2) -> str:
+    return ("+" if x > 0 else "") + f(x, nd)
+
+
+def spread(values: Sequence[float], nd: int = 3) -> str:
+    """``median [min–max]``: the docs' form for a ratio repeated over runs."""
+    return f"{f(statistics.median(values), nd)} [{f(min(values), nd)}–{f(max(values), nd)}]"
+
+
+# ---- allreduce -------------------------------------------------------------------------
+
+ALLREDUCE_FILES = {2: ("allreduce-p2-2026-12-01.json", "allreduce-sites-np2-quiet-2026-12-01.json"),
+                   4: ("allreduce-p4-2026-12-01.json", "allreduce-sites-np4-quiet-2026-12-01.json")}
+SIZES = (1_000_000, 16_000_000, 100_000_000)
+SITE_NAMES = {"impi": "Intel MPI 2021.13", "ompi": "Open MPI 5", "mpich": "MPICH 5.0.2"}
+
+
+def _busbw(records: Sequence[Mapping[str, Any]], backend: str, tuning: str | None = None
+           ) -> dict[int, float]:
+    return {r["bytes"]: r["busbw_GBps"] for r in records
+            if r["backend"] == backend and r.get("tuning") == tuning}
+
+
+def _best_tuning(records: Sequence[Mapping[str, Any]], backend: str) -> str:
+    """The site MPI's tuning with the highest busbw at 100 MB (the bench's own pick)."""
+    at_100 = [r for r in records if r["backend"] == backend and r["bytes"] == SIZES[-1]]
+    return max(at_100, key=lambda r: r["busbw_GBps"])["tuning"]
+
+
+def allreduce_busbw(root: Path) -> str:
+    rows: dict[str, list[str]] = {}
+    labels = {"default": "hpcdl `default` (= `shm`)",
+              "shm": "hpcdl `shm` (same backend, measured again)", "ring": "hpcdl `ring`",
+              "mpi": "MPICH `MPI_Allreduce` (mpi4py, this env)", "gloo": "gloo"}
+    tunings: dict[str, list[str]] = {}
+    for p in (2, 4):
+        own = load(root, ALLREDUCE_FILES[p][0])["results"]
+        sites = load(root, ALLREDUCE_FILES[p][1])["results"]
+        for backend, label in labels.items():
+            bw = _busbw(own, backend)
+            rows.setdefault(label, []).extend(f(bw[s]) for s in SIZES)
+        for site in SITE_NAMES:
+            best = _best_tuning(sites, site)
+            tunings.setdefault(site, []).append(best.split()[-1].split("=")[-1])
+            bw = _busbw(sites, site, best)
+            rows.setdefault(site, []).extend(f(bw[s]) for s in SIZES)
+    for site, name in SITE_NAMES.items():
+        rows[f"{name}, best (P=2 / P=4: `{'` / `'.join(tunings[site])}`)"] = rows.pop(site)
+    header = ["backend", "P=2: 1 MB", "16 MB", "100 MB", "P=4: 1 MB", "16 MB", "100 MB"]
+    return md(header, [[label, *cells] for label, cells in rows.items()])
+
+
+ALLREDUCE_GOALS = {"default_vs_mpi_busbw_100MB": 3.0, "default_vs_gloo_busbw_100MB": 5.0,
+                   "ring_vs_mpi_busbw_16MB": 0.9}
+SITE_RATIOS = ("default_vs_impi_busbw_100MB", "default_vs_ompi_busbw_100MB",
+               "default_vs_mpich_busbw_100MB")
+RATIO_ROWS = (*((name, f"≥ {goal:g}") for name, goal in ALLREDUCE_GOALS.items()),
+              *((name, "—") for name in SITE_RATIOS),
+              ("default_vs_memcpy_100MB", "share of one core's `copy_` rate kept"))
+
+
+def allreduce_ratio_values(root: Path) -> dict[str, dict[int, tuple[float | None, float]]]:
+    """Each bench ratio at P = 2 and 4: (backends run's value or None, site run's value)."""
+    out: dict[str, dict[int, tuple[float | None, float]]] = {}
+    for name, _ in RATIO_ROWS:
+        for p in (2, 4):
+            own = load(root, ALLREDUCE_FILES[p][0])["ratios"].get(name)
+            out.setdefault(name, {})[p] = (own, load(root, ALLREDUCE_FILES[p][1])["ratios"][name])
+    return out
+
+
+def allreduce_ratios(root: Path) -> str:
+    values = allreduce_ratio_values(root)
+    rows = []
+    for name, goal in RATIO_ROWS:
+        cells = [f(site) if own is None else f"{f(own)} ({f(site)})"
+                 for own, site in (values[name][p] for p in (2, 4))]
+        rows.append([f"`{name}`", *cells, goal])
+    return md(["ratio", "P = 2: backends run (site run)", "P = 4: backends run (site run)",
+               "goal"], rows, right=1)
+
+
+CCL_FILE = "allreduce-ccl-2026-12-01.json"
+CCL_RATIOS = ("ccl_vs_mpi_busbw_100MB", "ccl_best_vs_mpi_busbw_100MB",
+              "ccl_vs_default_busbw_100MB", "ccl_best_vs_default_busbw_100MB")
+
+
+def _gbps(x: float) -> str:
+    """Two decimals, three below 0.1 GB/s (where two would hide the order of magnitude)."""
+    return f(x) if x >= 0.1 else f(x, 3)
+
+
+def allreduce_ccl(root: Path) -> str:
+    report = load(root, CCL_FILE)
+    records = report["results"]
+    base = next(r["tuning"] for r in records if r["backend"] == "ccl").split()
+    labels = {"default": "`default` (= `shm`)", "mpi": "MPICH `MPI_Allreduce`"}
+    cells: dict[str, dict[int, list[str]]] = {label: {} for label in labels.values()}
+    for r in records:
+        if r["backend"] in labels:
+            label = labels[r["backend"]]
+        elif r["backend"] in ("ccl", "ccl-tuned"):
+            changed = [t for t in r["tuning"].split() if t not in base]
+            label = ("`ccl`, " + ", ".join(f"`{t}`" for t in changed) if changed else
+                     "`ccl`, oneCCL defaults + hpcdl's one-host `CCL_ATL_SHM=1` (run twice)")
+        else:
+            continue
+        cells.setdefault(label, {}).setdefault(r["bytes"], []).append(_gbps(r["busbw_GBps"]))
+    rows = [[label, *(" / ".join(by[size]) for size in SIZES)] for label, by in cells.items()]
+    ratios = ", ".join(f"`{k}` {f(report['ratios'][k])}" for k in CCL_RATIOS)
+    return f"{md(['row', '1 MB', '16 MB', '100 MB'], rows)}\n\n{ratios}"
+
+
+# ---- training step ---------------------------------------------------------------------
+
+STEP_DIR = "shard-update-quiet-2026-12-01"
+#: (file prefix, label, DDP goal: default ÷ ddp_gloo, ceiling goal: default ÷ no_comm)
+STEP_MODELS = (("alexnet_bn-224-b32-np2", "AlexNet-BN 224 px, 32", 1.10, 0.95),
+               ("resnet50-112-b16-np2", "ResNet-50 112 px, 16", 1.05, 0.97))
+
+
+def _step_reports(root: Path, prefix: str) -> list[Mapping[str, Any]]:
+    return [json.loads(p.read_text())
+            for p in sorted((root / RESULTS / STEP_DIR).glob(f"{prefix}-run*.json"))]
+
+
+def _step_runs(root: Path, prefix: str) -> list[dict[str, float]]:
+    """images/s per rank of each mode, one dict per run."""
+    return [{r["mode"]: r["images_per_s_per_rank"] for r in report["results"]}
+            for report in _step_reports(root, prefix)]
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    label: str
+    runs: int
+    median_rate: dict[str, float]  # images/s per rank, median over runs
+    ratios: dict[str, list[float]]  # per run: "a/b" -> a's rate ÷ b's
+    ddp_goal: float
+    ceiling_goal: float
+    flops_fraction: list[float]  # per run: the step's training FLOP rate ÷ a 2048² matmul's
+
+
+STEP_RATIOS = (("ours_allreduce", "no_comm"), ("ours_allreduce", "ddp_gloo"),
+               ("ddp_gloo", "no_comm"), ("ours", "ours_allreduce"))
+
+
+def step_figures(root: Path) -> list[StepFigures]:
+    out = []
+    for prefix, label, ddp_goal, ceiling_goal in STEP_MODELS:
+        runs = _step_runs(root, prefix)
+        out.append(StepFigures(
+            label, len(runs), {m: statistics.median(r[m] for r in runs) for m in runs[0]},
+            {f"{a}/{b}": [r[a] / r[b] for r in runs] for a, b in STEP_RATIOS},
+            ddp_goal, ceiling_goal,
+            [r["ratios"]["flops_fraction_of_matmul"] for r in _step_reports(root, prefix)]))
+    return out
+
+
+def ddp_need(s: StepFigures) -> float:
+    """The share of the ceiling the default step needs to be ``ddp_goal`` × DDP's rate."""
+    return s.ddp_goal * statistics.median(s.ratios["ddp_gloo/no_comm"])
+
+
+def training_step(root: Path) -> str:
+    rows = []
+    for s in step_figures(root):
+        rows.append([f"{s.label} ({s.runs} runs)", f(s.median_rate["ours_allreduce"]),
+                     f(s.median_rate["no_comm"]), f(s.median_rate["ddp_gloo"]),
+                     *(spread(s.ratios[f"{a}/{b}"]) for a, b in STEP_RATIOS[:3]),
+                     f"{s.ddp_goal:.2f}× → {f(ddp_need(s), 3)}",
+                     spread(s.ratios["ours/ours_allreduce"]), _minmax(s.flops_fraction, 2)])
+    header = ["model, per-rank batch, 2 ranks", "default step img/s", "no_comm", "ddp_gloo",
+              "default ÷ no_comm", "default ÷ ddp_gloo", "ddp_gloo ÷ no_comm",
+              "DDP goal needs (÷ ceiling)", "sharded ÷ default",
+              "FLOP rate ÷ 2048² matmul, min–max"]
+    return md(header, rows)
+
+
+BUCKET_DIR = "bucket-size-alexnet-2026-12-01"
+
+
+def bucket_size(root: Path) -> str:
+    rows = []
+    for mb in (6, 25, 160):
+        paths = sorted((root / RESULTS / BUCKET_DIR).glob(f"b{mb}-*.json"))
+        reports = [json.loads(p.read_text()) for p in paths]
+        ratios = [r["ratios"]["vs_no_comm"] for r in reports]
+        rates = [r["ratios"]["images_per_s_per_rank"] for r in reports]
+        rows.append([f"{mb} MB", " / ".join(f(x) for x in rates),
+                     " / ".join(f(x, 3) for x in ratios)])
+    return md(["bucket", "img/s per rank, run 1 / 2", "÷ no_comm, run 1 / 2"], rows)
+
+
+ACROSS_DIR = "step-across-hosts-2026-12-01"
+ACROSS_RATE = "250Mbit"  # the link-bound rate: the only one with three runs
+ACROSS_MODES = (("no_comm", "`no_comm` (ceiling)"), ("ours", "`ours` (MPICH, fp32)"),
+                ("ours@gloo", "`ours@gloo` (fp32)"),
+                ("ours_bf16", "`ours_bf16` (bf16 on the wire, ring)"),
+                ("ddp_gloo", "`ddp_gloo` (25 MB buckets)"))
+ACROSS_GOAL = 1.25  # ours (fp32) ÷ ddp_gloo
+
+
+def _link_rate(report: Mapping[str, Any]) -> str:
+    shaping = next(iter(report["machine"].get("link_shaping", {}).values()), "") or ""
+    return shaping.split(" rate ")[1].split()[0] if " rate " in shaping else "unshaped"
+
+
+def across_runs(root: Path) -> list[Mapping[str, Any]]:
+    """The runs at ``ACROSS_RATE`` (by each JSON's recorded tbf rate), in file order."""
+    paths = sorted((root / RESULTS / ACROSS_DIR).glob("*/step-*.json"))
+    reports = [json.loads(p.read_text()) for p in paths]
+    return [r for r in reports if _link_rate(r) == ACROSS_RATE]
+
+
+def across_figures(root: Path) -> dict[str, dict[str, list[float]]]:
+    """Per mode, one value per run: step s, ÷ ddp_gloo, ÷ no_comm (images/s ratios), eth0 MB
+    per step, wait after backward s, CPU s per step and CPU s added over no_comm."""
+    out: dict[str, dict[str, list[float]]] = {m: {} for m, _ in ACROSS_MODES}
+    for report in across_runs(root):
+        by_mode = {r["mode"]: r for r in report["results"]}
+        ceiling, ddp = by_mode["no_comm"], by_mode["ddp_gloo"]
+        for mode, _ in ACROSS_MODES:
+            r = by_mode[mode]
+            for key, value in (
+                    ("step", r["step_time_s"]),
+                    ("vs_ddp", r["images_per_s_per_rank"] / ddp["images_per_s_per_rank"]),
+                    ("vs_ceiling", r["images_per_s_per_rank"] / ceiling["images_per_s_per_rank"]),
+                    ("mb", r["nic_tx_MB_per_step"]), ("wait", r["comm_wait_s"]),
+                    ("cpu", r["cpu_s_per_step"]),
+                    ("cpu_added", r["cpu_s_per_step"] - ceiling["cpu_s_per_step"])):
+                out[mode].setdefault(key, []).append(value)
+    return out
+
+
+def _minmax(values: Sequence[float], nd: int = 1) -> str:
+    return f"{f(min(values), nd)}–{f(max(values), nd)}"
+
+
+def step_across_hosts(root: Path) -> str:
+    figures = across_figures(root)
+    rows = []
+    for mode, label in ACROSS_MODES:
+        v = figures[mode]
+        mb = statistics.median(v["mb"])
+        rows.append([
+            label, _minmax(v["step"]),
+            "1" if mode == "ddp_gloo" else spread(v["vs_ddp"]),
+            "1" if mode == "no_comm" else spread(v["vs_ceiling"]),
+            f(mb, 1) if mb >= 1 else f(mb, 4),
+            "—" if None in v["wait"] else "0" if max(v["wait"]) == 0 else _minmax(v["wait"]),
+            f"0 ({_minmax(v['cpu'], 2)} s of CPU)" if mode == "no_comm"
+            else spread(v["cpu_added"], 2)])
+    runs = across_runs(root)
+    absent = sorted({m for r in runs for m in r.get("absent_modes", {})})
+    rows += [[m, f"absent in {sum(m in r.get('absent_modes', {}) for r in runs)} of {len(runs)} "
+              "runs (each JSON's `absent_modes`; below)", "", "", "", "", ""] for m in absent]
+    header = [f"mode ({ACROSS_RATE.lower()})", "step s, min–max", "÷ DDP+gloo", "÷ ceiling",
+              "eth0 MB sent per step (median)", "waits after backward s", "CPU s added per step"]
+    return md(header, rows)
+
+
+# ---- loader, optimizer, bf16 -----------------------------------------------------------
+
+LOADER_FILE = "loader-fair-baselines-2026-12-01.json"
+LOADER_GOAL = 1.5  # hdf5 ÷ each fair baseline (the same pre-resized JPEG bytes)
+LOADER_SIDES = (("imagefolder_pillow", "torchvision ImageFolder way, full 500×375 JPEGs"),
+                ("imagefolder_pillow_resized", "the same pre-resized JPEGs as files"),
+                ("webdataset_pil_resized", "the same JPEGs in WebDataset tar shards"),
+                ("hdf5_sharded", "hpcdl: `ShardedImageNet` + `normalize`"),
+                ("simplejpeg_decode_only", "decoding alone: the floor"))
+
+
+def loader(root: Path) -> str:
+    report = load(root, LOADER_FILE)
+    rate = {r["name"]: r["images_per_s_per_core"] for r in report["results"]}
+    rows = [[f"`{name}` ({what})", f"{rate[name]:,.0f}"] for name, what in LOADER_SIDES]
+    table = md(["side", "img/s per core"], rows)
+    ratios = ", ".join(f"`{k}` {f(v)}" for k, v in report["ratios"].items())
+    return f"{table}\n\n{ratios}"
+
+
+OPTIM_FILE = "optim-lars-resnet50-2026-12-02.json"
+OPTIM_GOAL = 1.5  # LARS's step ÷ SGD's
+
+
+def optim_step(root: Path) -> str:
+    report = load(root, OPTIM_FILE)
+    ms = {r["optimizer"]: r for r in report["results"]}
+    ratio = report["ratios"]["lars_vs_sgd_step_time"]
+    return md(["SGD foreach, median [min–max]", "LARS", "`lars_vs_sgd_step_time`", "goal"],
+              [[*(f"{f(ms[o]['median_ms'], 1)} [{_minmax([ms[o]['min_ms'], ms[o]['max_ms']])}] ms"
+                  for o in ("sgd_foreach", "lars")), f"**{f(ratio)}**",
+                f"≤ {OPTIM_GOAL:g}: " + ("met" if ratio <= OPTIM_GOAL else "not met")]], right=0)
+
+
+BF16_SPEED_DIR = "bf16-speed-2026-12-01"
+
+
+def _bf16_runs(root: Path, precision: str) -> list[dict[str, float]]:
+    out = []
+    for path in sorted((root / RESULTS / BF16_SPEED_DIR).glob(f"resnet50-{precision}-*.json")):
+        record = json.loads(path.read_text())["results"][0]
+        out.append({"step": record["step_time_s"], "cpu": record["cpu_s_per_step"]})
+    return out
+
+
+def bf16_cpu_ratio(root: Path) -> float:
+    """bf16's median CPU s per step over fp32's (separate runs: ratio of medians)."""
+    fp32, bf16 = _bf16_runs(root, "fp32"), _bf16_runs(root, "bf16")
+    return statistics.median(r["cpu"] for r in bf16) / statistics.median(r["cpu"] for r in fp32)
+
+
+def bf16_speed(root: Path) -> str:
+    fp32, bf16 = _bf16_runs(root, "fp32"), _bf16_runs(root, "bf16")
+    rows = [[f"{name} {' / '.join(str(i + 1) for i in range(len(runs)))}",
+             " / ".join(f(r["step"]) for r in runs), " / ".join(f(r["cpu"]) for r in runs)]
+            for name, runs in (("fp32", fp32), ("bf16", bf16))]
+    cpu = bf16_cpu_ratio(root)
+    rows.append(["bf16 ÷ fp32 (ratio of medians)", "—", f"**{f(cpu, 3)}** (≈ {f(1 / cpu, 1)}×)"])
+    return md(["run", "step (s, wall, loaded)", "CPU s per step"], rows, right=9)
+
+
+BF16_ACC_DIR = "bf16-convergence-2026-12-01"
+
+
+def _bf16_seeds(root: Path) -> dict[str, tuple[float, float]]:
+    """Per seed: (fp32 top-1 %, emulated-bf16 top-1 %)."""
+    out = {}
+    for path in sorted((root / RESULTS / BF16_ACC_DIR).glob("seed*.json")):
+        top1 = {r["run"]: r["top1"] * 100 for r in json.loads(path.read_text())["results"]}
+        out[path.stem.removeprefix("seed")] = (top1["lars"], top1["lars_bf16"])
+    return out
+
+
+def bf16_accuracy_diff(root: Path) -> float:
+    """Mean over seeds of bf16's top-1 minus the mean of fp32's, in points."""
+    seeds = _bf16_seeds(root).values()
+    return statistics.mean(b for _, b in seeds) - statistics.mean(a for a, _ in seeds)
+
+
+BF16_GOAL = -0.3
+
+
+def bf16_accuracy(root: Path) -> str:
+    seeds = _bf16_seeds(root)
+    rows = [[seed, f(a), f(b), signed(b - a)] for seed, (a, b) in seeds.items()]
+    diff = bf16_accuracy_diff(root)
+    rows.append(["mean", f(statistics.mean(a for a, _ in seeds.values())),
+                 f(statistics.mean(b for _, b in seeds.values())),
+                 f"**{signed(diff)}** (goal ≥ {f(BF16_GOAL, 1)}: "
+                 f"{'met' if diff >= BF16_GOAL else 'not met'})"])
+    return md(["seed", "fp32 top-1", "bf16 (emulated) top-1", "bf16 − fp32"], rows, right=0)
+
+
+# ---- convergence -----------------------------------------------------------------------
+
+SAME_DECAY = "convergence-study-same-decay-2026-12-01.json"
+OTHER_DECAY = "convergence-study-extended.json"
+
+
+def _by_batch(report: Mapping[str, Any], optimizer: str) -> dict[int, Mapping[str, Any]]:
+    return {r["global_batch"]: r for r in report["results"] if r["optimizer"] == optimizer}
+
+
+def _final(r: Mapping[str, Any]) -> str:
+    pct = {k: r[k] * 100 for k in ("top1_mean", "top1_std", "top1_min", "top1_max")}
+    edge = ", edge" if r.get("at_edge") else ""
+    tuned = f"; {r['tuned_lrs']}" if "tuned_lrs" in r else ""
+    return (f"{f(pct['top1_mean'])} ± {f(pct['top1_std'])} [{f(pct['top1_min'])}–"
+            f"{f(pct['top1_max'])}] ({r['lr']:.3g}{edge}{tuned})")
+
+
+@dataclass(frozen=True)
+class ConvergenceRow:
+    batch: int
+    lars: Mapping[str, Any]
+    sgd: Mapping[str, Any]  # same decay policy as LARS
+    other: Mapping[str, Any]  # SGD decaying BN and biases too
+
+    @property
+    def lead(self) -> float:
+        """LARS's test mean minus same-policy SGD's, in points."""
+        return (self.lars["top1_mean"] - self.sgd["top1_mean"]) * 100
+
+    @property
+    def lead_over_better(self) -> float:
+        """LARS's test mean minus the better of the two SGD policies' means, in points."""
+        best = max(self.sgd["top1_mean"], self.other["top1_mean"])
+        return (self.lars["top1_mean"] - best) * 100
+
+
+def convergence_rows(root: Path) -> list[ConvergenceRow]:
+    same = load(root, SAME_DECAY)
+    lars, sgd = _by_batch(same, "lars"), _by_batch(same, "sgd")
+    other = _by_batch(load(root, OTHER_DECAY), "sgd")
+    return [ConvergenceRow(b, lars[b], sgd[b], other[b]) for b in sorted(lars)]
+
+
+def convergence(root: Path) -> str:
+    rows = []
+    for r in convergence_rows(root):
+        rows.append([f"{r.batch:,}", _final(r.lars), _final(r.sgd), f"**{signed(r.lead)}**",
+                     f"{f(r.other['top1_mean'] * 100)} ({r.other['lr']:.3g})",
+                     f"{f(r.sgd['holdout_top1'] * 100)} / {f(r.other['holdout_top1'] * 100)}",
+                     signed(r.lead_over_better)])
+    header = ["batch", "LARS", "SGD, same decay policy", "LARS − SGD",
+              "SGD decaying BN and biases too", "SGD holdout: same / other policy",
+              "LARS − SGD's better final"]
+    return md(header, rows)
+
+
+# ---- relaxed consistency ---------------------------------------------------------------
+
+RELAXED_FILES = {"seeds": "relaxed-seeds-2026-12-01.json",
+                 "hier": "relaxed-hierarchical-seeds-2026-12-01.json",
+                 "r4a": "relaxed-r4-seeds01-2026-12-01.json",
+                 "r4b": "relaxed-r4-seed2-2026-12-01.json"}
+RELAXED_ROWS = (("sync", "seeds", "`sync` (hpcdl)"),
+                ("hierarchical", "hier", "`hierarchical` H = 8, 2 × 2"),
+                ("powersgd", "seeds", "`powersgd` r = 2 (hpcdl)"),
+                ("ddp_powersgd", "seeds", "`ddp_powersgd` r = 2 (PyTorch)"),
+                ("powersgd", "r4", "`powersgd` r = 4 (hpcdl)"),
+                ("ddp_powersgd", "r4", "`ddp_powersgd` r = 4 (PyTorch)"),
+                ("ddp_sync", "seeds", "`ddp_sync` (PyTorch's own loop)"))
+
+
+def _relaxed_records(root: Path, key: str) -> list[Mapping[str, Any]]:
+    if key == "r4":
+        return [*load(root, RELAXED_FILES["r4a"])["results"],
+                *load(root, RELAXED_FILES["r4b"])["results"]]
+    return load(root, RELAXED_FILES[key])["results"]
+
+
+@dataclass(frozen=True)
+class RelaxedRow:
+    label: str
+    run: str
+    top1: list[float]  # % per seed 0, 1, 2
+    delta: float  # mean top-1 minus sync's mean, points
+    world_bytes: int  # per rank at the call site, across nodes
+    node_bytes: int  # per rank at the call site, inside a node
+
+
+def relaxed_rows(root: Path) -> list[RelaxedRow]:
+    sync_top1 = [r["top1"] * 100 for r in _relaxed_records(root, "seeds")
+                 if r["run"] == "sync" and r["seed"] != "mean"]
+    rows = []
+    for run, key, label in RELAXED_ROWS:
+        seeds = sorted((r for r in _relaxed_records(root, key)
+                        if r["run"] == run and r["seed"] != "mean"), key=lambda r: r["seed"])
+        top1 = [r["top1"] * 100 for r in seeds]
+        rows.append(RelaxedRow(label, run, top1,
+                               statistics.mean(top1) - statistics.mean(sync_top1),
+                               seeds[0]["bytes_per_rank"], seeds[0]["bytes_node_per_rank"]))
+    return rows
+
+
+def relaxed_call_site(root: Path) -> str:
+    found = relaxed_rows(root)
+    sync_bytes = next(r.world_bytes for r in found if r.run == "sync")
+    rows = []
+    for r in found:
+        world, node = r.world_bytes, r.node_bytes
+        rows.append([r.label, ", ".join(f(t) for t in r.top1),
+                     f"{f(statistics.mean(r.top1))} ± {f(statistics.stdev(r.top1))}",
+                     "—" if r.run == "sync" else signed(r.delta),
+                     f"{world / 1e6:.1f}" + (f" + {node / 1e6:.1f}" if node else ""),
+                     f"{f(sync_bytes / world)}×" + (
+                         f" ({f(sync_bytes / (world + node))}× counting both)" if node else "")])
+    header = ["run", "top-1 seeds 0, 1, 2 (%)", "mean ± sd", "Δ vs `sync` (points)",
+              "MB per rank at the call site: across nodes (+ inside a node)",
+              f"sync's {sync_bytes / 1e6:.1f} MB ÷ this"]
+    return md(header, rows, right=3)
+
+
+NETWORK_DIR = "relaxed-network-bytes-2026-12-01"
+NETWORK_RUNS = ("sync", "hierarchical", "ddp_sync")
+
+
+@dataclass(frozen=True)
+class NetworkRow:
+    run: str
+    tx: tuple[int, int]  # bytes h1's and h2's eth0 sent over the run
+    top1: float  # %, seed 0
+    vs: dict[str, tuple[float, float, float]]  # "sync"/"ddp_sync" -> (h1, h2, total) ratios
+
+
+def relaxed_network_rows(root: Path) -> list[NetworkRow]:
+    base = root / RESULTS / NETWORK_DIR
+    tx = {}
+    for line in (base / "eth0-bytes.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        tx[row["run"]] = (row["h1"]["tx"], row["h2"]["tx"])
+    rows = []
+    for run in NETWORK_RUNS:
+        top1 = json.loads((base / f"relaxed-{run}.json").read_text())["results"][0]["top1"] * 100
+        h1, h2 = tx[run]
+        vs = {ref: (tx[ref][0] / h1, tx[ref][1] / h2, sum(tx[ref]) / (h1 + h2))
+              for ref in ("sync", "ddp_sync")}
+        rows.append(NetworkRow(run, (h1, h2), top1, vs))
+    return rows
+
+
+def relaxed_network(root: Path) -> str:
+    rows = []
+    for r in relaxed_network_rows(root):
+        s1, s2, st = r.vs["sync"]
+        d1, d2, dt = r.vs["ddp_sync"]
+        rows.append([f"`{r.run}`", f"{r.tx[0] / 1e6:.1f} / {r.tx[1] / 1e6:.1f}",
+                     f"{f(s1)} / {f(s2)}", f(st), f"{f(d1)} / {f(d2)}", f(dt), f(r.top1)])
+    header = ["run (2 hosts × 2 ranks)", "MB out of h1 / h2", "sync ÷ this, per host h1 / h2",
+              "in total", "ddp_sync ÷ this, per host", "in total", "top-1 (seed 0)"]
+    return md(header, rows)
+
+
+# ---- planner, demo ---------------------------------------------------------------------
+
+WINDOWS = ("plan-gemm-rows-2026-12-01/window2/plan-validate-quiet-2026-12-01.json",
+           "plan-gemm-rows-2026-12-01/window1/plan-validate-quiet-2026-12-01.json")
+HELD_OUT = "plan-held-out-2026-12-01/plan-validate-2026-12-01.json"
+MODEL_NAMES = {"alexnet_bn": "AlexNet-BN", "resnet50": "ResNet-50",
+               "alexnet_bvlc": "Caffe's AlexNet (LRN, grouped conv)"}
+
+
+PLAN_BAND = (0.85, 1.15)  # the planner's goal: predicted ÷ measured inside this band
+
+
+def plan_ratio(record: Mapping[str, Any]) -> float:
+    return record["predicted_step_s"] / record["measured_step_s"]
+
+
+def in_band(ratio: float) -> bool:
+    return PLAN_BAND[0] <= ratio <= PLAN_BAND[1]
+
+
+def worst(ratios: Sequence[float]) -> float:
+    """The ratio farthest from 1 (in the sense of the band: over 1 counts as much as under)."""
+    return max(ratios, key=lambda r: max(r, 1 / r))
+
+
+def _ratio(ratio: float) -> str:
+    """Two decimals, three when outside the band (so 1.153 does not read as 1.15), ✗ then."""
+    return f(ratio) if in_band(ratio) else f"{f(ratio, 3)} ✗"
+
+
+BAND = f"{f(PLAN_BAND[0])}–{f(PLAN_BAND[1])}"
+
+
+def planner_windows(root: Path) -> str:
+    w2, w1 = (load(root, p)["results"] for p in WINDOWS)
+    rows = []
+    for a, b in zip(w2, w1, strict=True):
+        rows.append([f"{MODEL_NAMES[a['model']]} {a['image_size']} px", a["ranks"],
+                     f"{a['predicted_step_s']:.3f} / {a['measured_step_s']:.3f} s",
+                     _ratio(plan_ratio(a)), _ratio(plan_ratio(b)),
+                     f"{a['spread']:.0%} / {b['spread']:.0%}"])
+    inside = [sum(in_band(plan_ratio(r)) for r in w) for w in (w2, w1)]
+    widest = [max(r["spread"] for r in w) for w in (w2, w1)]
+    table = md(["workload", "np", "window 2: predicted / measured step", "ratio",
+                "window 1: ratio", "repeats' spread, window 2 / 1"], rows)
+    return (f"{table}\n\nInside {BAND}: window 2 {inside[0]} of {len(w2)}, "
+            f"window 1 {inside[1]} of {len(w1)}. Repeats' spread up to {widest[0]:.0%} "
+            f"(window 2) and {widest[1]:.0%} (window 1).")
+
+
+def planner_held_out(root: Path) -> str:
+    records = load(root, HELD_OUT)["results"]
+    rows: dict[str, list[str]] = {}
+    for r in records:
+        label = f"{MODEL_NAMES[r['model']]} {r['image_size']} px: predicted / measured"
+        rows.setdefault(label, []).append(
+            f"{r['predicted_step_s']:.3f} / {r['measured_step_s']:.3f} s = {_ratio(plan_ratio(r))}")
+    inside = sum(in_band(plan_ratio(r)) for r in records)
+    table = md(["workload", "np 1", "np 2", "np 4"], [[k, *v] for k, v in rows.items()])
+    return f"{table}\n\nInside {BAND}: {inside} of {len(records)}."
+
+
+PAPERS_DIR = "plan-spec-machines-2026-12-01"
+#: (raw file, run, ranks' hardware, published minutes: You et al., "ImageNet Training in
+#: Minutes", ICPP 2018; the published figures, not measured here)
+PAPERS = (("alexnet_bn_32k-skx.json", "AlexNet-BN 32K", "2,048 × Xeon 8160", 11),
+          ("resnet50_32k-knl.json", "ResNet-50 32K", "2,048 × Xeon Phi 7250", 20))
+
+
+@dataclass(frozen=True)
+class PaperPlan:
+    run: str
+    hardware: str
+    report: Mapping[str, Any]
+    published_min: float
+
+    @property
+    def minutes(self) -> float:
+        return self.report["total_s"] / 60
+
+    @property
+    def steps(self) -> int:
+        i = self.report["inputs"]
+        return round(i["epochs"] * i["dataset_size"] / i["global_batch"])
+
+    @property
+    def bound(self) -> tuple[str, float]:
+        """The dominant term and its share of the iteration."""
+        it = self.report["per_iteration"]
+        key = "comm_exposed_s" if self.report["dominant"] == "communication" else "compute_s"
+        return self.report["dominant"], it[key] / it["iteration_s"]
+
+
+def paper_plans(root: Path) -> list[PaperPlan]:
+    return [PaperPlan(run, hw, load(root, f"{PAPERS_DIR}/{name}"), published)
+            for name, run, hw, published in PAPERS]
+
+
+MEMORY_CLASSES = ("batch_norm", "relu", "add", "pool", "dropout", "lrn")
+
+
+def _largest_classes(by_class: Mapping[str, float], n: int = 4) -> str:
+    """The ``n`` largest dense classes in ms, then the memory-bound passes summed."""
+    dense = sorted(((k, v) for k, v in by_class.items() if k not in MEMORY_CLASSES),
+                   key=lambda kv: -kv[1])[:n]
+    memory = sum(v for k, v in by_class.items() if k in MEMORY_CLASSES)
+    return ", ".join(f"{k} {v * 1000:.1f}" for k, v in dense) + \
+        f", memory passes {memory * 1000:.1f}"
+
+
+def planner_papers(root: Path) -> str:
+    rows = []
+    for p in paper_plans(root):
+        it = {k: v * 1000 for k, v in p.report["per_iteration"].items()}
+        dominant, share = p.bound
+        rows.append([f"{p.run}, {p.report['inputs']['epochs']:.4g} epochs ({p.steps:,} steps), "
+                     f"{p.hardware}",
+                     f"{it['compute_s']:.1f} ms ({_largest_classes(p.report['compute_by_class'])})",
+                     f"{it['optimizer_s']:.1f} ms",
+                     f"{it['comm_s']:.1f} / {it['comm_hidden_s']:.1f} / "
+                     f"{it['comm_exposed_s']:.1f} ms", f"{it['iteration_s']:.1f} ms",
+                     f"**{p.minutes:.1f} min**", f"{p.published_min:g} min",
+                     f"{dominant} ({share:.0%} of the iteration)"])
+    return md(["run", "compute (largest classes, ms)", "LARS", "allreduce total / hidden / exposed",
+               "iteration", "predicted", "published", "bound by"], rows, right=2)
+
+
+RELAXED_PLANS = (("alexnet_bn_32k", "AlexNet-BN 32K"), ("resnet50_32k", "ResNet-50 32K"))
+RELAXED_POLICIES = (("sync", "sync"), ("local", "local SGD, H = 8"),
+                    ("hier", "hierarchical, H = 8"), ("psgd2", "PowerSGD r = 2"),
+                    ("psgd4", "PowerSGD r = 4"))
+
+
+def planner_relaxed(root: Path) -> str:
+    rows = []
+    for stem, label in RELAXED_PLANS:
+        minutes = [load(root, f"{PAPERS_DIR}/relaxed-{stem}-skx-{key}.json")["total_s"] / 60
+                   for key, _ in RELAXED_POLICIES]
+        rows.append([f"{label}, 2,048 ranks on `skx`", *(f"{m:.1f}" for m in minutes)])
+    return md(["planned minutes", *(name for _, name in RELAXED_POLICIES)], rows)
+
+
+#: (file suffix, column): each plan re-run with one figure of the spec file changed (scaled
+#: in a copy under --machines-dir) or one option; benchmarks/plan_papers.sh runs them all
+SENSITIVITY = (("", "as shipped"), ("-dense08", "dense fractions × 0.8"),
+               ("-dense125", "× 1.25"), ("-mem08", "memory passes × 0.8"), ("-mem125", "× 1.25"),
+               ("-nooverhead", "no per-layer overhead"), ("-noov", "overlap off"),
+               ("-rab", "`rabenseifner`"), ("-hier", "`hierarchical`"))
+#: per plan, the variants run (the file suffixes of SENSITIVITY it has)
+SENSITIVITY_PLANS = (("alexnet_bn_32k-skx", "AlexNet-BN 32K on `skx`",
+                      ("", "-dense08", "-dense125", "-mem08", "-mem125", "-nooverhead", "-noov",
+                       "-rab", "-hier")),
+                     ("resnet50_32k-knl", "ResNet-50 32K on `knl`",
+                      ("", "-dense08", "-dense125", "-mem08", "-mem125", "-nooverhead", "-rab")))
+
+
+def planner_sensitivity(root: Path) -> str:
+    def minutes(stem: str, suffix: str) -> str:
+        return f"{load(root, f'{PAPERS_DIR}/{stem}{suffix}.json')['total_s'] / 60:.2f}"
+
+    rows = [[label, *(minutes(stem, s) if s in runs else "—" for s, _ in SENSITIVITY)]
+            for stem, label, runs in SENSITIVITY_PLANS]
+    return md(["planned minutes, 2,048 ranks", *(name for _, name in SENSITIVITY)], rows)
+
+
+SIMULATE_DIR = "plan-simulate-2026-12-01"
+#: (file stem, label, the paper's minutes) of the papers' two runs on Stampede2's fat tree
+SIMULATED_RUNS = (("alexnet-bn-skx", "AlexNet-BN, 1,024 SKX × 2 ranks", 11),
+                  ("resnet50-knl", "ResNet-50, 2,048 KNL", 20))
+#: per run, the (allreduce, placement, fabric) cells simulated at 2,048 ranks
+SIMULATED_CELLS = {
+    "alexnet-bn-skx": (("ring", "contiguous", "28to20"), ("ring", "contiguous", "nonblocking"),
+                       ("ring", "scattered", "28to20"), ("ring", "random", "28to20"),
+                       ("ring", "random", "nonblocking"),
+                       ("hierarchical", "contiguous", "28to20"),
+                       ("hierarchical", "random", "28to20"),
+                       ("rabenseifner", "contiguous", "28to20"),
+                       ("rabenseifner", "contiguous", "nonblocking"),
+                       ("rabenseifner", "scattered", "28to20"),
+                       ("rabenseifner", "scattered", "nonblocking"),
+                       ("rabenseifner", "random", "28to20")),
+    "resnet50-knl": (("ring", "contiguous", "28to20"), ("ring", "contiguous", "nonblocking"),
+                     ("ring", "scattered", "28to20"), ("ring", "random", "28to20"),
+                     ("ring", "random", "nonblocking"))}
+FABRICS = {"28to20": "28:20", "nonblocking": "non-blocking"}
+
+
+def _simulated_file(stem: str, allreduce: str, placement: str, fabric: str) -> str:
+    algorithm = "" if allreduce == "ring" else f"{allreduce}-"
+    return f"{SIMULATE_DIR}/{stem}-{algorithm}{placement}-{fabric}.json"
+
+
+def _simulated_rows(root: Path, stem: str, cell: tuple[str, str, str]) -> dict[int, Any]:
+    """The simulation's rows of one file, by rank count."""
+    report = load(root, _simulated_file(stem, *cell))
+    return {r["procs"]: r for r in report["simulation"]["rows"]}
+
+
+def simulate_papers(root: Path) -> str:
+    rows = []
+    for stem, label, paper in SIMULATED_RUNS:
+        for i, cell in enumerate(SIMULATED_CELLS[stem]):
+            r = _simulated_rows(root, stem, cell)[2048]
+            allreduce, placement, fabric = cell
+            name = label if i == 0 else "" if allreduce == SIMULATED_CELLS[stem][i - 1][0] \
+                else f"— {allreduce}"
+            rows.append([name, placement, FABRICS[fabric],
+                         f"{r['comm_formula_s'] * 1000:.0f} → {r['comm_simulated_s'] * 1000:.0f} "
+                         f"ms ({f(r['comm_ratio'])}×)",
+                         f"{f(r['iteration_formula_s'], 3)} → {f(r['iteration_simulated_s'], 3)} "
+                         f"s ({f(r['iteration_ratio'])}×)",
+                         f"{r['total_formula_s'] / 60:.1f} → {r['total_simulated_s'] / 60:.1f} min",
+                         f"{paper} min" if i == 0 else ""])
+    return md(["run (2,048 ranks)", "placement", "fabric", "allreduce/step formula → simulated",
+               "step formula → simulated", "training time formula → simulated", "paper"],
+              rows, right=3)
+
+
+SCALING_CELLS = (("ring", "contiguous", "28to20"), ("ring", "random", "28to20"),
+                 ("ring", "random", "nonblocking"))
+
+
+def simulate_scaling(root: Path) -> str:
+    rows = []
+    for stem, label, _ in SIMULATED_RUNS:
+        by_cell = [_simulated_rows(root, stem, c) for c in SCALING_CELLS]
+        for i, procs in enumerate(sorted(by_cell[0])):
+            cells = [c[procs] for c in by_cell]
+            rows.append([label if i == 0 else "", f"{procs:,}",
+                         f"{cells[0]['comm_formula_s'] * 1000:.0f}",
+                         *(f"{c['comm_simulated_s'] * 1000:.0f}" for c in cells),
+                         f"{cells[0]['total_formula_s'] / 60:.1f}",
+                         *(f"{c['total_simulated_s'] / 60:.1f}" for c in cells)])
+    return md(["run", "ranks", "allreduce ms: formula", "contiguous", "random", "random nb",
+               "time min: formula", "contiguous", "random", "random nb"], rows, right=1)
+
+
+PLAN_NETWORK = "plan-network-2026-12-01/predicted-vs-measured-cal2gbit.json"
+PLAN_NETWORK_BACKENDS = (("ring", "hpcdl's `ring` backend vs the ring cost"),
+                         ("mpi", "MPICH's `MPI_Allreduce` vs the Rabenseifner cost"))
+
+
+def plan_network_held_out(root: Path) -> dict[str, list[Mapping[str, Any]]]:
+    """Per backend, the rows the 2gbit calibration did not see (3 hosts, or 1gbit)."""
+    rows = load(root, PLAN_NETWORK)["rows"]
+    return {b: [r for r in rows if r["backend"] == b and not r["calibration_layout"]]
+            for b, _ in PLAN_NETWORK_BACKENDS}
+
+
+def _span(rows: Sequence[Mapping[str, Any]]) -> str:
+    ratios = [r["predicted_over_measured"] for r in rows]
+    return f"{f(min(ratios))}–{f(max(ratios))}" if ratios else "—"
+
+
+def planner_network(root: Path) -> str:
+    held = plan_network_held_out(root)
+    own = [r for r in load(root, PLAN_NETWORK)["rows"] if r["calibration_layout"]]
+    cells = [(rate, h, mb) for rate, h in (("1gbit", 2), ("1gbit", 3), ("2gbit", 3))
+             for mb in (25_000_000, 244_000_000)]
+    out = []
+    for backend, label in PLAN_NETWORK_BACKENDS:
+        rows = held[backend]
+        inside = sum(in_band(r["predicted_over_measured"]) for r in rows)
+        at = {c: [r for r in rows if (r["rate"], r["hosts"], r["bytes"]) == c] for c in cells}
+        out.append([label, f"**{inside} of {len(rows)}**", *(_span(at[c]) for c in cells),
+                    _span([r for r in own if r["backend"] == backend])])
+    header = ["predicted ÷ measured allreduce", f"held-out rows in {BAND}",
+              *(f"{rate}, {h} hosts, {mb // 1_000_000} MB" for rate, h, mb in cells),
+              "calibration's own layout (2 hosts, 2gbit)"]
+    return md(header, out)
+
+
+DEMO_SEEDS = "demo-seed-spread-2026-12-01.json"
+DEMO_TIME = "demo-time-2026-12-02.json"
+
+
+def demo(root: Path) -> str:
+    seeds = [r for r in load(root, DEMO_SEEDS)["full_demo_seeds"] if r["epochs"] == 25.0]
+    timed = load(root, DEMO_TIME)
+    rows = [[f"seed {r['seed']}, 25 epochs (shared machine, wall time not quoted)",
+             f(r["top1"] * 100, 1), "—"] for r in seeds]
+    rows.append([f"seed {timed['seed']}, {timed['epochs']:g} epochs, timed "
+                 f"({timed['machine']['cpu']}, {timed['machine']['cpu_capability']}, "
+                 f"1-minute load {timed['load_average_before']} at the start, "
+                 f"{timed['load_average_after'].split(',')[0]} at the end)",
+                 f(timed["top1"] * 100, 1), f"{timed['wall_s']:.0f} s"])
+    return md(["run (`mpiexec -n 2 hpcdl demo`, 2 ranks)", "top-1 %", "wall"], rows)
+
+
+# ---- the summary at the top of performance.md -----------------------------------------
+# Every figure below is taken from the section builders' own functions above: a summary
+# cell cannot say what its section's table does not.
+
+RELAXED_BYTES_GOAL = 4.0  # × fewer network bytes than sync
+RELAXED_ACCURACY_GOAL = -0.5  # points against sync
+
+
+def _met(met: bool) -> str:
+    return "met" if met else "not met"
+
+
+def _range(values: Sequence[float], nd: int = 2) -> str:
+    return f"{f(min(values), nd)}–{f(max(values), nd)}"
+
+
+def _summary_allreduce(root: Path) -> list[str]:
+    v = allreduce_ratio_values(root)
+
+    def runs(name: str, p: tuple[int, ...] = (2, 4)) -> list[float]:
+        return [x for q in p for x in v[name][q] if x is not None]
+
+    mpi, gloo = runs("default_vs_mpi_busbw_100MB"), "default_vs_gloo_busbw_100MB"
+    sites = [x for name in SITE_RATIOS for x in runs(name)]
+    g_mpi, g_gloo = ALLREDUCE_GOALS["default_vs_mpi_busbw_100MB"], ALLREDUCE_GOALS[gloo]
+    met = {p: sum(x >= g_gloo for x in runs(gloo, (p,))) for p in (2, 4)}
+    mpi_met = sum(x >= g_mpi for x in mpi)
+    return [f"at 100 MB, hpcdl's `shm` is {_range(mpi)}× MPICH, {_range(sites)}× the best tuning "
+            f"of Intel MPI / Open MPI / MPICH, {_range(runs(gloo))}× gloo (each run's own ratio)",
+            f"≥ {g_mpi:g}× MPICH, ≥ {g_gloo:g}× gloo",
+            f"MPICH met in {mpi_met} of {len(mpi)} runs; gloo met in {met[2]} of "
+            f"{len(runs(gloo, (2,)))} runs at P = 2, {met[4]} of {len(runs(gloo, (4,)))} at P = 4"]
+
+
+def _summary_step(root: Path) -> list[str]:
+    figs = step_figures(root)
+    ceiling = [statistics.median(s.ratios["ours_allreduce/no_comm"]) for s in figs]
+    ddp = [statistics.median(s.ratios["ours_allreduce/ddp_gloo"]) for s in figs]
+    names = " / ".join(s.label.split(" ")[0] for s in figs)
+    ceiling_met = all(c >= s.ceiling_goal for c, s in zip(ceiling, figs, strict=True))
+    ddp_met = [d >= s.ddp_goal for d, s in zip(ddp, figs, strict=True)]
+    spans = " and ".join(_range(s.ratios["ours_allreduce/no_comm"], 3) for s in figs)
+    return [f"{' / '.join(f(c, 3) for c in ceiling)} of the no-comm ceiling, "
+            f"{' / '.join(f(d, 3) for d in ddp)}× DDP+gloo ({names}, 2 ranks, one host; "
+            f"medians of {' / '.join(str(s.runs) for s in figs)} runs)",
+            f"ceiling ≥ {' / '.join(f(s.ceiling_goal) for s in figs)}; DDP ≥ "
+            f"{' / '.join(f(s.ddp_goal) for s in figs)}×",
+            f"ceiling {'met' if ceiling_met else 'not met'} on the medians (runs {spans}); "
+            f"DDP {'met' if all(ddp_met) else 'not met' if not any(ddp_met) else 'met on one'}"]
+
+
+def _summary_across(root: Path) -> list[str]:
+    v = across_figures(root)
+    med = {m: statistics.median(v[m]["vs_ddp"]) for m in v}
+    fp32_mb = [statistics.median(v[m]["mb"]) for m in ("ours", "ours@gloo", "ddp_gloo")]
+    best_fp32 = max(med["ours"], med["ours@gloo"])
+    return [f"2 hosts × 1 rank at {ACROSS_RATE.lower()}, AlexNet-BN, medians of "
+            f"{len(across_runs(root))} runs: {f(med['ours'])}× DDP+gloo fp32 on MPI "
+            f"({f(med['ours@gloo'])}× with gloo under hpcdl's reducer), "
+            f"**{f(med['ours_bf16'])}× with bf16 on the wire**; {_range(fp32_mb, 1)} MB per step "
+            "on eth0 for every fp32 mode",
+            f"≥ {ACROSS_GOAL:g}× DDP fp32",
+            ("met" if best_fp32 >= ACROSS_GOAL else "not met") + ": link-bound at the "
+            "shaped rate, CPU-bound at 1–2gbit (the section's argument); Horovod absent "
+            "(build did not finish)"]
+
+
+def _summary_loader(root: Path) -> list[str]:
+    r = load(root, LOADER_FILE)["ratios"]
+    a, b = r["hdf5_vs_imagefolder_resized"], r["hdf5_vs_webdataset"]
+    return [f"{f(a)}× ImageFolder and {f(b)}× WebDataset on the same JPEGs, per core",
+            f"≥ {LOADER_GOAL:g}×", "met" if min(a, b) >= LOADER_GOAL else "not met"]
+
+
+def _summary_optim(root: Path) -> list[str]:
+    ratio = load(root, OPTIM_FILE)["ratios"]["lars_vs_sgd_step_time"]
+    return [f"{f(ratio)}× SGD's foreach step (ResNet-50), **on a loaded machine**",
+            f"≤ {OPTIM_GOAL:g}×",
+            ("met" if ratio <= OPTIM_GOAL else "not met") + " under load; no quiet raw file"]
+
+
+def _summary_bf16(root: Path) -> list[str]:
+    diff, cpu = bf16_accuracy_diff(root), bf16_cpu_ratio(root)
+    return [f"emulated-bf16 LARS − fp32: {signed(diff)} points (mean of "
+            f"{len(_bf16_seeds(root))} seeds); native bf16 ResNet-50 step: {f(cpu, 3)} of fp32's "
+            f"CPU time (≈ {f(1 / cpu, 1)}×, AVX512-BF16, loaded machine)",
+            f"≥ {f(BF16_GOAL, 1)} points",
+            f"accuracy {'met' if diff >= BF16_GOAL else 'not met'}; speed measured under load"]
+
+
+def _summary_convergence(root: Path) -> list[str]:
+    rows = convergence_rows(root)
+    top = max(rows, key=lambda r: r.lead)
+    large = [r for r in rows if r.batch >= 1536]
+    return [f"LARS − SGD: {' / '.join(signed(r.lead) for r in rows)} points at batch "
+            f"{rows[0].batch:,} … {rows[-1].batch:,} (same decay policy, every optimum "
+            f"bracketed); {' / '.join(signed(r.lead_over_better) for r in large)} at "
+            f"{' / '.join(f'{r.batch:,}' for r in large)} against SGD's better final",
+            "LARS holds accuracy at large batch",
+            f"direction shown; {signed(top.lead)} at {top.batch:,} may be inflated (one SGD "
+            "cell); η not bracketed"]
+
+
+def _summary_relaxed(root: Path) -> list[str]:
+    hier = next(r for r in relaxed_rows(root) if r.run == "hierarchical")
+    net = {r.run: r for r in relaxed_network_rows(root)}
+    h1, h2, total = net["hierarchical"].vs["sync"]
+    ddp_total = net["hierarchical"].vs["ddp_sync"][2]
+    across = net["hierarchical"].top1 - net["sync"].top1
+    hosts_met = sum(x >= RELAXED_BYTES_GOAL for x in (h1, h2))
+    return [f"hierarchical local SGD {signed(hier.delta)} points vs sync ({len(hier.top1)} "
+            f"seeds, one node); on the network (eth0, 2 hosts × 2 ranks) {f(h1)}× / {f(h2)}× "
+            f"fewer bytes than hpcdl's sync per host ({f(total)}× in total), {f(ddp_total)}× "
+            "fewer than DDP in total",
+            f"≥ {RELAXED_BYTES_GOAL:g}× fewer network bytes at ≤ {f(-RELAXED_ACCURACY_GOAL, 1)} "
+            "points",
+            f"bytes: met on {hosts_met} of 2 hosts, "
+            f"{_met(total >= RELAXED_BYTES_GOAL)} in total; accuracy: "
+            f"{_met(hier.delta >= RELAXED_ACCURACY_GOAL)} on one node ({len(hier.top1)} seeds), "
+            f"{signed(across)} across hosts (one seed)"]
+
+
+def _summary_planner(root: Path) -> list[str]:
+    held = [plan_ratio(r) for r in load(root, HELD_OUT)["results"]]
+    windows = [[plan_ratio(r) for r in load(root, p)["results"]] for p in WINDOWS]
+    papers = paper_plans(root)
+    ring = plan_network_held_out(root)["ring"]
+    ring_in = sum(in_band(r["predicted_over_measured"]) for r in ring)
+    inside = sum(map(in_band, held))
+    return [f"**held out: {inside} of {len(held)} rows in {BAND}** (worst {f(worst(held))}; "
+            f"AVX512, its own calibration); in-sample "
+            f"{' / '.join(f'{sum(map(in_band, w))} of {len(w)}' for w in windows)}; papers: "
+            + ", ".join(f"{p.minutes:.1f} min ({p.published_min:g} published)" for p in papers),
+            f"{BAND} held out",
+            f"compute: {inside} of {len(held)}; network (across hosts): hpcdl's ring "
+            f"{ring_in} of {len(ring)} held-out rows in {BAND}"]
+
+
+SUMMARY = (("Allreduce", "allreduce", _summary_allreduce),
+           ("Training step", "training-step", _summary_step),
+           ("Training step across hosts", "training-step-across-hosts", _summary_across),
+           ("Loader", "loader", _summary_loader),
+           ("LARS step", "lars-optimizer-step", _summary_optim),
+           ("bf16", "bf16", _summary_bf16),
+           ("Convergence", "convergence-accuracy-against-batch", _summary_convergence),
+           ("Relaxed consistency", "relaxed-consistency", _summary_relaxed),
+           ("Planner", "planner", _summary_planner))
+
+
+def summary(root: Path) -> str:
+    rows = [[f"[{topic}](#{anchor})", *row(root)] for topic, anchor, row in SUMMARY]
+    rows.append(["[LTFB](#ltfb)", "no current figure (the 2026-11-29 run has no raw file)", "—",
+                 "not measured since"])
+    return md(["topic", "current figure", "goal", "status"], rows, right=9)
+
+
+DEMO_GOAL = (85.0, 300.0)  # top-1 %, wall s: README's "≥ 85% in under 5 minutes on 2 cores"
+
+
+def demo_headline(root: Path) -> str:
+    """README's one sentence on the demo's time, from the timed run's record."""
+    timed = load(root, DEMO_TIME)
+    top1, wall = timed["top1"] * 100, timed["wall_s"]
+    met = top1 >= DEMO_GOAL[0] and wall < DEMO_GOAL[1]
+    return (f"One timed run reached {f(top1, 1)}% in {wall:.0f} s on a "
+            f"{timed['machine']['cores']}-core {timed['machine']['cpu']} "
+            f"({timed['machine']['cpu_capability']}) shared with other jobs (goal "
+            f"{'met' if met else 'not met'}; all runs: "
+            "[docs/performance.md](docs/performance.md#the-demo)).")
+
+
+TABLES: dict[str, Table] = {
+    "allreduce-busbw": Table(
+        tuple(f"{RESULTS}/{n}" for p in (2, 4) for n in ALLREDUCE_FILES[p]),
+        "busbw as each JSON records it (nccl-tests definition, median of 7 timed calls, "
+        "slowest rank); a site MPI's 'best' is its tuning with the highest busbw at 100 MB "
+        "in that run, all three sizes from that tuning.", allreduce_busbw),
+    "allreduce-ratios": Table(
+        tuple(f"{RESULTS}/{n}" for p in (2, 4) for n in ALLREDUCE_FILES[p]),
+        "each ratio is the bench's own, hpcdl's busbw over the baseline's in the same run; "
+        "the site run's value in brackets.", allreduce_ratios),
+    "allreduce-ccl": Table(
+        (f"{RESULTS}/{CCL_FILE}",),
+        "busbw as the JSON records it (one run, p = 2); a `ccl` row is named by the settings "
+        "that differ from the first `ccl` tuning; ratios are the bench's own.", allreduce_ccl),
+    "training-step": Table(
+        (f"{RESULTS}/{STEP_DIR}/",),
+        f"img/s per rank: median over runs; {SAME_RUN}; the DDP goal's need is goal × the "
+        "median of ddp_gloo ÷ no_comm.", training_step),
+    "bucket-size": Table(
+        (f"{RESULTS}/{BUCKET_DIR}/",),
+        "÷ no_comm is each run's own ratio (both modes in one run); runs listed, not "
+        "summarised (two per size).", bucket_size),
+    "step-across-hosts": Table(
+        (f"{RESULTS}/{ACROSS_DIR}/",),
+        f"the runs whose JSON records a {ACROSS_RATE} tbf rate; step s is each run's mean step, "
+        f"min–max over runs; {SAME_RUN} (÷ DDP+gloo and ÷ ceiling are images/s ratios, CPU "
+        "added is the mode's CPU s per step minus no_comm's); eth0 MB is the median over runs.",
+        step_across_hosts),
+    "loader": Table((f"{RESULTS}/{LOADER_FILE}",),
+                    "images per CPU-second of the process; ratios are the bench's own, "
+                    "within the one run.", loader),
+    "optim-step": Table((f"{RESULTS}/{OPTIM_FILE}",),
+                        "median step of each optimizer in one run; the ratio is the bench's "
+                        "own (LARS ÷ SGD).", optim_step),
+    "bf16-speed": Table((f"{RESULTS}/{BF16_SPEED_DIR}/",),
+                        f"fp32 and bf16 ran as separate runs: {SEPARATE_RUNS} (median CPU s "
+                        "per step).", bf16_speed),
+    "bf16-accuracy": Table((f"{RESULTS}/{BF16_ACC_DIR}/",),
+                           "top-1 of each seed's two runs; the mean row is the mean over "
+                           "seeds of each, then their difference.", bf16_accuracy),
+    "convergence": Table(
+        (f"{RESULTS}/{SAME_DECAY}", f"{RESULTS}/{OTHER_DECAY}"),
+        "test top-1 mean ± sd [min–max] over 3 seeds (chosen lr; lrs tuned); differences "
+        "of means; 'better final' is the higher of the two SGD policies' test means; "
+        "holdout is the tuning score of the chosen lr (one run on the holdout split).",
+        convergence),
+    "relaxed-call-site": Table(
+        tuple(f"{RESULTS}/{n}" for n in RELAXED_FILES.values()),
+        "top-1 mean and sample sd over seeds, Δ against sync's mean; bytes each rank passed "
+        "to allreduce at the call site, sync's over this run's.", relaxed_call_site),
+    "relaxed-network": Table(
+        (f"{RESULTS}/{NETWORK_DIR}/",),
+        "bytes each host's eth0 sent over the run; per host = each host's sync (or ddp_sync) "
+        "bytes over its own bytes in this run; in total = both hosts summed on each side.",
+        relaxed_network),
+    "planner-windows": Table(tuple(f"{RESULTS}/{p}" for p in WINDOWS),
+                             "ratio = predicted ÷ median measured step of the repeats; spread "
+                             "= (slowest − fastest repeat) ÷ their median, the JSON's `spread`.",
+                             planner_windows),
+    "planner-held-out": Table((f"{RESULTS}/{HELD_OUT}",),
+                              "ratio = predicted ÷ median measured step of the repeats.",
+                              planner_held_out),
+    "planner-papers": Table(
+        tuple(f"{RESULTS}/{PAPERS_DIR}/{name}" for name, *_ in PAPERS),
+        "per-iteration terms and the total as each plan's JSON records them; steps = epochs × "
+        "dataset ÷ global batch; 'bound by' is the dominant term's share of the iteration "
+        "(exposed allreduce, or compute); published minutes are the paper's.", planner_papers),
+    "planner-relaxed": Table(
+        tuple(f"{RESULTS}/{PAPERS_DIR}/relaxed-{stem}-skx-{key}.json"
+              for stem, _ in RELAXED_PLANS for key, _ in RELAXED_POLICIES),
+        "each cell is one plan's `total_s` ÷ 60 (the command in each JSON; warm-up steps "
+        "synchronous).", planner_relaxed),
+    "planner-sensitivity": Table(
+        tuple(f"{RESULTS}/{PAPERS_DIR}/{stem}{suffix}.json"
+              for stem, _, runs in SENSITIVITY_PLANS for suffix in runs),
+        "each cell is one plan's `total_s` ÷ 60; '—' where no such plan was run.",
+        planner_sensitivity),
+    "simulate-papers": Table(
+        tuple(f"{RESULTS}/{_simulated_file(stem, *c)}"
+              for stem, *_ in SIMULATED_RUNS for c in SIMULATED_CELLS[stem]),
+        "the 2,048-rank row of each simulation's JSON (`simulation.rows`): the formula's "
+        "figure, then SimGrid's, and their ratio (`comm_ratio`, `iteration_ratio`).",
+        simulate_papers),
+    "simulate-scaling": Table(
+        tuple(f"{RESULTS}/{_simulated_file(stem, *c)}"
+              for stem, *_ in SIMULATED_RUNS for c in SCALING_CELLS),
+        "every row of each simulation's sweep (`simulation.rows`); 'random nb' is random "
+        "placement on the non-blocking tree.", simulate_scaling),
+    "planner-network": Table(
+        (f"{RESULTS}/{PLAN_NETWORK}",),
+        "predicted ÷ measured allreduce time of each row (both runs), the network calibrated "
+        "at 2gbit on 2 hosts; held out = every row at 3 hosts or at 1gbit; cells are min–max "
+        "over the held-out rows of that layout.", planner_network),
+    "demo-headline": Table((f"{RESULTS}/{DEMO_TIME}",),
+                           "top-1 and wall time as the timed run's record holds them.",
+                           demo_headline),
+    "demo": Table((f"{RESULTS}/{DEMO_SEEDS}", f"{RESULTS}/{DEMO_TIME}"),
+                  "top-1 on the 1,000 held-out images at the last epoch; wall = the timed "
+                  "run's summary.json.", demo),
+}
+
+#: the summary reads what these blocks show, so it names their raw files as its own
+SUMMARY_OF = ("allreduce-ratios", "training-step", "step-across-hosts", "loader", "optim-step",
+              "bf16-speed", "bf16-accuracy", "convergence", "relaxed-call-site",
+              "relaxed-network", "planner-windows", "planner-held-out", "planner-papers",
+              "planner-network")
+TABLES["summary"] = Table(
+    tuple(dict.fromkeys(src for name in SUMMARY_OF for src in TABLES[name].sources)),
+    "each figure is its section's table's, computed by the same function (ranges are min–max "
+    "over the runs that table lists; 'met' compares with the goal beside it).", summary)

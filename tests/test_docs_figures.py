@@ -1,0 +1,209 @@
+"""The docs' measured figures cannot drift from their raw files: every generated block
+regenerates to what the docs hold, and every other table of numbers links the raw file it
+came from."""
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcdl.errors import BadInputError
+from hpcdl.figures import CLOSE, OPEN, blocks, doc_files, regenerate
+
+ROOT = Path(__file__).resolve().parents[1]
+#: A raw file is linked when a row of the table, or its caption (the lines just above it
+#: up to the previous table or heading), links into docs/results/.
+RAW_LINK = re.compile(r"\]\((?:\.\./)?(?:docs/)?results/[^)]+\)")
+CAPTION_LINES = 12
+#: A table of settings, not measurements, says so in a comment on the line above it.
+NOT_MEASURED = "<!-- not measured: "
+
+
+def test_every_generated_block_matches_its_raw_files():
+    assert regenerate(ROOT, doc_files(ROOT), write=False) == [], \
+        "run: python3 -m hpcdl.cli.main bench report --docs"
+
+
+def test_the_docs_hold_a_generated_block_for_each_builder():
+    from hpcdl.figures.tables import TABLES
+
+    found = {b.name for path in doc_files(ROOT) for b in blocks(path)}
+    assert found == set(TABLES)
+
+
+def _copy_with_edit(tmp_path: Path, old: str, new: str) -> Path:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results").symlink_to(ROOT / "docs" / "results")
+    doc = tmp_path / "docs" / "performance.md"
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert old in text
+    doc.write_text(text.replace(old, new, 1))
+    return doc
+
+
+def test_a_figure_edited_by_hand_fails_the_check(tmp_path):
+    # the per-host byte ratio of hierarchical local SGD, rounded up by hand
+    doc = _copy_with_edit(tmp_path, "| 4.44 / 3.86 |", "| 4.44 / 4.00 |")
+    assert regenerate(tmp_path, [doc], write=False) == ["docs/performance.md: relaxed-network"]
+    regenerate(tmp_path, [doc], write=True)
+    assert "| 4.44 / 3.86 |" in doc.read_text()
+
+
+def test_a_summary_cell_edited_by_hand_fails_the_check(tmp_path):
+    # the summary at the top of performance.md is generated from the same raw files
+    doc = _copy_with_edit(tmp_path, "4.44× / 3.86× fewer bytes", "4.44× / 4.10× fewer bytes")
+    assert regenerate(tmp_path, [doc], write=False) == ["docs/performance.md: summary"]
+
+
+def test_the_summary_quotes_its_sections_tables():
+    # one function per figure: the summary's cells are the figures its sections' tables show
+    text = (ROOT / "docs" / "performance.md").read_text()
+    summary = text.split("<!-- generated: summary", 1)[1].split(CLOSE, 1)[0]
+    for figure in ("0.960 [0.927–0.996]", "| 4.44 / 3.86 | 4.14 |", "**0.546**", "**−0.14**",
+                   "0.842 [0.835–0.915]", "**10 of 12**"):
+        assert figure in text.replace(summary, ""), figure
+    for figure in ("0.960", "4.44× / 3.86×", "0.546", "−0.14", "0.84×", "10 of 12"):
+        assert figure in summary, figure
+
+
+def test_a_block_without_its_end_marker_is_bad_input(tmp_path):
+    doc = _copy_with_edit(tmp_path, CLOSE, "")
+    with pytest.raises(BadInputError, match="performance.md:.*no '<!-- end generated -->'"):
+        regenerate(tmp_path, [doc], write=False)
+
+
+def test_a_missing_raw_file_is_bad_input_naming_the_block(tmp_path):
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    doc = tmp_path / "docs" / "performance.md"
+    doc.write_text("<!-- generated: loader -->\n<!-- end generated -->\n")
+    with pytest.raises(BadInputError, match="block 'loader' cannot be built from "
+                                            "docs/results/loader-fair-baselines"):
+        regenerate(tmp_path, [doc], write=False)
+
+
+def test_the_report_command_checks_the_docs_and_prints_how_ratios_are_computed():
+    done = subprocess.run([sys.executable, "-m", "hpcdl.cli.main", "bench", "report", "--docs",
+                           "--check", "--root", str(ROOT)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "relaxed-network: bytes each host's eth0 sent" in done.stdout
+    assert "0 block(s) differ from their raw files" in done.stdout
+
+
+def tables_outside_blocks(path: Path) -> list[tuple[int, list[str], list[str]]]:
+    """(first line number, caption lines, table lines) of every Markdown table of ``path``
+    that no generated block holds."""
+    lines = path.read_text().splitlines()
+    inside = set()
+    for block in blocks(path):
+        inside.update(range(block.start, block.end + 1))
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i not in inside:
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            k = i
+            while k > 0 and i - k < CAPTION_LINES and not lines[k - 1].startswith(("|", "#")) \
+                    and not OPEN.match(lines[k - 1].strip()) and lines[k - 1].strip() != CLOSE:
+                k -= 1
+            found.append((i + 1, lines[k:i], lines[i:j]))
+            i = j
+        else:
+            i += 1
+    return found
+
+
+def measured(row: str) -> bool:
+    """A data row holding a measured-looking number (a decimal, or a figure with a unit)."""
+    cells = [VERSION_OR_CODE.sub("", c) for c in row.strip("|").split("|")]
+    return any(re.search(r"\d\.\d|\d\s*(?:%|s\b|ms|MB|GB|img/s|×)", c) for c in cells[1:])
+
+
+#: versions (5.0.2) and code spans name things; they are not figures
+VERSION_OR_CODE = re.compile(r"`[^`]*`|\d+\.\d+\.\d+")
+
+
+#: every doc but the notebooks of docs/results/ (superseded runs, kept verbatim as history)
+MEASURED_DOCS = ("README.md", *sorted(str(p.relative_to(ROOT))
+                                      for p in (ROOT / "docs").glob("*.md")))
+
+
+@pytest.mark.parametrize("doc", MEASURED_DOCS)
+def test_every_measured_table_is_generated_or_links_its_raw_file(doc):
+    unlinked = []
+    for line, caption, table in tables_outside_blocks(ROOT / doc):
+        rows = table[2:]
+        if not any(measured(r) for r in rows) or (caption and caption[-1].startswith(NOT_MEASURED)):
+            continue
+        if not any(RAW_LINK.search(t) for t in caption + table):
+            unlinked.append(f"{doc}:{line}: {table[0][:70]}")
+    assert unlinked == [], "generate these from docs/results/ or link the raw file:\n" + \
+        "\n".join(unlinked)
+
+
+def test_the_check_reads_a_copy_not_the_tree(tmp_path):
+    # guards the edit test above: it must not rewrite the repository's own docs
+    before = (ROOT / "docs" / "performance.md").read_text()
+    doc = _copy_with_edit(tmp_path, "| 4.44 / 3.86 |", "| 9.99 / 3.86 |")
+    regenerate(tmp_path, [doc], write=True)
+    assert (ROOT / "docs" / "performance.md").read_text() == before
+    shutil.rmtree(tmp_path / "docs")
+
+
+#: a figure in prose: a number with two or more decimals (one-decimal and whole numbers are
+#: mostly settings and sizes, which this check leaves alone)
+PROSE_FIGURE = re.compile(r"(?<![\w.`/-])[−-]?\d+\.\d{2,}(?![\w.])")
+#: performance.md's prose figures that no generated block shows, each with where it comes from
+NOT_IN_A_BLOCK = {
+    "0.09": "the largest gap between a bucket size's two runs (the bucket table)",
+    "0.08": "gloo's added CPU at 1-2gbit, the across-hosts notes' runs",
+    "0.02": "η (a setting); the window-1 rows' distance outside the band (its column)",
+    "0.004": "η tried before the study (a setting)",
+    "0.01": "η tried before the study (a setting)",
+    "0.81": "bf16's seed range (the bf16 accuracy table)",
+    "0.07": "fp32's seed range (the bf16 accuracy table)",
+    "0.62": "the two SGD policies' holdout gap at 1,536 (the holdout column)",
+    "4.67": "same-policy SGD's holdout minus its final at 1,536 (the convergence table)",
+    "3.92": "a superseded headline (notebook)",
+    "2.96": "a superseded headline (notebook)",
+    "0.400": "window 1's prediction, `predicted_step_s` of its JSON",
+    "0.937": "the calibrated bandwidth over the tbf rate (cal2gbit JSON)",
+    "0.620": "elastic-resume top-1 (its JSON)",
+}
+
+
+def prose_figures(path: Path) -> list[tuple[int, str]]:
+    """(line, figure) of each prose figure outside generated blocks, tables and code."""
+    lines = path.read_text().splitlines()
+    inside = {i for b in blocks(path) for i in range(b.start, b.end + 1)}
+    found, code = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            code = not code
+        elif not (code or i in inside or line.startswith("|")):
+            found += [(i + 1, m) for m in PROSE_FIGURE.findall(re.sub(r"`[^`]*`", "", line))]
+    return found
+
+
+def stray_prose_figures(path: Path) -> list[str]:
+    """Prose figures of ``path`` that no generated block of it shows and NOT_IN_A_BLOCK does
+    not account for."""
+    lines = path.read_text().splitlines()
+    generated = "\n".join(line for b in blocks(path) for line in lines[b.start:b.end + 1])
+    return [f"{path.name}:{n}: {fig}" for n, fig in prose_figures(path)
+            if fig not in generated and fig not in NOT_IN_A_BLOCK]
+
+
+def test_performance_prose_quotes_only_figures_its_generated_blocks_show():
+    stray = stray_prose_figures(ROOT / "docs" / "performance.md")
+    assert stray == [], "quote the generated table, or say where it comes from:\n" + \
+        "\n".join(stray)
+
+
+def test_a_prose_figure_edited_by_hand_fails_the_prose_check(tmp_path):
+    # a figure restated in prose and then edited by hand no longer matches any block
+    doc = _copy_with_edit(tmp_path, "4.44× (h1) and 3.86× (h2)", "4.44× (h1) and 3.91× (h2)")
+    assert [s.split(": ")[-1] for s in stray_prose_figures(doc)] == ["3.91"]
