@@ -336,7 +336,7 @@ with open(f"{marker}.pid{MPI.COMM_WORLD.rank}", "w") as f:
 def atomic_write(path, write):
     def write_then_pause(f):
         write(f)
-        if path.endswith("ckpt-000000004.pt"):
+        if "ckpt-000000004.pt" in path:  # its manifest, the last part written
             f.flush()
             open(marker, "w").close()
             time.sleep(120)
