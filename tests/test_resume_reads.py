@@ -81,7 +81,7 @@ def test_only_rank_0_reads_the_model_the_others_their_own_file(reads):
 
 
 def test_what_a_rank_reads_at_resume_does_not_grow_with_the_rank_count(reads):
-    (small, model, rank_file), (large, _, _) = reads[min(RANKS)], reads[max(RANKS)]
+    (small, _, rank_file), (large, _, _) = reads[min(RANKS)], reads[max(RANKS)]
     extra = max(RANKS) - min(RANKS)
     # The slack: rank 0 reads the manifest (one ~130-byte record a rank) up to 3 times (the
     # line index, the check, the line decision); 1/8 of a rank file for imports and noise.
