@@ -51,7 +51,8 @@ def bytes_read_per_rank(out):
 
 @pytest.fixture(scope="module")
 def reads(tmp_path_factory, tiny_shards, tiny_recipe):
-    """{P: ({rank: bytes read at resume}, model.pt bytes, rank file bytes)}."""
+    """{P: ({rank: bytes read at resume}, model.pt bytes, largest rank file bytes, the
+    manifest's file records)}."""
     root = tmp_path_factory.mktemp("reads")
     first = [hpcdl_train(p, tiny_recipe, tiny_shards, root / f"p{p}", "--checkpoint-every", "2")
              for p in RANKS]
@@ -63,25 +64,26 @@ def reads(tmp_path_factory, tiny_shards, tiny_recipe):
         manifest = json.loads((root / f"p{p}" / "checkpoints" / "ckpt-000000002.pt" /
                                "manifest.json").read_text())
         result[p] = (bytes_read_per_rank(root / f"p{p}"), manifest["files"]["model.pt"]["bytes"],
-                     max(r["bytes"] for n, r in manifest["files"].items() if n != "model.pt"))
+                     max(r["bytes"] for n, r in manifest["files"].items() if n != "model.pt"),
+                     manifest["files"])
     print({p: r[0] for p, r in result.items()}, "model.pt", result[RANKS[0]][1])
     return result
 
 
 def test_every_rank_logs_what_it_read_at_resume(reads):
-    for p, (per_rank, _, _) in reads.items():
+    for p, (per_rank, _, _, _) in reads.items():
         assert sorted(per_rank) == list(range(p))
 
 
 def test_only_rank_0_reads_the_model_the_others_their_own_file(reads):
-    per_rank, model, rank_file = reads[max(RANKS)]
+    per_rank, model, rank_file, _ = reads[max(RANKS)]
     assert per_rank[0] >= model
     for rank in range(1, max(RANKS)):
         assert rank_file <= per_rank[rank] < model, (rank, per_rank[rank])
 
 
 def test_what_a_rank_reads_at_resume_does_not_grow_with_the_rank_count(reads):
-    (small, _, rank_file), (large, _, _) = reads[min(RANKS)], reads[max(RANKS)]
+    (small, _, rank_file, _), (large, _, _, _) = reads[min(RANKS)], reads[max(RANKS)]
     extra = max(RANKS) - min(RANKS)
     # The slack: rank 0 reads the manifest (one ~130-byte record a rank) up to 3 times (the
     # line index, the check, the line decision); 1/8 of a rank file for imports and noise.
@@ -90,3 +92,15 @@ def test_what_a_rank_reads_at_resume_does_not_grow_with_the_rank_count(reads):
     assert max(large.values()) <= max(small.values()) + slack, (small, large)
     assert max(large[r] for r in range(1, max(RANKS))) <= \
         max(small[r] for r in range(1, min(RANKS))) + rank_file // 8, (small, large)
+
+
+def test_what_a_rank_writes_does_not_grow_with_the_rank_count(reads):
+    """One file a rank, each the same size at 2 and 8 ranks (torch's zip pads records to 64
+    bytes), and model.pt the same: nothing of another rank is written by any rank."""
+    small, large = reads[min(RANKS)][3], reads[max(RANKS)][3]
+    assert sorted(large) == ["model.pt"] + [f"rank-{r:05d}.pt" for r in range(max(RANKS))]
+    assert large["model.pt"]["bytes"] == small["model.pt"]["bytes"]
+    sizes = [r["bytes"] for n, r in small.items() if n != "model.pt"]
+    for name, record in large.items():
+        if name != "model.pt":
+            assert record["bytes"] <= max(sizes) + 64, (name, record, sizes)
