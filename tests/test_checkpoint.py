@@ -237,3 +237,12 @@ def test_an_unreadable_part_is_a_transient_error_naming_the_file(tmp_path):
                                                    r"\(Input/output error, errno 5\)") as info:
         ckpt.load_checkpoint(path)
     assert info.value.transient
+
+
+def test_a_line_started_from_an_older_checkpoint_resumes_from_it_until_its_own_first(tmp_path):
+    run = str(tmp_path)
+    older, _ = write_directory(run, 4, line="old", seq=0)
+    write_directory(run, 8, line="old", seq=1)
+    ckpt.start_line(run, older)  # --resume PATH of step 4, killed before its next checkpoint
+    assert [e.path for e in ckpt.resume_candidates(run)] == [older]
+    assert ckpt.latest_valid_checkpoint(run)[1]["step"] == 4  # not the abandoned step 8

@@ -575,7 +575,13 @@ def resume_candidates(run_dir: str) -> list[IndexEntry]:
     line = current_line(run_dir, index)
     if line is None:
         return []
-    return [e for e in reversed(index) if e.line in (line["line"], None)]
+    found = [e for e in reversed(index) if e.line in (line["line"], None)]
+    source = line.get("from")
+    if source and not any(e.line == line["line"] for e in found) and _NAME.match(
+            os.path.basename(os.path.normpath(source))):
+        # a line started from a checkpoint and stopped before its own first one
+        found.append(IndexEntry(source, checkpoint_step(source), None, None))
+    return found
 
 
 def latest_valid_checkpoint(run_dir: str,

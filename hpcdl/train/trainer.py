@@ -710,7 +710,7 @@ class Trainer:
                 try:
                     tmp = ckpt.begin_write(path)
                 except OSError as exc:
-                    error = f"rank 0 could not write checkpoint {path}: {exc}"
+                    error = f"rank 0 could not write checkpoint {path}: {_os_message(exc)}"
             tmp, error = self.comm.mpi_comm.bcast((tmp, error), root=0)
             if not error:
                 files, mine = self._write_parts(tmp, optimizer_state, bn_mean)
@@ -748,7 +748,7 @@ class Trainer:
             files[name] = ckpt.write_part(tmp, name, {"rank": self.rank, "step": self.step,
                                                       **self._rank_state()})
         except OSError as exc:
-            return files, str(exc)
+            return files, _os_message(exc)
         return files, None
 
     def _commit(self, tmp: str, path: str, gathered: list) -> tuple[str | None, list[str]]:
@@ -775,7 +775,7 @@ class Trainer:
             replaced = ckpt.commit(tmp, path, manifest, pause_s if self._writes == nth else 0.0)
         except OSError as exc:
             ckpt.abandon(tmp)
-            return f"rank 0 could not write checkpoint {path}: {exc}", []
+            return f"rank 0 could not write checkpoint {path}: {_os_message(exc)}", []
         self._seq += 1
         ckpt.line_recorded(self.run_dir)
         pruned = ckpt.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints,
@@ -931,6 +931,9 @@ class Trainer:
         self._seq = max((e.seq for e in index if e.seq is not None), default=-1)
         mine = [e for e in index if os.path.realpath(e.path) == os.path.realpath(path)]
         line = ckpt.current_line(self.run_dir, index)
+        if spec == "auto" and line is not None and line.get("from") == path:
+            self._line = line["line"]  # the line started from there, continued
+            return
         if mine and line is not None and mine[0].line == line["line"]:
             newest = [e for e in index if e.line == line["line"]][-1]
             if spec == "auto" or newest.path == mine[0].path:
@@ -1051,6 +1054,11 @@ class Trainer:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+def _os_message(exc: OSError) -> str:
+    """'[Errno 28] No space left on device': the cause, without the temporary's name."""
+    return f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
 
 
 def _io_counters() -> int | None:
