@@ -90,3 +90,21 @@ def test_recipe_error_exits_2_naming_the_key(setup):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "batch.per_rnak" in proc.stderr and "tiny.yaml" in proc.stderr
+
+
+def test_flipped_bytes_in_one_ranks_file_are_named_and_every_rank_takes_the_previous(setup):
+    import torch
+
+    root = setup
+    code, out = finish(hpcdl_train(root, "flip", "--max-steps", "4", "--checkpoint-every", "2",
+                                   "--resume", "none"))
+    assert code == 0, out
+    rank1 = root / "flip" / "checkpoints" / "ckpt-000000004.pt" / "rank-00001.pt"
+    keys = torch.load(rank1, weights_only=True)["numpy"]["keys"].numpy().tobytes()
+    data = bytearray(rank1.read_bytes())
+    data[data.index(keys) + 100] ^= 0x04  # one bit of rank 1's numpy RNG state
+    rank1.write_bytes(bytes(data))
+    code, out = finish(hpcdl_train(root, "flip", "--max-steps", "5"))
+    assert code == 0, out
+    assert f"{rank1} is corrupt: sha256" in out  # found by rank 1, reported by rank 0
+    assert summary(root, "flip")["resumed_from"].endswith("ckpt-000000002.pt")

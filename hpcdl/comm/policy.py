@@ -100,7 +100,7 @@ class ConsistencyPolicy:
         return {"algorithm": self.name, "bytes_world": self.bytes_world,
                 "bytes_node": self.bytes_node}
 
-    # -- checkpoints: shared state (rank 0 writes it), per-rank state (gathered) ------------
+    # -- checkpoints: shared state (rank 0 writes it), per-rank state (each rank its file) --
     def state_dict(self) -> dict[str, Any]:
         return {"algorithm": self.name, "bytes_world": self.bytes_world,
                 "bytes_node": self.bytes_node}

@@ -1,14 +1,57 @@
-"""Checkpoints: what an exact resume needs, written atomically, read with weights_only.
+"""Checkpoints: what an exact resume needs, written by every rank in parallel, committed by
+one rename, checked by sha256, read with weights_only.
 
-A checkpoint (``RUN_DIR/checkpoints/ckpt-STEP.pt``) holds the model and optimizer state, the
-global step (the schedule is a pure function of it), the loader position (epoch and batch
-offset; the loader's order is a function of (seed, epoch)) and every rank's RNG states, so a
-resumed ``--deterministic`` run ends with the same parameters as an uninterrupted one.
+A checkpoint is a directory ``RUN_DIR/checkpoints/ckpt-STEP.pt/``:
+
+==================  ===========================================================================
+``manifest.json``   the run's position (global step, epoch, batch offset, global batch, the
+                    layout that wrote it), the recipe and model, the checkpoint's *line* and
+                    write sequence, and the size and sha256 of every other file; its own sha256
+                    over its content (``digest``)
+``model.pt``        what every rank shares: model and optimizer state, the consistency policy's
+                    shared state, and the mean of every rank's BN running statistics (what an
+                    elastic resume starts from); written by rank 0
+``rank-XXXXX.pt``   what is rank XXXXX's own: torch/numpy/Python RNG states, BN running
+                    statistics, the policy's per-rank state (local SGD's diverged replica,
+                    PowerSGD's error feedback); written by that rank
+==================  ===========================================================================
+
+Why this layout (each rank's cost must not grow with the rank count P):
+
+- **Writes.** Each rank writes its own file into a temporary directory ``.ckpt-STEP.pt.tmp``;
+  rank 0 gathers only each file's size and sha256 (about 100 bytes a rank), writes the
+  manifest last, fsyncs and renames the directory to ``ckpt-STEP.pt``. The rename is the
+  commit: a checkpoint exists only when every part is complete (a kill or a full disk at any
+  point leaves the previous checkpoints as they were). No rank's tensors pass through rank 0.
+- **Reads.** On resume rank 0 reads the manifest and ``model.pt``, checks their sha256 and
+  broadcasts ``model.pt``'s bytes (one read of the model from the file system, not P); each
+  rank reads only its own file, checked against the sha256 rank 0 scatters to it. At another
+  rank count (elastic resume) no rank file is read at all: BN statistics come from their mean
+  in ``model.pt`` and RNG states are reseeded. What grows with P is rank 0's view only: the
+  manifest (about 120 bytes a rank) and the gather of file records (measured in
+  docs/scaling.md).
+- **Checksums.** PyTorch reads zip members without checking their CRC, so flipped bytes in a
+  tensor load silently. The sha256 of every file is in the manifest and is checked on load;
+  a mismatch names the file and the resume falls back to the previous checkpoint, as for a
+  torn file.
+
+**Lines.** Starting again in a run directory (``--resume none``, or ``--resume PATH`` from
+an older checkpoint) starts a new *line*; every checkpoint records its line and a write
+sequence number. ``--resume auto`` follows the current line (the one started last: recorded in
+``checkpoints/.line.json`` until it has a checkpoint of its own), newest written first, and
+pruning keeps the newest ``keep`` checkpoints of the current line by write order -- never the
+checkpoint just written, whatever the step numbers of other lines. Checkpoints of other lines
+are left alone.
+
+**Failures.** A file that cannot be read for a reason that may pass (EIO, ESTALE, EACCES: a
+file system in trouble, not a damaged checkpoint) is skipped like a corrupt one; but if no
+checkpoint loads and any failed that way, the resume fails naming every file and error
+instead of starting again from step 0. Temporaries left by a kill (``.ckpt-*.tmp``) are
+removed at the next start and at the next checkpoint.
 
 Only tensors and primitive containers are stored, so ``torch.load(weights_only=True)`` reads
-it: a checkpoint cannot run code when loaded. Rank 0 writes: temporary file, fsync, rename
-(hpcdl.io.atomic_write), then deletes all but the newest ``keep``. A write that fails (disk
-full, file-size limit) or a job killed mid-write leaves the previous checkpoints as they were.
+every ``.pt``: a checkpoint cannot run code when loaded. A single-file checkpoint of the
+earlier format (``ckpt-STEP.pt`` a file, every rank's state inside) still loads.
 
 A checkpoint records the run, not the layout: resuming on another rank count is allowed, but
 one of another recipe, model or global batch is refused by :func:`check_compatible`, naming
@@ -16,35 +59,67 @@ what differs (each is bad input: exit 2, DESIGN.md).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
+import io
+import json
 import logging
 import os
 import random
 import re
+import shutil
 import time
+import uuid
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
 from hpcdl.errors import BadInputError
-from hpcdl.io import atomic_write
+from hpcdl.io import atomic_write, fsync_directory
 
-__all__ = ["CHECKPOINT_FORMAT", "CheckpointError", "CheckpointMismatchError",
+__all__ = ["CHECKPOINT_FORMAT", "LEGACY_FORMAT", "CheckpointError", "CheckpointMismatchError",
            "CheckpointWriteError", "checkpoint_path", "check_compatible", "list_checkpoints",
            "save_checkpoint", "load_checkpoint", "latest_valid_checkpoint", "prune_checkpoints",
-           "rng_state", "set_rng_state", "resume_layout", "LAYOUT_KEYS"]
+           "rng_state", "set_rng_state", "resume_layout", "LAYOUT_KEYS", "MANIFEST", "SHARED",
+           "rank_file", "check_legacy", "read_file", "begin_write", "write_part", "commit",
+           "abandon", "read_manifest", "read_part", "load_part", "merge", "verify_checkpoint",
+           "remove_stale_temporaries", "checkpoint_index", "current_line", "start_line",
+           "line_recorded", "resume_candidates", "remove_pruned", "TRANSIENT_ERRNOS"]
 
 log = logging.getLogger("hpcdl.train")
 
-CHECKPOINT_FORMAT = "hpcdl-checkpoint-1"
+#: A checkpoint directory (manifest.json, model.pt, rank-XXXXX.pt).
+CHECKPOINT_FORMAT = "hpcdl-checkpoint-2"
+#: The single-file checkpoint written before per-rank files (still read).
+LEGACY_FORMAT = "hpcdl-checkpoint-1"
+MANIFEST = "manifest.json"
+SHARED = "model.pt"
+#: Keys of the state that go to ``model.pt``; every other key is a scalar of the manifest.
+SHARED_KEYS = ("model", "optimizer", "consistency", "bn_mean")
+#: errno values that say the file system is in trouble rather than the file damaged.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.EACCES, errno.EPERM, errno.EAGAIN,
+                              errno.ETIMEDOUT, errno.EBUSY, errno.ENOMEDIUM})
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+#: temporaries of a checkpoint write (atomic_write's files, the directory being written, a
+#: pruned checkpoint being removed): nothing else in checkpoints/ is ever removed as stale
+_TEMP = re.compile(r"^\.ckpt-\d+\.pt\..*tmp$")
+_LINE_FILE = ".line.json"
+#: required keys of a single-file (legacy) checkpoint
 _REQUIRED = ("format", "step", "epoch", "batch_in_epoch", "model", "optimizer", "rng",
              "world_size")
+_MANIFEST_REQUIRED = ("format", "step", "epoch", "batch_in_epoch", "world_size", "files",
+                      "digest")
 
 
 class CheckpointError(BadInputError, RuntimeError):
-    """A checkpoint file is unreadable, corrupt, or not an hpcdl checkpoint."""
+    """A checkpoint file is unreadable, corrupt, or not an hpcdl checkpoint. ``transient``:
+    the file could not be read for a reason that may pass (:data:`TRANSIENT_ERRNOS`)."""
+
+    transient: bool = False
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -56,6 +131,13 @@ class CheckpointWriteError(CheckpointError, OSError):
     checkpoints are untouched."""
 
 
+def read_error(path: str, exc: OSError) -> CheckpointError:
+    error = CheckpointError(f"checkpoint {path}: cannot read it ({exc.strerror or exc}, "
+                            f"errno {exc.errno})")
+    error.transient = exc.errno in TRANSIENT_ERRNOS
+    return error
+
+
 def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
@@ -64,8 +146,18 @@ def checkpoint_path(run_dir: str, step: int) -> str:
     return os.path.join(checkpoint_dir(run_dir), f"ckpt-{step:09d}.pt")
 
 
+def checkpoint_step(path: str) -> int:
+    """The step in a checkpoint's name (``ckpt-000000400.pt`` -> 400)."""
+    return int(_NAME.match(os.path.basename(os.path.normpath(path))).group(1))
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
 def list_checkpoints(run_dir: str) -> list[str]:
-    """Checkpoint files of a run, oldest step first."""
+    """Checkpoints of a run (directories, or single files of the earlier format), oldest step
+    first. A temporary (a write not committed) is not one."""
     directory = checkpoint_dir(run_dir)
     if not os.path.isdir(directory):
         return []
@@ -97,11 +189,95 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
 
 
-# -- write, read, choose ------------------------------------------------------------------------
+# -- writing: one file each rank, the manifest last, one rename ---------------------------
+class _HashingWriter:
+    """A file that hashes what passes through it (``torch.save`` streams into it): the sha256
+    of a part costs no second read and no second copy in memory."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _temporary_dir(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+
+
+def begin_write(path: str) -> str:
+    """Rank 0, before any rank writes a part of checkpoint ``path``: remove the stale
+    temporaries of the run, make the (empty) temporary directory, return it."""
+    remove_stale_temporaries(os.path.dirname(os.path.dirname(path)))
+    tmp = _temporary_dir(path)
+    os.makedirs(tmp)
+    return tmp
+
+
+def write_part(directory: str, name: str, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``state`` to ``directory/name`` (fsynced) and return its ``{"bytes", "sha256"}``.
+    The directory is a temporary one: its rename is what makes the part count."""
+    path = os.path.join(directory, name)
+    try:
+        with open(path, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(dict(state), writer)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:
+        # torch.save reports a failed write as RuntimeError("unexpected pos ..."), with the
+        # OSError (ENOSPC, EFBIG) only as its context: name the OSError, the cause a person
+        # can act on.
+        cause = _os_error_of(exc)
+        if cause is None:
+            raise
+        raise cause from exc
+    return {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
+
+
+def _digest(manifest: Mapping[str, Any]) -> str:
+    content = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def commit(tmp: str, path: str, manifest: Mapping[str, Any],
+           pause_s: float = 0.0) -> str | None:
+    """Rank 0, once every part is in ``tmp``: write the manifest (with its own digest),
+    fsync, rename ``tmp`` to ``path``. Returns the temporary name of a checkpoint of the same
+    step it replaced (to remove like a pruned one), else None. ``pause_s``: a rehearsed slow write
+    (``HPCDL_INJECT=0:checkpointN:sleep=S``), after the data and before the rename."""
+    manifest = {**manifest, "format": CHECKPOINT_FORMAT}
+    manifest["digest"] = _digest(manifest)
+    atomic_write(os.path.join(tmp, MANIFEST),
+                 lambda f: f.write(json.dumps(manifest, indent=1, sort_keys=True).encode()))
+    if pause_s > 0:
+        log.warning("pausing %.1f s inside the write of %s (HPCDL_INJECT)", pause_s, path)
+        time.sleep(pause_s)
+    fsync_directory(tmp)
+    replaced = None
+    if os.path.lexists(path):  # a checkpoint of this step from another line: this one wins
+        replaced = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.replaced.tmp")
+        os.rename(path, replaced)
+        log.warning("%s replaces the checkpoint of the same step of an earlier line", path)
+    os.rename(tmp, path)
+    fsync_directory(os.path.dirname(path))
+    return replaced
+
+
+def abandon(tmp: str) -> None:
+    """Remove the temporary directory of a write that failed (rank 0, after every rank)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_checkpoint(path: str, state: Mapping[str, Any], pause_s: float = 0.0) -> None:
-    """Write ``state`` atomically (rank 0 only; the caller gathers the RNG states first).
-    ``pause_s``: a rehearsed slow write (``HPCDL_INJECT=0:checkpointN:sleep=S``), after the data
-    is in the temporary file and before it takes the checkpoint's name."""
+    """Write ``state`` as one file atomically (the single-file format: tools and tests that
+    write one state). ``pause_s``: a rehearsed slow write, after the data is in the temporary
+    file and before it takes the checkpoint's name."""
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
         raise ValueError(f"save_checkpoint {path}: state lacks {missing}")
@@ -116,9 +292,6 @@ def save_checkpoint(path: str, state: Mapping[str, Any], pause_s: float = 0.0) -
     try:
         atomic_write(path, write)
     except (OSError, RuntimeError) as exc:
-        # torch.save reports a failed write as RuntimeError("unexpected pos ..."), with the
-        # OSError (ENOSPC, EFBIG) only as its context: name the OSError, the cause a person
-        # can act on.
         cause = _os_error_of(exc)
         if cause is None:
             raise
@@ -134,18 +307,91 @@ def _os_error_of(exc: BaseException | None) -> OSError | None:
     return None
 
 
-def load_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
-    """Read a checkpoint with ``weights_only=True``; a clear error when it is not one.
-    ``mmap=True`` maps tensors instead of reading them (cheap, to look at the scalars)."""
+# -- reading: every file checked against the manifest --------------------------------------
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, its digest checked (a single-file checkpoint: its
+    scalars, memory-mapped, no tensor read). Raises :class:`CheckpointError` naming the file."""
+    if not os.path.isdir(path):
+        state = _load_legacy(path, mmap=True)
+        return {k: v for k, v in state.items() if not isinstance(v, (dict, list, torch.Tensor))
+                or k == "model_config"}
+    name = os.path.join(path, MANIFEST)
+    try:
+        with open(name, "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST}") from None
+    except OSError as exc:
+        raise read_error(name, exc) from None
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {name} is corrupt ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"checkpoint {path} is not an hpcdl checkpoint (format {found!r}, "
+                              f"expected {CHECKPOINT_FORMAT!r})")
+    missing = [k for k in _MANIFEST_REQUIRED if k not in manifest]
+    if missing:
+        raise CheckpointError(f"checkpoint {name} is incomplete: missing {missing}")
+    if manifest["digest"] != _digest(manifest):
+        raise CheckpointError(f"checkpoint {name} is corrupt: its content does not match its "
+                              f"sha256 digest (flipped or torn bytes)")
+    return manifest
+
+
+def read_part(path: str, name: str, record: Mapping[str, Any]) -> bytearray:
+    """The bytes of part ``name`` of checkpoint ``path``, checked against its manifest
+    ``record`` (size, sha256). Raises :class:`CheckpointError` naming the file and why."""
+    file = os.path.join(path, name)
+    try:
+        with open(file, "rb") as f:
+            data = bytearray(record["bytes"])
+            got = f.readinto(data)
+            extra = len(f.read(1))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing") from None
+    except OSError as exc:
+        raise read_error(file, exc) from None
+    if got != record["bytes"] or extra:
+        raise CheckpointError(f"checkpoint {file} is corrupt: {'more than ' if extra else ''}"
+                              f"{got} bytes, the manifest says {record['bytes']} (torn or "
+                              f"truncated)")
+    sha = hashlib.sha256(data).hexdigest()
+    if sha != record["sha256"]:
+        raise CheckpointError(f"checkpoint {file} is corrupt: sha256 {sha[:16]}..., the "
+                              f"manifest says {record['sha256'][:16]}... (flipped bytes)")
+    return data
+
+
+def load_part(data: bytes | bytearray, source: str) -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` of a part's bytes; a clear error when it fails."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
+        raise CheckpointError(f"checkpoint {source} is corrupt or not written by hpcdl "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+                              ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {source} holds a {type(state).__name__}, not a state")
+    return state
+
+
+def _load_legacy(path: str, mmap: bool = False) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path}: no such file") from None
+    except OSError as exc:
+        raise read_error(path, exc) from None
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
         raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint written by "
                               f"hpcdl ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
                               ) from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+    return check_legacy(state, path)
+
+
+def check_legacy(state: Any, path: str) -> dict[str, Any]:
+    """``state`` when it is a single-file checkpoint, else a :class:`CheckpointError`."""
+    if not isinstance(state, dict) or state.get("format") != LEGACY_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"checkpoint {path} is not an hpcdl checkpoint (format {found!r}, "
                               f"expected {CHECKPOINT_FORMAT!r})")
@@ -153,6 +399,48 @@ def load_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {missing}")
     return state
+
+
+def read_file(path: str) -> bytearray:
+    """A single-file checkpoint's bytes (rank 0 reads, then broadcasts them)."""
+    try:
+        with open(path, "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            f.readinto(data)
+        return data
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no such file") from None
+    except OSError as exc:
+        raise read_error(path, exc) from None
+
+
+def merge(manifest: Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:
+    """The state a trainer loads: the manifest's scalars and ``model.pt``'s tensors."""
+    return {**{k: v for k, v in manifest.items() if k not in ("files", "digest")}, **shared}
+
+
+def load_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
+    """The shared state of checkpoint ``path`` (manifest scalars, model, optimizer, ...),
+    every byte read checked against the manifest; a clear error when it is not one.
+    ``mmap=True``: the manifest's scalars only (cheap)."""
+    if not os.path.isdir(path):
+        return _load_legacy(path, mmap=mmap)
+    manifest = read_manifest(path)
+    if mmap:
+        return merge(manifest, {})
+    data = read_part(path, SHARED, manifest["files"][SHARED])
+    return merge(manifest, load_part(data, os.path.join(path, SHARED)))
+
+
+def verify_checkpoint(path: str) -> None:
+    """Check every part of checkpoint ``path`` against its manifest (a tool's full check;
+    a resume reads each part on the rank that needs it)."""
+    if os.path.isdir(path):
+        manifest = read_manifest(path)
+        for name, record in manifest["files"].items():
+            read_part(path, name, record)
+    else:
+        _load_legacy(path)
 
 
 def check_compatible(state: Mapping[str, Any], source: str, *, recipe: str | None,
@@ -201,13 +489,109 @@ def _tensor_differences(saved: Mapping[str, Any], mine: Mapping[str, torch.Tenso
     return ", ".join(parts)
 
 
+# -- lines: which checkpoints belong to the run being continued -----------------------------
+@dataclass
+class IndexEntry:
+    """A checkpoint as its manifest places it: ``line`` ('' for the single-file format, None
+    when the manifest cannot be read) and write sequence ``seq`` (None: unknown)."""
+
+    path: str
+    step: int
+    line: str | None
+    seq: int | None
+
+    def order(self) -> tuple[float, int]:
+        """Write order; a checkpoint whose manifest does not read sorts newest, so that a
+        resume tries it first and reports it by name."""
+        return (float("inf") if self.seq is None else self.seq, self.step)
+
+
+def checkpoint_index(run_dir: str) -> list[IndexEntry]:
+    """Every checkpoint of ``run_dir`` with its line and write sequence, in write order."""
+    entries = []
+    for path in list_checkpoints(run_dir):
+        step = checkpoint_step(path)
+        if not os.path.isdir(path):
+            entries.append(IndexEntry(path, step, "", -1))  # single file: by step, first
+            continue
+        try:
+            with open(os.path.join(path, MANIFEST), "rb") as f:
+                manifest = json.loads(f.read())
+            entries.append(IndexEntry(path, step, str(manifest["line"]), int(manifest["seq"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            entries.append(IndexEntry(path, step, None, None))
+    return sorted(entries, key=IndexEntry.order)
+
+
+def current_line(run_dir: str, index: list[IndexEntry] | None = None) -> dict[str, Any] | None:
+    """The line ``--resume auto`` follows: the one started last (``.line.json``, written when
+    a line starts beside checkpoints of others), else the line of the checkpoint written
+    last; ``{"line", "from"}`` or None (no checkpoint)."""
+    record = os.path.join(checkpoint_dir(run_dir), _LINE_FILE)
+    try:
+        with open(record) as f:
+            line = json.load(f)
+        return {"line": str(line["line"]), "from": line.get("from")}
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s is unreadable (%s): following the line of the newest checkpoint",
+                    record, exc)
+    known = [e for e in (index if index is not None else checkpoint_index(run_dir))
+             if e.line is not None]
+    return {"line": known[-1].line, "from": None} if known else None
+
+
+def start_line(run_dir: str, source: str | None) -> str:
+    """Rank 0: a new line (``source``: the checkpoint it continues, None from step 0). When
+    other lines' checkpoints are there, record it so ``--resume auto`` follows it even before
+    its first checkpoint; returns its id."""
+    line = uuid.uuid4().hex[:12]
+    record = os.path.join(checkpoint_dir(run_dir), _LINE_FILE)
+    others = list_checkpoints(run_dir)
+    if others:
+        atomic_write(record, lambda f: f.write(json.dumps(
+            {"line": line, "from": source, "time": time.time()}).encode()))
+        log.info("a new line of checkpoints starts here (%s); the %d checkpoint(s) of earlier "
+                 "lines in %s are kept, not pruned: remove them when they are not needed",
+                 f"from {source}" if source else "from step 0", len(others),
+                 checkpoint_dir(run_dir))
+    elif os.path.exists(record):
+        os.unlink(record)
+    return line
+
+
+def line_recorded(run_dir: str) -> None:
+    """Rank 0, after a line's first checkpoint: its manifest now says which line is current."""
+    record = os.path.join(checkpoint_dir(run_dir), _LINE_FILE)
+    if os.path.exists(record):
+        os.unlink(record)
+
+
+def resume_candidates(run_dir: str) -> list[IndexEntry]:
+    """What ``--resume auto`` tries, in order: the current line's checkpoints, newest written
+    first (and any whose manifest does not read, to report it)."""
+    index = checkpoint_index(run_dir)
+    line = current_line(run_dir, index)
+    if line is None:
+        return []
+    found = [e for e in reversed(index) if e.line in (line["line"], None)]
+    source = line.get("from")
+    if source and not any(e.line == line["line"] for e in found) and _NAME.match(
+            os.path.basename(os.path.normpath(source))):
+        # a line started from a checkpoint and stopped before its own first one
+        found.append(IndexEntry(source, checkpoint_step(source), None, None))
+    return found
+
+
 def latest_valid_checkpoint(run_dir: str,
                             mmap: bool = False) -> tuple[str, dict[str, Any]] | None:
-    """The newest checkpoint of ``run_dir`` that loads; a bad one is logged (with its name)
-    and the previous one is tried. None when there is none."""
-    for path in reversed(list_checkpoints(run_dir)):
+    """The newest checkpoint of the current line that loads (``model.pt`` checked; with
+    ``mmap`` the manifest only); a bad one is logged (with its name) and the previous one is
+    tried. None when there is none."""
+    for entry in resume_candidates(run_dir):
         try:
-            return path, load_checkpoint(path, mmap=mmap)
+            return entry.path, load_checkpoint(entry.path, mmap=mmap)
         except CheckpointError as exc:
             log.error("%s; trying the previous checkpoint", exc)
     return None
@@ -223,8 +607,8 @@ def resume_layout(spec: str | None, run_dir: str, mpi_comm) -> dict[str, int] | 
     (fresh start, or a checkpoint that does not load: the resume itself reports that).
 
     Read before the trainer is built, so that the per-rank batch at a new rank count is
-    chosen, or refused, before any rank loads data. Rank 0 maps the file (no tensor is
-    read) and broadcasts. Collective over ``mpi_comm``."""
+    chosen, or refused, before any rank loads data. Rank 0 reads the manifest (no tensor) and
+    broadcasts. Collective over ``mpi_comm``."""
     layout = None
     if mpi_comm.rank == 0 and spec not in (None, "", "none"):
         try:
@@ -238,13 +622,57 @@ def resume_layout(spec: str | None, run_dir: str, mpi_comm) -> dict[str, int] | 
     return mpi_comm.bcast(layout, root=0)
 
 
-def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` checkpoints; returns the deleted paths."""
-    paths = list_checkpoints(run_dir)
-    doomed = paths[:-keep] if keep > 0 else []
-    for path in doomed:
+# -- pruning and what a kill leaves behind -------------------------------------------------
+def prune_checkpoints(run_dir: str, keep: int, line: str | None = None) -> list[str]:
+    """Rank 0: take all but the newest ``keep`` checkpoints of ``line`` (by write order) out
+    of the run: each is renamed to a temporary name (it stops counting at once) and returned.
+    The caller removes them (:func:`remove_pruned`; each rank its own file first). ``line``
+    None: the line of the newest checkpoint."""
+    index = checkpoint_index(run_dir)
+    known = [e for e in index if e.line is not None]
+    if line is None and known:
+        line = known[-1].line
+    mine = [e for e in known if e.line == line]
+    doomed = mine[:-keep] if keep > 0 else []
+    pruned = []
+    for entry in doomed:
+        tmp = os.path.join(os.path.dirname(entry.path),
+                           f".{os.path.basename(entry.path)}.pruned.tmp")
         try:
-            os.unlink(path)
+            os.rename(entry.path, tmp)
         except FileNotFoundError:
-            pass
-    return doomed
+            continue
+        pruned.append(tmp)
+    return pruned
+
+
+def remove_pruned(pruned: list[str], rank: int | None = None) -> None:
+    """Remove pruned checkpoints: ``rank`` given, only that rank's own file in each (every
+    rank, in parallel); None, everything left (rank 0, after every rank)."""
+    for path in pruned:
+        if rank is not None:
+            if os.path.isdir(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(path, rank_file(rank)))
+        elif os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def remove_stale_temporaries(run_dir: str) -> list[str]:
+    """Rank 0, when no checkpoint write is in flight (at start, before a checkpoint): remove
+    what killed writes left in ``checkpoints/`` -- only names of the checkpoint temporary
+    pattern (``.ckpt-STEP.pt.*tmp``). Returns the names removed."""
+    directory = checkpoint_dir(run_dir)
+    if not os.path.isdir(directory):
+        return []
+    stale = sorted(name for name in os.listdir(directory) if _TEMP.match(name))
+    for name in stale:
+        remove_pruned([os.path.join(directory, name)])
+    if stale:
+        log.info("removed %d temporar%s of checkpoint writes that did not finish: %s",
+                 len(stale), "y" if len(stale) == 1 else "ies", ", ".join(stale))
+    return stale
+

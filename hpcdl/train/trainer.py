@@ -226,6 +226,10 @@ class Trainer:
         # HPCDL_INJECT=RANK:checkpointN:sleep=S: the N-th checkpoint write pauses (fault tests)
         self._write_injection = injected_pause(self.rank, "checkpoint")
         self._writes = 0
+        # rank 0: the line of checkpoints this run continues and the last write sequence
+        # number in the run directory (hpcdl/train/checkpoint.py); set by resume
+        self._line: str | None = None
+        self._seq: int | None = None
         self._stop_signal: int | None = None
         self._metrics: MetricsWriter | None = None
         self._images_this_run = 0
@@ -541,9 +545,10 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Everything but the RNG states (gathered from all ranks by save_checkpoint).
-        ``optimizer_state``: the optimizer's state_dict when already taken (collective for a
-        sharded update, so save_checkpoint takes it on every rank)."""
+        """What every rank shares: the run's position and layout (the manifest's scalars) and
+        model, optimizer and policy state (``model.pt``); per-rank state is
+        :meth:`_rank_state`. ``optimizer_state``: the optimizer's state_dict when already
+        taken (collective for a sharded update, so save_checkpoint takes it on every rank)."""
         return {
             "format": ckpt.CHECKPOINT_FORMAT,
             "step": self.step,
@@ -581,8 +586,11 @@ class Trainer:
         """Training seconds up to now, summed over every invocation of this run (resumes)."""
         return self._train_time_before_s + self._train_time_s
 
-    def load_state_dict(self, state: dict[str, Any], source: str = "<state>") -> None:
-        """Restore model, optimizer, step and (same world size) this rank's RNG states."""
+    def load_state_dict(self, state: dict[str, Any], source: str = "<state>",
+                        rank_state: dict[str, Any] | None = None) -> None:
+        """Restore model, optimizer, step and, at the same world size, this rank's own state
+        (``rank_state``: its RNG states, BN statistics, policy state); at another world size,
+        the elastic mapping (:meth:`_adopt_other_layout`)."""
         ckpt.check_compatible(state, source, recipe=self.config.name,
                               global_batch=self.global_batch, model_config=self.config.model,
                               model_state=self.model.state_dict())
@@ -591,20 +599,21 @@ class Trainer:
         self.step = int(state["step"])
         self.policy.load_state_dict(state.get("consistency"), source)
         self._train_time_before_s = float(state.get("train_s_total", 0.0))
-        rngs = state.get("rng")
-        if state.get("world_size") == self.size and rngs:
-            self._load_rank_state(rngs[self.rank])
-        elif rngs:
-            self._adopt_other_layout(state, rngs, source)
+        if state.get("world_size") == self.size:
+            if rank_state is not None:
+                self._load_rank_state(rank_state)
+        else:
+            self._adopt_other_layout(state, source)
         self._last_checkpoint_step = self.step
 
-    def _adopt_other_layout(self, state: dict[str, Any], rngs: list, source: str) -> None:
+    def _adopt_other_layout(self, state: dict[str, Any], source: str) -> None:
         """Elastic resume: a checkpoint of P ranks continued on P' != P (docs/training.md).
 
         - epoch length: the run's, from the checkpoint (same global batch, so the same images
           per epoch); the schedule, a function of the step, continues where it stopped;
-        - BN running statistics: every rank starts from their average over the P saved ranks
-          (what evaluation uses, :meth:`evaluate`), not from one rank's;
+        - BN running statistics: every rank starts from their mean over the P saved ranks
+          (what evaluation uses, :meth:`evaluate`), stored in ``model.pt`` at the save, so no
+          rank reads another rank's file;
         - RNG states: reseeded on every rank from (seed, epoch, step, rank) -- a P-rank stream
           has no P'-rank counterpart; the loader's order and augmentation draws are functions
           of (seed, epoch, sample), so they need no RNG state.
@@ -612,15 +621,19 @@ class Trainer:
         saved_spe = int(state.get("steps_per_epoch", self.steps_per_epoch))
         if saved_spe != self.steps_per_epoch:
             self._set_steps_per_epoch(saved_spe, source)
-        self._load_mean_buffers([r.get("buffers", {}) for r in rngs])
+        if "bn_mean" in state:
+            self._load_mean_buffers([state["bn_mean"]])
+        elif state.get("rng"):  # a single-file checkpoint holds every rank's statistics
+            self._load_mean_buffers([r.get("buffers", {}) for r in state["rng"]])
         epoch = self.step // self.steps_per_epoch
         seed_everything(resume_seed(self.config.train.seed, epoch, self.step, self.rank))
+        saved = int(state.get("world_size", 0))
         log.warning("%s was written by %d ranks (%s per rank × accumulation %s), this run has %d "
                     "(%d × %d), global batch %d: BN statistics averaged over the %d saved ranks, "
                     "RNG reseeded from (seed, epoch, step, rank); the run continues at step %d, "
-                    "%d images into epoch %d", source, len(rngs), state.get("per_rank", "?"),
+                    "%d images into epoch %d", source, saved, state.get("per_rank", "?"),
                     state.get("accumulation", "?"), self.size, self.per_rank,
-                    self.accumulation, self.global_batch, len(rngs), self.step,
+                    self.accumulation, self.global_batch, saved, self.step,
                     self.images_in_epoch, epoch)
 
     def _set_steps_per_epoch(self, steps: int, source: str) -> None:
@@ -644,9 +657,11 @@ class Trainer:
                     mean = torch.stack([b[name].double() for b in per_rank]).mean(0)
                     own[name].copy_(mean.to(own[name].dtype))
 
+    def _float_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, b) for n, b in self.model.named_buffers() if b.is_floating_point()]
+
     def _rank_state(self) -> dict[str, Any]:
-        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()
-                   if b.is_floating_point()}
+        buffers = {n: b.detach().clone() for n, b in self._float_buffers()}
         return {**ckpt.rng_state(), "buffers": buffers,
                 "consistency": self.policy.rank_state(self.step, self.model, self.optimizer)}
 
@@ -659,70 +674,273 @@ class Trainer:
                     own[name].copy_(value)
         self.policy.load_rank_state(state.get("consistency"), self.model, self.optimizer)
 
+    def _mean_buffers(self) -> dict[str, torch.Tensor]:
+        """Collective: the mean over the ranks of every floating BN buffer (float64 sums, one
+        Allreduce of the buffers' size), what an elastic resume starts every rank from. The
+        ranks' own buffers are not changed."""
+        from mpi4py import MPI
+
+        named = self._float_buffers()
+        flat = np.concatenate([b.detach().double().reshape(-1).numpy() for _, b in named]) \
+            if named else np.zeros(0)
+        total = np.empty_like(flat)
+        self.comm.mpi_comm.Allreduce(flat, total, op=MPI.SUM)
+        total /= self.size
+        mean, offset = {}, 0
+        for name, b in named:
+            mean[name] = torch.from_numpy(total[offset:offset + b.numel()].copy()).reshape(
+                b.shape).to(b.dtype)
+            offset += b.numel()
+        return mean
+
     def save_checkpoint(self) -> str | None:
-        """Collective: gather every rank's RNG state; rank 0 writes atomically and keeps the
-        newest ``train.keep_checkpoints``. Returns the path (every rank)."""
-        # Per rank: RNG states and BN running statistics (each rank's own; they are not
-        # reduced during training), so a resumed run continues every rank exactly.
-        rngs = self.comm.mpi_comm.gather(self._rank_state(), root=0)
+        """Collective: every rank writes its own state, rank 0 the shared state and, once
+        every part is complete, the manifest, and renames the checkpoint into place; then the
+        current line's newest ``train.keep_checkpoints`` are kept (hpcdl/train/checkpoint.py).
+        Returns the path (every rank); None without ``write_files``."""
+        if not self.options.write_files:
+            self._last_checkpoint_step = self.step
+            return None
         # Every rank: a sharded update gathers its momentum slices here (collective).
         optimizer_state = self.optimizer.state_dict() if self.shard_update else None
+        bn_mean = self._mean_buffers()
         path = ckpt.checkpoint_path(self.run_dir, self.step)
-        error = None
-        if self.rank == 0 and self.options.write_files:
-            try:
-                with self._span("checkpoint", "io"):
-                    state = self.state_dict(optimizer_state)
-                    state["rng"] = rngs
-                    self._writes += 1
-                    nth, pause_s = self._write_injection
-                    ckpt.save_checkpoint(path, state, pause_s if self._writes == nth else 0.0)
-                    ckpt.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints)
-                log.info("checkpoint %s", path)
-            except OSError as exc:  # CheckpointWriteError: disk full, quota, file-size limit
-                what = str(exc) if isinstance(exc, ckpt.CheckpointWriteError) else \
-                    f"could not write checkpoint {path}: {exc}"
-                error = f"rank 0 {what}; {_previous_checkpoint(self.run_dir, path)}: free " \
-                        f"space there (or lower train.keep_checkpoints), then resume with " \
-                        f"--resume auto"
-        error = self.comm.mpi_comm.bcast(error, root=0)
+        with self._span("checkpoint", "io"):
+            tmp, error = None, None
+            if self.rank == 0:
+                try:
+                    tmp = ckpt.begin_write(path)
+                except OSError as exc:
+                    error = f"rank 0 could not write checkpoint {path}: {_os_message(exc)}"
+            tmp, error = self.comm.mpi_comm.bcast((tmp, error), root=0)
+            if not error:
+                files, mine = self._write_parts(tmp, optimizer_state, bn_mean)
+                gathered = self.comm.mpi_comm.gather((files, mine), root=0)
+                pruned = []
+                if self.rank == 0:
+                    error, pruned = self._commit(tmp, path, gathered)
+                error, pruned = self.comm.mpi_comm.bcast((error, pruned), root=0)
+                if pruned:  # each rank removes its own file, then rank 0 the rest
+                    ckpt.remove_pruned(pruned, rank=self.rank)
+                    self.comm.mpi_comm.Barrier()
+                    if self.rank == 0:
+                        ckpt.remove_pruned(pruned)
         if error:
-            raise mark_agreed(ckpt.CheckpointWriteError(error))
+            raise mark_agreed(ckpt.CheckpointWriteError(
+                f"{error}; {_previous_checkpoint(self.run_dir, path)}: free space there (or "
+                f"lower train.keep_checkpoints), then resume with --resume auto"))
+        if self.rank == 0:
+            log.info("checkpoint %s", path)
         self._last_checkpoint_step = self.step
-        return path if self.options.write_files else None
+        return path
+
+    def _write_parts(self, tmp: str, optimizer_state: dict[str, Any] | None,
+                     bn_mean: dict[str, torch.Tensor]) -> tuple[dict[str, Any], str | None]:
+        """This rank's file (and rank 0's ``model.pt``) in the temporary directory: their
+        ``{name: {bytes, sha256}}`` and the error, if the write failed."""
+        files: dict[str, Any] = {}
+        try:
+            if self.rank == 0:
+                state = self.state_dict(optimizer_state)
+                shared = {k: state[k] for k in ckpt.SHARED_KEYS if k in state}
+                files[ckpt.SHARED] = ckpt.write_part(tmp, ckpt.SHARED,
+                                                     {**shared, "bn_mean": bn_mean})
+            name = ckpt.rank_file(self.rank)
+            files[name] = ckpt.write_part(tmp, name, {"rank": self.rank, "step": self.step,
+                                                      **self._rank_state()})
+        except OSError as exc:
+            return files, _os_message(exc)
+        return files, None
+
+    def _commit(self, tmp: str, path: str, gathered: list) -> tuple[str | None, list[str]]:
+        """Rank 0: the manifest and the rename when every rank wrote its part, then the
+        pruning; else the temporary removed and the first failure named."""
+        failed = [(r, err) for r, (_, err) in enumerate(gathered) if err]
+        if failed:
+            ckpt.abandon(tmp)
+            rank, err = failed[0]
+            more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+            return f"rank {rank} could not write checkpoint {path}: {err}{more}", []
+        files = {name: record for part, _ in gathered for name, record in part.items()}
+        state = self.state_dict({})
+        manifest = {k: v for k, v in state.items() if k not in ckpt.SHARED_KEYS}
+        if self._line is None:
+            self._line = ckpt.start_line(self.run_dir, None)
+        if self._seq is None:
+            self._seq = max((e.seq for e in ckpt.checkpoint_index(self.run_dir)
+                             if e.seq is not None), default=-1)
+        manifest.update(line=self._line, seq=self._seq + 1, time=time.time(), files=files)
+        self._writes += 1
+        nth, pause_s = self._write_injection
+        try:
+            replaced = ckpt.commit(tmp, path, manifest, pause_s if self._writes == nth else 0.0)
+        except OSError as exc:
+            ckpt.abandon(tmp)
+            return f"rank 0 could not write checkpoint {path}: {_os_message(exc)}", []
+        self._seq += 1
+        ckpt.line_recorded(self.run_dir)
+        pruned = ckpt.prune_checkpoints(self.run_dir, self.config.train.keep_checkpoints,
+                                        self._line)
+        return None, pruned + ([replaced] if replaced else [])
 
     def resume(self, spec: str = "auto") -> str | None:
-        """``auto``: the newest valid checkpoint in RUN_DIR/checkpoints (none: start fresh);
-        ``none``: start fresh; a path: that checkpoint. Collective. Returns the path used."""
-        if spec in (None, "", "none"):
+        """``auto``: the newest valid checkpoint of the current line in RUN_DIR/checkpoints
+        (none: start fresh); ``none``: start fresh; a path: that checkpoint. Collective.
+        Returns the path used.
+
+        Rank 0 reads the manifest and ``model.pt`` and broadcasts the latter's bytes; each
+        rank reads only its own file (none at another rank count), so what a rank reads does
+        not grow with the rank count. A checkpoint that fails anywhere (a sha256 mismatch, a
+        torn file, on any rank) is reported by name and the previous one is tried."""
+        start_io = _io_counters()
+        candidates: list[str] = []
+        if self.rank == 0 and self.options.write_files:
+            ckpt.remove_stale_temporaries(self.run_dir)
+        if self.rank == 0 and spec not in (None, "", "none"):
+            candidates = [e.path for e in ckpt.resume_candidates(self.run_dir)] \
+                if spec == "auto" else [spec]
+        loaded, failures = None, []
+        if spec not in (None, "", "none"):
+            loaded, failures = self._load_first(candidates)
+        if loaded is None:
+            error = None
+            if self.rank == 0 and failures and (spec != "auto" or
+                                                any(t for _, t in failures)):
+                error = self._unreadable(spec, failures)
+            error = self.comm.mpi_comm.bcast(error, root=0)
+            if error:
+                raise mark_agreed(ckpt.CheckpointError(error))
+            if self.rank == 0 and self.options.write_files:
+                self._line = ckpt.start_line(self.run_dir, None)
+            if spec not in (None, "", "none"):
+                level = logging.WARNING if failures else logging.INFO
+                log.log(level, "--resume %s: no %scheckpoint in %s; starting from step 0", spec,
+                        "valid " if failures else "", ckpt.checkpoint_dir(self.run_dir))
             return None
-        state, path, error = None, None, None
-        if self.rank == 0:
-            if spec == "auto":
-                found = ckpt.latest_valid_checkpoint(self.run_dir)
-                if found is not None:
-                    path, state = found
-            else:
-                try:
-                    path, state = spec, ckpt.load_checkpoint(spec)
-                except ckpt.CheckpointError as exc:
-                    error = str(exc)
-        path, error = self.comm.mpi_comm.bcast((path, error), root=0)
-        if error:
-            raise ckpt.CheckpointError(error)
-        if path is None:
-            log.info("--resume %s: no checkpoint in %s; starting from step 0", spec,
-                     ckpt.checkpoint_dir(self.run_dir))
-            return None
-        if state is None:
-            state = ckpt.load_checkpoint(path)  # every rank reads it (RUN_DIR is shared)
-        self.load_state_dict(state, path)
+        path, state, own = loaded
+        self.load_state_dict(state, path, own)
+        if self.rank == 0 and self.options.write_files:
+            self._continue_line(spec, path)
         self.resumed_from = path
         if self.rank == 0 and self.options.write_files:
             truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
-        log.info("resumed from %s at step %d (epoch %d)", path, self.step,
-                 self.step // self.steps_per_epoch)
+        read = _io_counters() - start_io if start_io is not None else None
+        log.info("resumed from %s at step %d (epoch %d)%s", path, self.step,
+                 self.step // self.steps_per_epoch,
+                 f"; this rank read {read} bytes (rchar)" if read is not None else "")
         return path
+
+    def _load_first(self, candidates: list[str]) -> tuple[tuple | None, list]:
+        """Collective: try rank 0's ``candidates`` in order until one loads on every rank.
+        Returns ((path, shared state, this rank's own state or None), failures) where
+        failures are rank 0's (message, transient) of those that did not."""
+        failures: list[tuple[str, bool]] = []
+        while True:
+            header, data, entries = None, None, None
+            if self.rank == 0:
+                header, data, entries = self._next_readable(candidates, failures)
+            header = self.comm.mpi_comm.bcast(header, root=0)
+            if header is None:
+                return None, failures
+            data = self._broadcast_bytes(data, header["bytes"])
+            # each rank gets its own file's record only: O(1) bytes, whatever the rank count
+            entry = self.comm.mpi_comm.scatter(entries, root=0) \
+                if header["format"] == ckpt.CHECKPOINT_FORMAT \
+                and header["world_size"] == self.size else None
+            result, error = None, None
+            try:
+                result = self._load_candidate(header, data, entry)
+            except ckpt.CheckpointError as exc:
+                error = (str(exc), exc.transient)
+            del data
+            errors = self.comm.mpi_comm.gather(error, root=0)
+            if self.rank == 0:
+                for message, transient in (e for e in errors if e):
+                    log.error("%s; trying the previous checkpoint", message)
+                    failures.append((message, transient))
+            if not self.comm.mpi_comm.bcast(self.rank == 0 and any(errors), root=0):
+                return result, failures
+
+    def _next_readable(self, candidates: list[str], failures: list) -> tuple:
+        """Rank 0: the next candidate whose manifest and shared file read and check, as
+        (header, bytes, per-rank file records to scatter): the header carries what every
+        rank needs (path, format, world size, byte count, the manifest's scalars)."""
+        while candidates:
+            path = candidates.pop(0)
+            try:
+                if not os.path.isdir(path):  # single file: every rank's state inside
+                    data = ckpt.read_file(path)
+                    state = ckpt.check_legacy(ckpt.load_part(data, path), path)
+                    return {"path": path, "format": ckpt.LEGACY_FORMAT, "bytes": len(data),
+                            "world_size": state["world_size"]}, data, None
+                manifest = ckpt.read_manifest(path)
+                data = ckpt.read_part(path, ckpt.SHARED, manifest["files"][ckpt.SHARED])
+                ranks = [manifest["files"].get(ckpt.rank_file(r))
+                         for r in range(self.size)] \
+                    if manifest["world_size"] == self.size else None
+                header = {"path": path, "format": ckpt.CHECKPOINT_FORMAT, "bytes": len(data),
+                          "world_size": manifest["world_size"],
+                          "manifest": ckpt.merge(manifest, {})}
+                return header, data, ranks
+            except ckpt.CheckpointError as exc:
+                log.error("%s; trying the previous checkpoint", exc)
+                failures.append((str(exc), exc.transient))
+        return None, None, None
+
+    def _broadcast_bytes(self, data: bytearray | None, size: int) -> bytearray:
+        """``model.pt``'s bytes from rank 0 to every rank (one MPI_Bcast, no pickling)."""
+        from mpi4py import MPI
+
+        if self.rank != 0:
+            data = bytearray(size)
+        if self.size > 1:
+            self.comm.mpi_comm.Bcast([data, MPI.BYTE], root=0)
+        return data
+
+    def _load_candidate(self, header: dict[str, Any], data: bytearray,
+                        entry: dict[str, Any] | None) -> tuple:
+        path = header["path"]
+        if header["format"] == ckpt.LEGACY_FORMAT:
+            state = ckpt.check_legacy(ckpt.load_part(data, path), path)
+            same = state.get("world_size") == self.size
+            return path, state, state["rng"][self.rank] if same else None
+        state = ckpt.merge(header["manifest"], ckpt.load_part(
+            data, os.path.join(path, ckpt.SHARED)))
+        own = None
+        if entry is not None or header["world_size"] == self.size:
+            name = ckpt.rank_file(self.rank)
+            if entry is None:
+                raise ckpt.CheckpointError(f"checkpoint {path} is incomplete: its manifest "
+                                           f"lists no {name}")
+            own = ckpt.load_part(ckpt.read_part(path, name, entry), os.path.join(path, name))
+        return path, state, own
+
+    def _unreadable(self, spec: str, failures: list[tuple[str, bool]]) -> str:
+        if spec != "auto":
+            return failures[0][0]
+        listed = "; ".join(message for message, _ in failures)
+        return (f"--resume auto: no checkpoint in {ckpt.checkpoint_dir(self.run_dir)} could be "
+                f"read, and some failed for a reason that may pass (a file system error, not "
+                f"a damaged file), so the run does not start again from step 0: {listed}. "
+                f"Rerun when the file system answers again (nothing was removed), or pass "
+                f"--resume none to start over")
+
+    def _continue_line(self, spec: str, path: str) -> None:
+        """Rank 0 after loading ``path``: continue its line when it is the newest checkpoint
+        written (auto, or that path given), else start a new line from it."""
+        index = ckpt.checkpoint_index(self.run_dir)
+        self._seq = max((e.seq for e in index if e.seq is not None), default=-1)
+        mine = [e for e in index if os.path.realpath(e.path) == os.path.realpath(path)]
+        line = ckpt.current_line(self.run_dir, index)
+        if spec == "auto" and line is not None and line.get("from") == path:
+            self._line = line["line"]  # the line started from there, continued
+            return
+        if mine and line is not None and mine[0].line == line["line"]:
+            newest = [e for e in index if e.line == line["line"]][-1]
+            if spec == "auto" or newest.path == mine[0].path:
+                self._line = line["line"]
+                return
+        self._line = ckpt.start_line(self.run_dir, path)
 
     # -- signals -----------------------------------------------------------------------------
     def _test_hook_signal(self) -> None:
@@ -837,6 +1055,20 @@ class Trainer:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+def _os_message(exc: OSError) -> str:
+    """'[Errno 28] No space left on device': the cause, without the temporary's name."""
+    return f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
+
+
+def _io_counters() -> int | None:
+    """This process's ``rchar`` (bytes passed to read(), /proc/self/io), or None off Linux."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def _previous_checkpoint(run_dir: str, failed: str) -> str:
