@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl.data.nodes import ranks_per_node_from_env, split_nodes
 from hpcdl.debug.monitor import NULL_MONITOR
+from hpcdl.topology import ranks_per_node_from_env, split_nodes
 
 #: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
 NATIVE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
@@ -219,7 +219,7 @@ class Communicator:
 
         ``ranks_per_node=k`` (or ``HPCDL_RANKS_PER_NODE=k`` when it is None) pretends that
         consecutive groups of k world ranks are nodes: it exercises the multi-node paths on one
-        machine (tests, benchmarks). hpcdl.data.nodes holds the rule, shared with staging."""
+        machine (tests, benchmarks). hpcdl.topology holds the rule, shared with staging."""
         if self.ranks_per_node is None:
             self.ranks_per_node = ranks_per_node_from_env()
         self.node_comm = split_nodes(self._comm, self.ranks_per_node)
