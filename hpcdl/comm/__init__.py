@@ -30,8 +30,7 @@ from hpcdl.comm.base import (
     CollectiveMismatchError,
     Communicator,
 )
-from hpcdl.debug.faults import install_fail_fast
-from hpcdl.debug.monitor import watch_collectives
+from hpcdl.debug import install_fail_fast, watch_collectives
 from hpcdl.errors import BadInputError
 from hpcdl.topology import split_nodes
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl.debug.monitor import NULL_MONITOR
+from hpcdl.debug import NULL_MONITOR
 from hpcdl.topology import ranks_per_node_from_env, split_nodes
 
 #: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
@@ -183,6 +183,17 @@ class Communicator:
     backend = "base"
     #: hpcdl.debug.watch_collectives(comm, run_dir) installs a live monitor; default no-op.
     _monitor = NULL_MONITOR
+
+    @property
+    def monitor(self) -> Any:
+        """What :meth:`_collective` enters around every collective (``watch(name, meta)``,
+        ``note(text)``, ``close()``); ``hpcdl.debug.NULL_MONITOR`` when nothing watches."""
+        return self._monitor
+
+    def set_monitor(self, monitor: Any) -> None:
+        """Install ``monitor`` (hpcdl.debug.watch_collectives does); the caller closes the one
+        it replaces. Local: call it on every rank for a consistent stall report."""
+        self._monitor = monitor
 
     def __init__(self, world: MPI.Intracomm | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
