@@ -24,9 +24,10 @@ no module imports another module's private (``_name``) name.
 
 Imports are read with ``ast`` from the source: module level and inside functions alike (a lazy
 import is still a dependency), and ``importlib.import_module`` / ``__import__`` with a literal
-name. Names computed at run time (the comm backends table, the command discovery of
-hpcdl/cli/commands.py, ``hpcdl``'s lazy names) stay inside one floor by construction. The test
-needs nothing installed beyond the files.
+name. Names computed at run time are not followed: the comm backends table and the command
+discovery of hpcdl/cli/commands.py stay inside their own package, and ``hpcdl``'s lazy names
+(PEP 562) are the one arrow up by design -- the package face loads the own-loop API from
+hpcdl/train only when a user asks for it. The test needs nothing installed beyond the files.
 """
 import ast
 from pathlib import Path
