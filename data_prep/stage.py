@@ -2,7 +2,7 @@
 
 Run with one rank per node (``srun --ntasks-per-node=1`` or ``mpiexec -ppn 1``); extra ranks
 on a node are tolerated and only its first rank copies. The node index is the order of the
-nodes' lowest world ranks, by the communicator's rule (hpcdl.data.nodes: ranks that share
+nodes' lowest world ranks, by the communicator's rule (hpcdl.topology: ranks that share
 memory, or HPCDL_RANKS_PER_NODE pretend nodes) -- the same numbering the loader uses, so node
 k stages exactly the shards k, k+K, ... it will read. Copies are atomic (temporary name,
 rename after the sha256 matched the manifest) and files already present with the right sha256

@@ -1,4 +1,5 @@
-"""A node's CPUs as the kernel and Slurm write them, and how many threads a rank takes.
+"""A node's CPUs as the kernel and Slurm write them, how many threads a rank takes, whether
+they have bf16 kernels, and the heap policy a compute process runs with.
 
 The ground floor under both ``hpcdl doctor`` (hpcdl/debug) and the trainer's thread set-up
 (hpcdl/train/threads.py): the doctor predicts the thread count the trainer will use, so the
@@ -10,7 +11,8 @@ import os
 import subprocess
 from collections.abc import Iterable, Sequence
 
-__all__ = ["affinity_cores", "format_cpu_list", "parse_cpu_list", "threads_per_rank"]
+__all__ = ["affinity_cores", "bf16_supported", "cpu_model_name", "format_cpu_list",
+           "parse_cpu_list", "retain_freed_memory", "threads_per_rank"]
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -79,3 +81,31 @@ def cpu_model_name(fallback: str = "unknown") -> str:
     except OSError:
         pass
     return fallback
+
+
+def bf16_supported() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (AVX512-BF16/AMX; emulated otherwise)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def retain_freed_memory() -> bool:
+    """Ask glibc to keep freed blocks up to 32 MiB (its maximum mmap threshold on 64-bit) in the
+    heap and never trim it, so each step's activations reuse memory instead of mmap/munmap and
+    first-touch page faults (≈64k minor faults and ~10% extra system time per ResNet-50 step at
+    batch 16, 112 px, measured). Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_
+    in the environment. Returns False where glibc's mallopt is unavailable."""
+    import ctypes
+    import ctypes.util
+
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)
+                    and libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
+    except (OSError, AttributeError):
+        return False

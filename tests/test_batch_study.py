@@ -11,8 +11,8 @@ import pytest
 
 from hpcdl.bench import batch_study as study
 from hpcdl.bench import convergence
-from hpcdl.bench.report import format_table
 from hpcdl.errors import BadInputError
+from hpcdl.results import format_table
 from hpcdl.train.config import config_from_dict
 
 

@@ -176,7 +176,7 @@ def test_matmul_reference_runs_in_bf16_for_a_bf16_step():
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 def test_bf16_mode_measures_every_mode_in_bf16_or_says_why_not(tmp_path):
-    from hpcdl.train.trainer import bf16_supported
+    from hpcdl.cpus import bf16_supported
 
     proc, report = run_bench_train(tmp_path / "train_bf16.json", "--steps", "1", "--bf16",
                                    "--no-breakdown")

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from hpcdl.data.nodes import RANKS_PER_NODE_ENV
+from hpcdl.topology import RANKS_PER_NODE_ENV
 from hpcdl.train.demo import demo_recipe_path, prepare_demo_data
 
 pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")

@@ -288,7 +288,7 @@ def site_ratios(records: list[dict], names: list[str], sizes: list[int]) -> dict
 def run_driver(args: argparse.Namespace, sizes: list[int]) -> int:
     """Launch hpcdl's backends, every site MPI's tunings and every oneCCL setting, then
     merge one report."""
-    from hpcdl.bench.report import bench_report, emit
+    from hpcdl.results import bench_report, emit
 
     sites = parse_site_mpi(args.site_mpi)
     mpiexec = shutil.which("mpiexec")
@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         return run_driver(args, sizes)
     from mpi4py import MPI
 
-    from hpcdl.bench.report import bench_report, emit
+    from hpcdl.results import bench_report, emit
 
     world = MPI.COMM_WORLD
     if args.repeats < 5:

@@ -444,8 +444,8 @@ def run_study(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     import hpcdl.comm
-    from hpcdl.bench.report import bench_report, emit
     from hpcdl.bench.runs import bench_workdir, prepare_shards, run_record, train_run
+    from hpcdl.results import bench_report, emit
     from hpcdl.train.threads import configure_threads
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 

@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     import hpcdl.comm
-    from hpcdl.bench.report import bench_report, emit
+    from hpcdl.results import bench_report, emit
     from hpcdl.train.threads import configure_threads
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 

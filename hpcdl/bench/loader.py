@@ -253,9 +253,9 @@ def resized_baselines(args: argparse.Namespace) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from hpcdl.bench.report import bench_report, emit
     from hpcdl.data_prep.shard import shard_tree
     from hpcdl.data_prep.synthetic import make_imagenet_tree
+    from hpcdl.results import bench_report, emit
 
     torch.set_num_threads(1)
     if args.generate and not os.path.isdir(os.path.join(args.src, "train")):

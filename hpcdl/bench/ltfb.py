@@ -229,8 +229,8 @@ def run(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.bench.report import bench_report, emit
     from hpcdl.bench.runs import bench_workdir, prepare_shards
+    from hpcdl.results import bench_report, emit
     from hpcdl.train.threads import configure_threads
 
     world = MPI.COMM_WORLD

@@ -40,9 +40,9 @@ def time_steps(optimizer, steps: int, warmup: int) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from hpcdl.bench.report import bench_report, emit
     from hpcdl.models import create_model
     from hpcdl.optim import LARS, param_groups
+    from hpcdl.results import bench_report, emit
 
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
         raise SystemExit(f"hpcdl bench optim: --steps >= 1, --warmup >= 0, --threads >= 1 "

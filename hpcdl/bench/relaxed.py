@@ -418,8 +418,8 @@ def run(args: argparse.Namespace) -> int:
     runs = parse_runs(args.runs)
     from mpi4py import MPI
 
-    from hpcdl.bench.report import bench_report, emit
     from hpcdl.bench.runs import bench_workdir, prepare_shards
+    from hpcdl.results import bench_report, emit
 
     world = MPI.COMM_WORLD
     if "hierarchical" in runs and world.size % args.ranks_per_node:

@@ -49,6 +49,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hpcdl.cpus import bf16_supported, retain_freed_memory
+
 COMMAND = "train"
 HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
 
@@ -550,24 +552,6 @@ def print_breakdown(breakdown: dict[str, Any], matmul: float) -> None:
           file=sys.stderr, flush=True)
 
 
-def retain_freed_memory() -> bool:
-    """Ask glibc to keep freed blocks up to 32 MiB (its maximum mmap threshold on 64-bit) in the
-    heap and never trim it, so each step's activations reuse memory instead of mmap/munmap and
-    first-touch page faults (≈64k minor faults and ~10% extra system time per ResNet-50 step at
-    batch 16, 112 px, measured). Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_
-    in the environment. Returns False where glibc's mallopt is unavailable."""
-    import ctypes
-    import ctypes.util
-
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)
-                    and libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
-    except (OSError, AttributeError):
-        return False
-
-
 def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3,
                        dtype: str = "float32") -> float:
     """FLOP/s of an n×n matmul (fp32, or bf16 for a bf16 step) on this rank's threads: the
@@ -770,8 +754,7 @@ def bf16_skip_reason() -> str | None:
     """Why ``--bf16`` cannot be measured here, or None: emulated bf16 would time the emulation."""
     import torch
 
-    from hpcdl.bench.report import cpu_model
-    from hpcdl.train.trainer import bf16_supported
+    from hpcdl.results import cpu_model
 
     if bf16_supported():
         return None
@@ -790,7 +773,7 @@ def run(args: argparse.Namespace) -> int:
         if MPI.COMM_WORLD.rank == 0:
             print(reason, flush=True)
             if args.json:
-                from hpcdl.bench.report import bench_report, write_json
+                from hpcdl.results import bench_report, write_json
 
                 report = bench_report("train", [], {}, ranks=MPI.COMM_WORLD.size)
                 write_json(args.json, {**report, "skipped": reason})
@@ -805,9 +788,9 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
 
     import hpcdl.comm
-    from hpcdl.bench.report import bench_report, emit
     from hpcdl.debug import install_fail_fast
     from hpcdl.models import create_model, flops
+    from hpcdl.results import bench_report, emit
 
     world = MPI.COMM_WORLD
     load_before = os.getloadavg()

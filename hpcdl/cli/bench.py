@@ -2,7 +2,7 @@
 measured in the same run, prints a table and writes one JSON convention (``--json FILE``).
 
 Benchmark modules live in ``hpcdl/bench/`` and follow the command-module protocol of
-``hpcdl.cli.main`` (``COMMAND``, ``HELP``, ``add_arguments``, ``run``).
+``hpcdl.cli.commands`` (``COMMAND``, ``HELP``, ``add_arguments``, ``run``).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 import hpcdl.bench
-from hpcdl.cli.main import _command_modules, add_command_parsers
+from hpcdl.cli.commands import add_command_parsers, command_modules
 
 COMMAND = "bench"
 HELP = "measure hpcdl against the baseline a user would otherwise pick"
@@ -18,7 +18,7 @@ HELP = "measure hpcdl against the baseline a user would otherwise pick"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     subparsers = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
-    add_command_parsers(subparsers, _command_modules(hpcdl.bench))
+    add_command_parsers(subparsers, command_modules(hpcdl.bench))
     report = subparsers.add_parser(
         "report", help="regenerate the docs' measured tables from docs/results/",
         description="Rewrite every generated block (<!-- generated: NAME ... -->) of README.md "

@@ -43,7 +43,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from mpi4py import MPI
 
-    from hpcdl.bench.report import write_json
     from hpcdl.debug.doctor import (
         collect_rank_info,
         diagnose,
@@ -53,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         report_json,
     )
     from hpcdl.debug.hosts import probe_clock
+    from hpcdl.results import write_json
 
     world = MPI.COMM_WORLD
     if not hosts_reach_each_other(world):

@@ -14,44 +14,15 @@ the traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
 import socket
 import sys
 import traceback
 from collections.abc import Sequence
-from types import ModuleType
 
 import hpcdl
 import hpcdl.cli
+from hpcdl.cli.commands import add_command_parsers, command_modules
 from hpcdl.errors import EXIT_BAD_INPUT, BadInputError, mark_agreed
-
-
-def _command_modules(package: ModuleType, skip: Sequence[str] = ()) -> list[ModuleType]:
-    """Import every module of ``package`` that declares a ``COMMAND``, sorted by name."""
-    modules = []
-    for info in pkgutil.iter_modules(package.__path__):
-        if info.name.startswith("_") or info.name in skip:
-            continue
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        if hasattr(module, "COMMAND"):
-            modules.append(module)
-    return sorted(modules, key=lambda m: m.COMMAND)
-
-
-def add_command_parsers(
-    subparsers: argparse._SubParsersAction, modules: Sequence[ModuleType]
-) -> None:
-    """Give each command module its own sub-parser, remembering the module to dispatch to."""
-    for module in modules:
-        parser = subparsers.add_parser(
-            module.COMMAND,
-            help=module.HELP,
-            description=(module.__doc__ or module.HELP).strip(),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        module.add_arguments(parser)
-        parser.set_defaults(_run=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hpcdl {hpcdl.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_command_parsers(subparsers, _command_modules(hpcdl.cli, skip=("main",)))
+    add_command_parsers(subparsers, command_modules(hpcdl.cli, skip=("main",)))
     return parser
 
 

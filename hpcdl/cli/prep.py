@@ -133,8 +133,8 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_stage(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from hpcdl.data.nodes import node_layout, node_path
     from hpcdl.data_prep.stage import stage_node
+    from hpcdl.topology import node_layout, node_path
 
     comm = MPI.COMM_WORLD
     # The communicator's node rule (HPCDL_RANKS_PER_NODE included), so node k stages exactly

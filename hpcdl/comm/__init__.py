@@ -30,10 +30,9 @@ from hpcdl.comm.base import (
     CollectiveMismatchError,
     Communicator,
 )
-from hpcdl.data.nodes import split_nodes
-from hpcdl.debug.faults import install_fail_fast
-from hpcdl.debug.monitor import watch_collectives
+from hpcdl.debug import install_fail_fast, watch_collectives
 from hpcdl.errors import BadInputError
+from hpcdl.topology import split_nodes
 
 __all__ = ["BACKENDS", "BackendError", "CollectiveMismatchError", "Communicator",
            "auto_backend", "init"]

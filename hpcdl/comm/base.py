@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl.data.nodes import ranks_per_node_from_env, split_nodes
-from hpcdl.debug.monitor import NULL_MONITOR
+from hpcdl.debug import NULL_MONITOR
+from hpcdl.topology import ranks_per_node_from_env, split_nodes
 
 #: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
 NATIVE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
@@ -184,6 +184,17 @@ class Communicator:
     #: hpcdl.debug.watch_collectives(comm, run_dir) installs a live monitor; default no-op.
     _monitor = NULL_MONITOR
 
+    @property
+    def monitor(self) -> Any:
+        """What :meth:`_collective` enters around every collective (``watch(name, meta)``,
+        ``note(text)``, ``close()``); ``hpcdl.debug.NULL_MONITOR`` when nothing watches."""
+        return self._monitor
+
+    def set_monitor(self, monitor: Any) -> None:
+        """Install ``monitor`` (hpcdl.debug.watch_collectives does); the caller closes the one
+        it replaces. Local: call it on every rank for a consistent stall report."""
+        self._monitor = monitor
+
     def __init__(self, world: MPI.Intracomm | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  wire_dtype: torch.dtype | None = None,
@@ -219,7 +230,7 @@ class Communicator:
 
         ``ranks_per_node=k`` (or ``HPCDL_RANKS_PER_NODE=k`` when it is None) pretends that
         consecutive groups of k world ranks are nodes: it exercises the multi-node paths on one
-        machine (tests, benchmarks). hpcdl.data.nodes holds the rule, shared with staging."""
+        machine (tests, benchmarks). hpcdl.topology holds the rule, shared with staging."""
         if self.ranks_per_node is None:
             self.ranks_per_node = ranks_per_node_from_env()
         self.node_comm = split_nodes(self._comm, self.ranks_per_node)

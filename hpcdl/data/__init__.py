@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return getattr(loader, name)
     if name == "node_layout":
-        from hpcdl.data.nodes import node_layout
+        from hpcdl.topology import node_layout
 
         return node_layout
     raise AttributeError(f"module 'hpcdl.data' has no attribute {name!r}")

@@ -138,7 +138,7 @@ def collect_rank_info(mpi_comm: Any, staging_dir: str, data_dir: str | None = No
     """Everything the checks need about this rank (collective over ``mpi_comm``)."""
     from mpi4py import MPI
 
-    from hpcdl.data.nodes import node_layout, node_path, ranks_per_node_from_env
+    from hpcdl.topology import node_layout, node_path, ranks_per_node_from_env
 
     # "Which node": the communicator's rule (honours HPCDL_RANKS_PER_NODE), so the table shows
     # the nodes the loader and staging will use. Cores are another question: the ranks that

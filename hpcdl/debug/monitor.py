@@ -233,16 +233,16 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
                                          hosts=[host for host, _ in peers],
                                          exit_process=exit_process)
         monitor.watchdog.start()
-    comm._monitor = monitor
+    comm.set_monitor(monitor)
     return monitor
 
 
 def unwatch_collectives(comm: Any) -> None:
     """Stop the watchdog and put the no-op monitor back."""
-    monitor = comm._monitor
+    monitor = comm.monitor
     if isinstance(monitor, CollectiveMonitor):
         monitor.close()
-    comm._monitor = NULL_MONITOR
+    comm.set_monitor(NULL_MONITOR)
 
 
 def watch_region(comm: Any, name: str, meta: dict[str, Any] | None = None) -> Any:
@@ -253,9 +253,9 @@ def watch_region(comm: Any, name: str, meta: dict[str, Any] | None = None) -> An
             comm.mpi_comm.Allreduce(flags, total, op=MPI.SUM)
 
     Every rank must enter the same regions in the same order (like any collective)."""
-    return comm._monitor.watch(name, meta or {})
+    return comm.monitor.watch(name, meta or {})
 
 
 def note_activity(comm: Any, activity: str) -> None:
     """Tell the stall report what this rank does between collectives (cheap; no-op when off)."""
-    comm._monitor.note(activity)
+    comm.monitor.note(activity)

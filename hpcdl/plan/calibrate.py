@@ -32,7 +32,7 @@ hpcdl plan --calibrate`` and the number behind it):
   random-resized crop + flip, the loader's per-image work) on a 256 px JPEG, one thread.
 * ``network`` α and β, when launched across hosts (``mpiexec -hosts a,b -ppn 1 -n 2 hpcdl plan
   --calibrate``; :func:`network_calibration`): Hockney's point-to-point figures between the
-  first two hosts (one rank per host: the lowest of each node, :func:`hpcdl.data.nodes.
+  first two hosts (one rank per host: the lowest of each node, :func:`hpcdl.topology.
   split_nodes`), α the one-way time of 8 bytes and β from the one-way time of 64 MB (half a
   ping-pong's round trip, median of the repeats). Point to point, not a fit to allreduce times:
   a token-bucket shaper (tc tbf, and switch buffers on a real fabric) passes small messages
@@ -363,7 +363,7 @@ def network_calibration(gamma: float, sizes: Sequence[int] = NETWORK_SIZES,
     COMM_WORLD; returns the measurements on world rank 0, None elsewhere."""
     from mpi4py import MPI
 
-    from hpcdl.data.nodes import split_nodes
+    from hpcdl.topology import split_nodes
 
     world = MPI.COMM_WORLD
     node = split_nodes(world)
@@ -435,7 +435,7 @@ def measure(quick: bool = False, batch: int = 8,
     # The same allocator policy as `hpcdl bench train` (its default --malloc retain): without
     # it each 25 MB activation is a fresh mmap with first-touch page faults, which the steps
     # being predicted do not pay.
-    from hpcdl.bench.train import retain_freed_memory
+    from hpcdl.cpus import retain_freed_memory
 
     m["malloc_retain"] = retain_freed_memory()
     m["class_batch"] = batch
@@ -692,7 +692,7 @@ def calibrate_across_hosts(args: argparse.Namespace, directory: str) -> int:
     measured by one rank per host; world rank 0 writes the file."""
     from mpi4py import MPI
 
-    from hpcdl.data.nodes import split_nodes
+    from hpcdl.topology import split_nodes
 
     world = MPI.COMM_WORLD
     node = split_nodes(world)

@@ -281,7 +281,7 @@ def _corun_worker(batch: int, repeats: int, barrier: Any, results: Any,
                   layers: Sequence[tuple], optimizer: bool) -> None:
     """One of :func:`corun_samples`' ranks: every layer timed at the same moment as the
     others' (a barrier before each), one thread, the bench's allocator policy."""
-    from hpcdl.bench.train import retain_freed_memory
+    from hpcdl.cpus import retain_freed_memory
 
     retain_freed_memory()
     samples = measure_samples(batch, repeats, threads=1, log=lambda _line: None,

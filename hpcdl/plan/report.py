@@ -1,6 +1,6 @@
 """How a plan is shown: the per-iteration breakdown, the sweep table, the PNG, the JSON.
 
-The JSON keeps hpcdl.bench.report's shape where it fits (``command``, ``results`` = one record
+The JSON keeps hpcdl.results' shape where it fits (``command``, ``results`` = one record
 per row of the table) and adds the prediction's own keys at the top level::
 
     {"planner": "hpcdl plan", "command": ..., "machine": {name, path, figures{value, source}},
@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from hpcdl.bench.report import command_line, format_table
 from hpcdl.io import atomic_write_text
 from hpcdl.plan.layers import COMPUTE_CLASSES, OPTIMIZER, class_totals
 from hpcdl.plan.machine import Machine
@@ -31,6 +30,7 @@ from hpcdl.plan.model import (
     reduction_gamma,
 )
 from hpcdl.plan.workload import Workload
+from hpcdl.results import command_line, format_table
 
 SWEEP_COLUMNS = ("procs", "nodes", "batch_per_rank", "compute_s", "optimizer_s", "comm_s",
                  "comm_exposed_s",

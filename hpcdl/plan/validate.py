@@ -231,9 +231,9 @@ def cpu_warning(machine: Any) -> str | None:
 
 
 def validate_command(args: argparse.Namespace) -> int:
-    from hpcdl.bench.report import emit, write_json
     from hpcdl.plan.machine import MachineError, load_machine
     from hpcdl.plan.workload import workload
+    from hpcdl.results import emit, write_json
 
     name = args.machine or "local"
     try:
@@ -282,7 +282,7 @@ def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str 
                       procs_list: Sequence[int], bf16: str, complete: bool) -> dict[str, Any]:
     """The bench JSON of a validation (``complete`` False while rows are still to come); rows
     never measured (budget) are listed under ``not_measured``; ``bf16`` says why no bf16 rows."""
-    from hpcdl.bench.report import bench_report
+    from hpcdl.results import bench_report
 
     records = [row.record() for row in rows if row.runs]
     ratios: dict[str, Any] = {f"{r['model']}@{r['image_size']}_np{r['ranks']}":

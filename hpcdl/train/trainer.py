@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from hpcdl.comm.policy import create_policy
-from hpcdl.data.nodes import node_path
+from hpcdl.cpus import bf16_supported
 from hpcdl.debug.inject import injected_pause
 from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.optim.factory import set_learning_rate
+from hpcdl.topology import node_path
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import Config, elastic_batch, resolve_batch, write_resolved_config
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
@@ -133,14 +134,6 @@ def require_ipex() -> Any:
             f"intel-extension-for-pytorch==<matching version>; docs/intel.md: IPEX 2.8 needs "
             f"torch 2.8 and gave about 1.0x on ResNet-50), or run without --ipex") from None
     return ipex
-
-
-def bf16_supported() -> bool:
-    """Whether oneDNN has bf16 kernels on this CPU (AVX512-BF16/AMX; emulated otherwise)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 class Trainer:

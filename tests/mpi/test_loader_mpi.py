@@ -10,9 +10,9 @@ import torch
 from mpi4py import MPI
 
 from hpcdl.data import ShardedImageNet, read_manifest
-from hpcdl.data.nodes import node_layout
 from hpcdl.data_prep.shard import shard_tree
 from hpcdl.data_prep.synthetic import make_imagenet_tree
+from hpcdl.topology import node_layout
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ from mpi4py import MPI
 import hpcdl.comm
 from hpcdl.cli.prep import run_stage
 from hpcdl.data import ShardedImageNet
-from hpcdl.data.nodes import RANKS_PER_NODE_ENV, node_layout
 from hpcdl.data_prep.shard import MANIFEST, sha256_file, shard_tree
 from hpcdl.data_prep.synthetic import make_imagenet_tree
 from hpcdl.data_prep.verify import read_manifest
 from hpcdl.debug.doctor import collect_rank_info, diagnose
+from hpcdl.topology import RANKS_PER_NODE_ENV, node_layout
 from hpcdl.train.config import config_from_dict
 from hpcdl.train.ltfb import LTFB, LTFBOptions
 from hpcdl.train.trainer import TrainOptions

@@ -9,10 +9,10 @@ import pytest
 from mpi4py import MPI
 
 from hpcdl.cli.main import main as hpcdl_main
-from hpcdl.data.nodes import node_layout
 from hpcdl.data_prep.shard import PROGRESS_DIR, shard_tree
 from hpcdl.data_prep.synthetic import make_imagenet_tree
 from hpcdl.data_prep.verify import verify_shards
+from hpcdl.topology import node_layout
 
 
 def file_bytes(directory: str) -> dict[str, bytes]:

@@ -147,7 +147,7 @@ def test_no_comm_leaves_each_rank_its_own_gradients(shards, comm, world, shared_
 @pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.max_ranks(2))])
 def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, caplog,
                                               threads):
-    from hpcdl.train.trainer import bf16_supported
+    from hpcdl.cpus import bf16_supported
 
     if world.size * threads > (os.cpu_count() or 1):
         # Seen twice on 2 cores (2026-12-01, MPICH and Intel MPI): with 2 ranks x 2 threads,
@@ -186,7 +186,7 @@ def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog
     import time
 
     import hpcdl.comm
-    from hpcdl.train.trainer import bf16_supported
+    from hpcdl.cpus import bf16_supported
 
     threads = 2
     if (os.cpu_count() or 1) < threads:

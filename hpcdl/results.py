@@ -1,4 +1,6 @@
-"""The one JSON convention every ``hpcdl bench NAME --json FILE`` writes, and its table.
+"""The one JSON convention for measured results, and its table: what every ``hpcdl bench NAME
+--json FILE`` writes and ``hpcdl plan --validate`` writes and reads back (it reads bench results
+only as this JSON, never by importing the bench).
 
     {"bench": NAME, "machine": {cpu, cores, ranks, mpi, torch}, "command": "...",
      "results": [records], "ratios": {name: value}}
@@ -16,7 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hpcdl.cpus import cpu_model_name
+from hpcdl.cpus import bf16_supported, cpu_model_name
 from hpcdl.io import atomic_write_text
 
 
@@ -28,8 +30,6 @@ def cpu_model() -> str:
 def machine_info(ranks: int = 1) -> dict[str, Any]:
     """What a reader needs to compare numbers across machines."""
     import torch
-
-    from hpcdl.train.trainer import bf16_supported
 
     try:
         from mpi4py import MPI
