@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -20,9 +21,27 @@ def fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
+_umask_lock = threading.Lock()
+
+
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
+    """The process umask, read without changing it.
+
+    ``os.umask`` can only read by setting: between its two calls every file another thread
+    creates gets the temporary mask. Linux (4.7+) shows the mask in ``/proc/self/status``; only
+    without it do we set and restore, under a lock and with the strictest mask (0o077), so a
+    racing thread's file gets fewer permissions, never more.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _umask_lock:
+        mask = os.umask(0o077)
+        os.umask(mask)
     return mask
 
 

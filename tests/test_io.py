@@ -34,3 +34,20 @@ def test_written_file_gets_umask_permissions_not_mkstemp_0600(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_reading_the_umask_never_changes_it(tmp_path, monkeypatch):
+    # os.umask(0) then back, as before, left a window in which another thread's open() made
+    # 0666 files; reading must not set the process mask at all where Linux shows it.
+    if not any(line.startswith("Umask:") for line in open("/proc/self/status")):
+        pytest.skip("this kernel's /proc/self/status has no Umask line")
+    real_umask = os.umask
+    old = real_umask(0o027)
+    set_to = []
+    monkeypatch.setattr(os, "umask", lambda mask: set_to.append(mask) or real_umask(mask))
+    try:
+        atomic_write_text(str(tmp_path / "summary.json"), "{}")
+    finally:
+        real_umask(old)
+    assert set_to == []
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o640
