@@ -24,6 +24,7 @@ from types import ModuleType
 
 import hpcdl
 import hpcdl.cli
+from hpcdl.env import EnvVarError, check_environment
 from hpcdl.errors import EXIT_BAD_INPUT, BadInputError, mark_agreed
 
 
@@ -93,7 +94,11 @@ def report_bad_input(command: str, error: BadInputError, debug: bool = False) ->
 def _debug(args: argparse.Namespace) -> bool:
     from hpcdl.debug.log import debug_enabled
 
-    return debug_enabled() or str(getattr(args, "log_level", "")).lower() == "debug"
+    try:
+        on = debug_enabled()
+    except EnvVarError:  # HPCDL_DEBUG itself is the bad input being reported
+        on = False
+    return on or str(getattr(args, "log_level", "")).lower() == "debug"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_environment()  # every HPCDL_* variable, before the command does anything
         return int(args._run(args) or 0)
     except BadInputError as error:
         return report_bad_input(args.command, error, _debug(args))
@@ -122,7 +128,10 @@ def cli() -> None:
     code = main()
     from hpcdl.debug.stall import guard_mpi_finalize
 
-    guard_mpi_finalize()
+    try:
+        guard_mpi_finalize()
+    except EnvVarError:  # already reported as the command's bad input
+        pass
     sys.exit(code)
 
 
