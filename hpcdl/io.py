@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
@@ -81,3 +82,26 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def remove_created_directories(path: str, created: str | None) -> None:
+    """Undo ``os.makedirs(path)`` of a command that rejected its input: remove ``path`` with
+    what the command wrote in it, then each parent up to ``created`` (the highest directory
+    the command made; None: ``path`` existed, nothing is removed) only while it is empty.
+
+    Why not ``rmtree(created)``: between the command's start and its failure another run may
+    have started beside it (``--out a/b/other`` next to ``a/b/run``, both new); that run's
+    directory is not this command's to remove, and neither is the parent they share.
+    """
+    if created is None:
+        return
+    path, created = os.path.abspath(path), os.path.abspath(created)
+    if path != created and not path.startswith(created + os.sep):
+        raise ValueError(f"{created} is not {path} or a parent of it")
+    shutil.rmtree(path, ignore_errors=True)
+    while path != created:
+        path = os.path.dirname(path)
+        try:
+            os.rmdir(path)  # only an empty directory: someone else's files stay
+        except OSError:
+            return

@@ -402,6 +402,25 @@ def test_rejected_train_removes_the_out_directory_it_created(capsys, tmp_path, s
     assert not (tmp_path / "new-parent").exists()  # the parent it made too
 
 
+def test_rejected_train_keeps_a_sibling_run_started_in_the_parent_it_made(
+        capsys, tmp_path, tiny_recipe, monkeypatch):
+    import hpcdl.train.config
+
+    parent, sibling = tmp_path / "new-parent", tmp_path / "new-parent" / "other-run"
+    real_load = hpcdl.train.config.load_recipe
+
+    def sibling_starts_meanwhile(*args, **kwargs):  # after this command saw new-parent missing
+        sibling.mkdir(parents=True)
+        (sibling / "metrics.jsonl").write_text("{}")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(hpcdl.train.config, "load_recipe", sibling_starts_meanwhile)
+    code, err = train(capsys, tiny_recipe, tmp_path / "nowhere", parent / "run")
+    assert_one_line(code, err)
+    assert not (parent / "run").exists()
+    assert (sibling / "metrics.jsonl").read_text() == "{}"
+
+
 def test_rejected_train_keeps_an_out_directory_that_existed(capsys, tmp_path, tiny_recipe):
     out = tmp_path / "run"
     out.mkdir()

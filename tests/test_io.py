@@ -51,3 +51,27 @@ def test_reading_the_umask_never_changes_it(tmp_path, monkeypatch):
         real_umask(old)
     assert set_to == []
     assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_removing_what_a_command_created_keeps_a_sibling_run_and_their_parent(tmp_path):
+    from hpcdl.io import remove_created_directories
+
+    run = tmp_path / "a" / "b" / "run"
+    run.mkdir(parents=True)
+    (run / "rank-0000.log").write_text("rejected")
+    sibling = tmp_path / "a" / "b" / "other"  # started meanwhile by another run
+    sibling.mkdir()
+    (sibling / "metrics.jsonl").write_text("{}")
+    remove_created_directories(str(run), str(tmp_path / "a"))
+    assert not run.exists()
+    assert (sibling / "metrics.jsonl").read_text() == "{}"
+
+
+def test_removing_what_a_command_created_removes_its_empty_parents_up_to_the_first_made(tmp_path):
+    from hpcdl.io import remove_created_directories
+
+    run = tmp_path / "a" / "b" / "run"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("x")
+    remove_created_directories(str(run), str(tmp_path / "a"))
+    assert os.listdir(tmp_path) == []
