@@ -40,13 +40,14 @@ def time_steps(optimizer, steps: int, warmup: int) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from hpcdl.bench.report import bench_report, emit
+    from hpcdl.bench.report import bench_report, check_model_argument, emit
     from hpcdl.models import create_model
     from hpcdl.optim import LARS, param_groups
 
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
         raise SystemExit(f"hpcdl bench optim: --steps >= 1, --warmup >= 0, --threads >= 1 "
                          f"(got {args.steps}, {args.warmup}, {args.threads})")
+    check_model_argument("optim", args.model)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = create_model(args.model)

@@ -100,3 +100,13 @@ def emit(report: Mapping[str, Any], columns: Sequence[str], json_path: str | Non
     if json_path:
         write_json(json_path, report)
         print(f"wrote {json_path}")
+
+
+def check_model_argument(bench: str, name: str) -> None:
+    """``--model NAME`` must name a registered model: one line before any work (bad input,
+    exit 2), not a traceback after the data is prepared."""
+    from hpcdl.models import list_models
+
+    if name not in list_models():
+        raise SystemExit(f"hpcdl bench {bench}: --model {name!r} is not a known model; known: "
+                         f"{', '.join(list_models())}")
