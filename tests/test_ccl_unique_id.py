@@ -3,8 +3,7 @@ import ctypes
 
 import pytest
 
-from hpcdl.comm.ccl import (UNIQUE_ID_BYTES, _UniqueId, unique_id_from_bytes,
-                            unique_id_to_bytes)
+from hpcdl.comm.ccl import UNIQUE_ID_BYTES, _UniqueId, unique_id_from_bytes, unique_id_to_bytes
 
 
 def an_id_with_nul_bytes() -> _UniqueId:
