@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -20,9 +22,27 @@ def fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
+_umask_lock = threading.Lock()
+
+
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
+    """The process umask, read without changing it.
+
+    ``os.umask`` can only read by setting: between its two calls every file another thread
+    creates gets the temporary mask. Linux (4.7+) shows the mask in ``/proc/self/status``; only
+    without it do we set and restore, under a lock and with the strictest mask (0o077), so a
+    racing thread's file gets fewer permissions, never more.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _umask_lock:
+        mask = os.umask(0o077)
+        os.umask(mask)
     return mask
 
 
@@ -62,3 +82,26 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def remove_created_directories(path: str, created: str | None) -> None:
+    """Undo ``os.makedirs(path)`` of a command that rejected its input: remove ``path`` with
+    what the command wrote in it, then each parent up to ``created`` (the highest directory
+    the command made; None: ``path`` existed, nothing is removed) only while it is empty.
+
+    Why not ``rmtree(created)``: between the command's start and its failure another run may
+    have started beside it (``--out a/b/other`` next to ``a/b/run``, both new); that run's
+    directory is not this command's to remove, and neither is the parent they share.
+    """
+    if created is None:
+        return
+    path, created = os.path.abspath(path), os.path.abspath(created)
+    if path != created and not path.startswith(created + os.sep):
+        raise ValueError(f"{created} is not {path} or a parent of it")
+    shutil.rmtree(path, ignore_errors=True)
+    while path != created:
+        path = os.path.dirname(path)
+        try:
+            os.rmdir(path)  # only an empty directory: someone else's files stay
+        except OSError:
+            return

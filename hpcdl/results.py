@@ -101,3 +101,4 @@ def emit(report: Mapping[str, Any], columns: Sequence[str], json_path: str | Non
     if json_path:
         write_json(json_path, report)
         print(f"wrote {json_path}")
+

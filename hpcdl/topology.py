@@ -14,7 +14,7 @@ nodes. Never set it on a real cluster: ranks of different machines would share a
 """
 from __future__ import annotations
 
-import os
+from hpcdl.env import env_count
 
 #: The testing switch: pretend every k consecutive world ranks are one node (docs/comm.md).
 RANKS_PER_NODE_ENV = "HPCDL_RANKS_PER_NODE"
@@ -22,17 +22,7 @@ RANKS_PER_NODE_ENV = "HPCDL_RANKS_PER_NODE"
 
 def ranks_per_node_from_env() -> int | None:
     """``HPCDL_RANKS_PER_NODE`` as a positive int, or None when unset or empty."""
-    value = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        k = int(value)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise ValueError(f"{RANKS_PER_NODE_ENV}={value!r}: expected a positive integer (ranks per "
-                         f"pretend node, a testing aid) or unset for the real nodes")
-    return k
+    return env_count(RANKS_PER_NODE_ENV)
 
 
 def split_nodes(world, ranks_per_node: int | None = None):

@@ -467,6 +467,25 @@ def test_rejected_train_removes_the_out_directory_it_created(capsys, tmp_path, s
     assert not (tmp_path / "new-parent").exists()  # the parent it made too
 
 
+def test_rejected_train_keeps_a_sibling_run_started_in_the_parent_it_made(
+        capsys, tmp_path, tiny_recipe, monkeypatch):
+    import hpcdl.train.config
+
+    parent, sibling = tmp_path / "new-parent", tmp_path / "new-parent" / "other-run"
+    real_load = hpcdl.train.config.load_recipe
+
+    def sibling_starts_meanwhile(*args, **kwargs):  # after this command saw new-parent missing
+        sibling.mkdir(parents=True)
+        (sibling / "metrics.jsonl").write_text("{}")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(hpcdl.train.config, "load_recipe", sibling_starts_meanwhile)
+    code, err = train(capsys, tiny_recipe, tmp_path / "nowhere", parent / "run")
+    assert_one_line(code, err)
+    assert not (parent / "run").exists()
+    assert (sibling / "metrics.jsonl").read_text() == "{}"
+
+
 def test_rejected_train_keeps_an_out_directory_that_existed(capsys, tmp_path, tiny_recipe):
     out = tmp_path / "run"
     out.mkdir()
@@ -532,3 +551,64 @@ def test_a_bench_given_bad_arguments_exits_2_with_one_line_naming_them(capsys, a
     assert main(argv) == EXIT_BAD_INPUT
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hpcdl bench:")]
     assert len(lines) == 1 and named in lines[0], lines
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["bench", "allreduce", "--sizes", "1M,lots"], "'LOTS'"),
+    (["bench", "allreduce", "--sizes", "0"], "'0' is under one fp32 element"),
+    (["bench", "optim", "--model", "resnet_nope"], "--model 'resnet_nope'"),
+    (["bench", "convergence", "--model", "resnet_nope"], "--model 'resnet_nope'"),
+    (["bench", "loader", "--src", "/nonexistent-tree", "--shards", "/nonexistent-shards"],
+     "--src /nonexistent-tree: no train/ folder"),
+])
+def test_a_bench_given_a_bad_value_exits_2_before_any_work(capsys, argv, named):
+    """These exited 1 with a traceback (a size, a model, a tree), some after preparing data."""
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("hpcdl bench:")]
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in err, err
+
+
+def test_a_bench_given_a_missing_fashion_mnist_source_exits_2_naming_it(capsys, tmp_path):
+    code = main(["bench", "convergence", "--source", str(tmp_path / "no-idx"), "--out",
+                 str(tmp_path / "out"), "--runs", "baseline", "--max-steps", "1"])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("hpcdl bench:")]
+    assert len(lines) == 1 and str(tmp_path / "no-idx") in lines[0], err
+
+
+def slurm_render(data, *extra):
+    return ["--arch", "generic", "--nodes", "2", "--recipe", "resnet50_lars_8k", "--data",
+            str(data), *extra]
+
+
+def test_slurm_render_of_an_impossible_job_exits_2(capsys, tiny_shards):
+    line = command_line(capsys, "slurm render", *slurm_render(tiny_shards, "--nodes", "0"))
+    assert "--nodes 0" in line
+
+
+def test_slurm_render_to_an_unwritable_output_exits_2_naming_it(capsys, tmp_path,
+                                                               tiny_shards):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = command_line(capsys, "slurm render", *slurm_render(
+        tiny_shards, "--out", str(tmp_path / "run"), "--output", str(blocker / "job.sbatch")))
+    assert f"--output: cannot write {blocker / 'job.sbatch'}" in line
+
+
+@pytest.mark.parametrize("case", ["batch", "directory", "machine file"])
+def test_plan_calibrate_with_bad_input_exits_2_before_measuring(capsys, tmp_path, case):
+    machines = tmp_path / "machines"
+    argv = ["--calibrate", "--quick", "--machines-dir", str(machines)]
+    if case == "batch":
+        argv += ["--batch-per-rank", "0"]
+        named = "--batch-per-rank 0"
+    elif case == "directory":
+        machines.write_text("not a directory")
+        named = f"cannot write {machines}"
+    else:
+        machines.mkdir()
+        (machines / "local.yaml").write_text("- just\n- a list\n")
+        named = f"{machines / 'local.yaml'} is not a machine file"
+    assert named in command_line(capsys, "plan", *argv)

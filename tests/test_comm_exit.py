@@ -53,3 +53,52 @@ def test_several_backends_left_open_exit_zero_run_after_run(tmp_path):
         assert out.stdout.count("sums right on every backend") == 3, out.stdout + out.stderr
         assert out.returncode == 0, f"run {run + 1}: exit {out.returncode}\n{out.stderr}"
         assert "terminate called" not in out.stderr
+
+
+#: One backend, one allreduce, no close(): on ``ccl`` this hung at exit forever (3 of 3 runs
+#: killed at 40 s) while oneCCL's unique id was broadcast cut at its first NUL byte.
+ONE_ALLREDUCE = textwrap.dedent("""
+    import sys
+    import torch
+    from mpi4py import MPI
+    import hpcdl.comm
+
+    comm = hpcdl.comm.init(sys.argv[1])
+    grad = torch.arange(5, dtype=torch.float32) + MPI.COMM_WORLD.rank
+    comm.allreduce_(grad, average=False)
+    assert grad.tolist() == [1.0, 3.0, 5.0, 7.0, 9.0], grad
+    print(f"rank {MPI.COMM_WORLD.rank}: summed", flush=True)
+    # no comm.close(): a user's script that simply ends
+""")
+
+
+def ccl_environment() -> dict[str, str] | None:
+    """The environment tests/ccl_env.sh prints (oneCCL assembled from the registry), or None."""
+    script = os.path.join(os.path.dirname(__file__), "ccl_env.sh")
+    out = subprocess.run(["bash", "-c", f'eval "$(bash {script})" && env -0'],
+                         capture_output=True, timeout=900)
+    if out.returncode != 0:
+        return None
+    return dict(item.split("=", 1) for item in out.stdout.decode().split("\0") if "=" in item)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "shm", "ring", "gloo", "ccl"])
+def test_a_script_that_never_closes_its_communicator_exits_zero(tmp_path, backend):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if backend == "gloo":
+        pytest.importorskip("torch.distributed")
+    if backend == "ccl":
+        env = ccl_environment()
+        if env is None:
+            pytest.skip("oneCCL: tests/ccl_env.sh could not assemble it")
+        env["OMP_NUM_THREADS"] = "1"
+    script = tmp_path / "job.py"
+    script.write_text(ONE_ALLREDUCE)
+    try:
+        out = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script), backend],
+                             capture_output=True, text=True, env=env, timeout=60)
+    except subprocess.TimeoutExpired as hang:
+        pytest.fail(f"{backend}: still running 60 s after the work was done "
+                    f"(stdout: {hang.stdout!r})")
+    assert out.stdout.count("summed") == 2, out.stdout + out.stderr
+    assert out.returncode == 0, f"{backend}: exit {out.returncode}\n{out.stderr}"

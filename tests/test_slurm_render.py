@@ -184,7 +184,7 @@ def test_cli_error_exits_nonzero_and_names_the_value(job):
         [sys.executable, "-m", "hpcdl.cli.main", "slurm", "render", "--arch", "generic",
          "--nodes", "1", "--ranks-per-node", "3", "--recipe", job.recipe, "--data", job.data,
          "--out", job.out], capture_output=True, text=True)
-    assert result.returncode == 1
+    assert result.returncode == 2  # bad input, as every command
     assert "batch.global=64" in result.stderr and "3 ranks" in result.stderr
     assert result.stdout == ""
 

@@ -59,6 +59,22 @@ def parse_size(text: str) -> int:
     return int(value * UNITS[unit])
 
 
+def parse_sizes(text: str) -> list[int]:
+    """``--sizes``: positive byte counts, or one line naming the bad one (bad input, exit 2)."""
+    sizes = []
+    for item in (s for s in text.split(",") if s.strip()):
+        try:
+            sizes.append(parse_size(item))
+        except argparse.ArgumentTypeError as exc:
+            raise SystemExit(f"hpcdl bench allreduce: --sizes {text!r}: {exc}") from None
+        if sizes[-1] < 4:  # one fp32 element at least
+            raise SystemExit(f"hpcdl bench allreduce: --sizes {text!r}: {item.strip()!r} is "
+                             f"under one fp32 element (4 bytes); use e.g. 1M, 16M, 100M")
+    if not sizes:
+        raise SystemExit(f"hpcdl bench allreduce: --sizes {text!r}: name at least one size")
+    return sizes
+
+
 def size_label(nbytes: int) -> str:
     for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
         if nbytes >= scale and nbytes % scale == 0:
@@ -291,6 +307,8 @@ def run_driver(args: argparse.Namespace, sizes: list[int]) -> int:
     from hpcdl.results import bench_report, emit
 
     sites = parse_site_mpi(args.site_mpi)
+    if args.np < 1:
+        raise SystemExit(f"hpcdl bench allreduce: --np {args.np}: launch at least 1 rank")
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         raise SystemExit("hpcdl bench allreduce: no mpiexec on PATH for hpcdl's own run")
@@ -353,7 +371,7 @@ def ccl_tuning_ratios(records: list[dict], sizes: list[int]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = parse_sizes(args.sizes)
     if args.backends is None:
         args.backends = default_backends()
     if args.site_mpi or args.ccl_tunings:

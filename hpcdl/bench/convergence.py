@@ -196,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs <= 0 or args.small_batch < 1 or args.large_batch < 1:
         raise SystemExit("hpcdl bench convergence: --epochs, --small-batch and --large-batch "
                          "must be positive")
+    from hpcdl.bench import check_model_argument
+
+    check_model_argument("convergence", args.model)
     import logging
 
     from mpi4py import MPI

@@ -258,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
     from hpcdl.results import bench_report, emit
 
     torch.set_num_threads(1)
+    if not args.generate and not os.path.isdir(os.path.join(args.src, "train")):
+        raise SystemExit(f"hpcdl bench loader: --src {args.src}: no train/ folder; expected "
+                         f"TREE/train/<class>/*.JPEG, or add --generate N to write one there")
     if args.generate and not os.path.isdir(os.path.join(args.src, "train")):
         per_class = max(1, args.generate // 10)
         print(f"writing {per_class * 10} 500x375 JPEGs to {args.src}", flush=True)

@@ -40,6 +40,7 @@ def time_steps(optimizer, steps: int, warmup: int) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from hpcdl.bench import check_model_argument
     from hpcdl.models import create_model
     from hpcdl.optim import LARS, param_groups
     from hpcdl.results import bench_report, emit
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
         raise SystemExit(f"hpcdl bench optim: --steps >= 1, --warmup >= 0, --threads >= 1 "
                          f"(got {args.steps}, {args.warmup}, {args.threads})")
+    check_model_argument("optim", args.model)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = create_model(args.model)

@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from hpcdl.errors import BadInputError, mark_agreed
+
 __all__ = ["HOLDOUT", "bench_workdir", "micro_batching", "prepare_shards", "run_record",
            "train_run", "write_holdout_source"]
 
@@ -69,8 +71,8 @@ def prepare_shards(world, data_dir: str, source: str, holdout: bool) -> str:
         except (OSError, ValueError) as exc:
             error = f"writing Fashion-MNIST ({source}) to {tree}: {exc}"
     error = world.bcast(error, root=0)
-    if error:
-        raise RuntimeError(error)
+    if error:  # --source or --data (a missing file, an unwritable directory): on every rank
+        raise mark_agreed(BadInputError(error))
     shard_tree(tree, shard_dir, shards=16, resize=0, comm=world)
     return shard_dir
 

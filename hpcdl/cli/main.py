@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import hpcdl
 import hpcdl.cli
 from hpcdl.cli.commands import add_command_parsers, command_modules
+from hpcdl.env import EnvVarError, check_environment
 from hpcdl.errors import EXIT_BAD_INPUT, BadInputError, mark_agreed
 
 
@@ -64,7 +65,11 @@ def report_bad_input(command: str, error: BadInputError, debug: bool = False) ->
 def _debug(args: argparse.Namespace) -> bool:
     from hpcdl.debug.log import debug_enabled
 
-    return debug_enabled() or str(getattr(args, "log_level", "")).lower() == "debug"
+    try:
+        on = debug_enabled()
+    except EnvVarError:  # HPCDL_DEBUG itself is the bad input being reported
+        on = False
+    return on or str(getattr(args, "log_level", "")).lower() == "debug"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_environment()  # every HPCDL_* variable, before the command does anything
         return int(args._run(args) or 0)
     except BadInputError as error:
         return report_bad_input(args.command, error, _debug(args))
@@ -93,7 +99,10 @@ def cli() -> None:
     code = main()
     from hpcdl.debug.stall import guard_mpi_finalize
 
-    guard_mpi_finalize()
+    try:
+        guard_mpi_finalize()
+    except EnvVarError:  # already reported as the command's bad input
+        pass
     sys.exit(code)
 
 

@@ -278,10 +278,48 @@ def predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_calibrate_inputs(args: argparse.Namespace) -> None:
+    """What ``--calibrate`` would otherwise find bad only after minutes of measuring: the batch,
+    the directory it writes (single-node runs; across hosts world rank 0 writes) and the
+    machine file it keeps figures from."""
+    import os
+    import tempfile
+
+    import yaml
+
+    from hpcdl.plan.calibrate import launched_world_size
+    from hpcdl.plan.machine import user_machines_dir
+
+    if args.batch_per_rank < 1:
+        raise BadInputError(f"--calibrate: --batch-per-rank {args.batch_per_rank}: need at "
+                            f"least 1 image per rank")
+    directory = args.machines_dir or user_machines_dir()
+    if launched_world_size() <= 1:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError as exc:
+            raise BadInputError(f"--calibrate: cannot write {directory} ({exc}); use "
+                                f"--machines-dir DIR") from None
+    old = os.path.join(directory, "local.yaml")
+    if os.path.exists(old):
+        try:
+            with open(old, encoding="utf-8") as f:
+                kept = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as exc:
+            raise BadInputError(f"--calibrate: {old} is unreadable ({exc}); move it away to "
+                                f"measure afresh") from None
+        if not isinstance(kept, dict):
+            raise BadInputError(f"--calibrate: {old} is not a machine file (a YAML mapping); "
+                                f"move it away to measure afresh")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         from hpcdl.plan.calibrate import calibrate_command
 
+        check_calibrate_inputs(args)
         return calibrate_command(args)
     if args.validate:
         from hpcdl.plan.validate import validate_command

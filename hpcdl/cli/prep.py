@@ -13,8 +13,11 @@ answer, not an error), 2 when it cannot check (no readable manifest).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from hpcdl.errors import EXIT_BAD_INPUT, BadInputError
 
@@ -58,12 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="copy every shard (for rotate_shards, which reads all of them)")
 
 
-def run_shard(args: argparse.Namespace) -> int:
+def run_shard(args: argparse.Namespace, world: WatchedWorld | None = None) -> int:
     from mpi4py import MPI
 
     from hpcdl.data_prep.shard import shard_tree
 
-    comm = MPI.COMM_WORLD
+    comm = world or MPI.COMM_WORLD
     start = time.perf_counter()
     try:
         manifest = shard_tree(args.src, args.out, args.shards, val_shards=args.val_shards,
@@ -130,13 +133,13 @@ def run_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def run_stage(args: argparse.Namespace) -> int:
+def run_stage(args: argparse.Namespace, world: WatchedWorld | None = None) -> int:
     from mpi4py import MPI
 
     from hpcdl.data_prep.stage import stage_node
     from hpcdl.topology import node_layout, node_path
 
-    comm = MPI.COMM_WORLD
+    comm = world or MPI.COMM_WORLD
     # The communicator's node rule (HPCDL_RANKS_PER_NODE included), so node k stages exactly
     # what node k's loader reads; {node} in --to gives pretend nodes a directory each.
     node_index, num_nodes, local_rank, _ = node_layout(comm)
@@ -161,5 +164,57 @@ def run_stage(args: argparse.Namespace) -> int:
     return EXIT_BAD_INPUT if failed else 0
 
 
+class WatchedWorld:
+    """COMM_WORLD for a prep phase, each pickled collective entered through the communicator's
+    (watched) barrier. mpi4py holds the GIL inside a pickled collective (``bcast``,
+    ``gather``, ``allgather``, ``allreduce`` of Python objects: measured, a thread of the
+    waiting rank does not run), so a rank waiting there for a stuck peer would starve its own
+    watchdog; ``MPI_Barrier`` releases the GIL, and the exchange after it finds every rank."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm, self._world = comm, comm.mpi_comm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._world, name)
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        self._comm.barrier()
+        return self._world.bcast(obj, root=root)
+
+    def gather(self, obj: Any, root: int = 0) -> Any:
+        self._comm.barrier()
+        return self._world.gather(obj, root=root)
+
+    def allgather(self, obj: Any) -> Any:
+        self._comm.barrier()
+        return self._world.allgather(obj)
+
+    def allreduce(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        self._comm.barrier()
+        return self._world.allreduce(obj, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def stall_watchdog() -> Iterator[WatchedWorld]:
+    """``hpcdl train``'s stall watchdog over a sharding or staging phase (the default monitor
+    of an ``mpi`` communicator): a rank that waits longer than ``HPCDL_STALL_ABORT_S`` (600 s)
+    for a peer -- frozen, cut off, stuck in a read -- ends the job with a report naming it,
+    instead of holding the allocation forever. Closed (collectively) only on the path where
+    every rank returned; otherwise stopped locally."""
+    import hpcdl.comm
+    from hpcdl.debug import unwatch_collectives
+
+    comm = hpcdl.comm.init("mpi", fail_fast=False)
+    try:
+        yield WatchedWorld(comm)
+    except BaseException:
+        unwatch_collectives(comm)
+        raise
+    comm.close()
+
+
 def run(args: argparse.Namespace) -> int:
-    return {"shard": run_shard, "verify": run_verify, "stage": run_stage}[args.prep](args)
+    if args.prep == "verify":  # one process, no peers to wait for
+        return run_verify(args)
+    with stall_watchdog() as world:
+        return {"shard": run_shard, "stage": run_stage}[args.prep](args, world)

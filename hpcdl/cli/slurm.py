@@ -16,6 +16,8 @@ import argparse
 import os
 import sys
 
+from hpcdl.errors import EXIT_BAD_INPUT
+
 COMMAND = "slurm"
 HELP = "render an sbatch script (skx, knl, generic) after checking the job"
 
@@ -67,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recipe overrides, passed on to hpcdl train")
 
 
+def _write_script(path: str, script: str) -> None:
+    from hpcdl.io import atomic_write_text
+
+    atomic_write_text(path, script)
+
+
 def run(args: argparse.Namespace) -> int:
     from hpcdl.slurm.render import JobSpec, RenderError, render_job
 
@@ -81,19 +89,25 @@ def run(args: argparse.Namespace) -> int:
         knl_os_cores=args.knl_os_cores, knl_memory_mode=args.knl_memory_mode)
     try:
         rendered = render_job(spec)
-    except RenderError as exc:
+    except RenderError as exc:  # a value a person fixes: one line, exit 2 like every command
         print(f"hpcdl slurm render: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT
     for warning in rendered.warnings:
         print(f"hpcdl slurm render: warning: {warning}", file=sys.stderr)
     # sbatch does not create the directory of --output; a job whose log cannot be opened
     # fails without a word, so make it now.
-    os.makedirs(os.path.join(rendered.run_dir, "logs"), exist_ok=True)
-    if args.output:
-        from hpcdl.io import atomic_write_text
-
-        atomic_write_text(args.output, rendered.script)
-    else:
+    logs = os.path.join(rendered.run_dir, "logs")
+    for flag, path, write in (
+            ("--out", logs, lambda: os.makedirs(logs, exist_ok=True)),
+            ("--output", args.output, lambda: _write_script(args.output, rendered.script))):
+        try:
+            if path:
+                write()
+        except OSError as exc:
+            print(f"hpcdl slurm render: error: {flag}: cannot write {path} ({exc})",
+                  file=sys.stderr)
+            return EXIT_BAD_INPUT
+    if not args.output:
         sys.stdout.write(rendered.script)
     layout = f"{rendered.ranks} ranks" if rendered.ranks else "ranks discovered at run time"
     batch = f", per-rank batch {rendered.per_rank_batch}" if rendered.per_rank_batch else ""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 
 from hpcdl.errors import EXIT_BAD_INPUT, BadInputError
@@ -133,10 +132,11 @@ def _train_or_abort(train, world):
 @dataclass
 class RunDirectory:
     """What this command may remove of ``--out`` if it rejects its input: ``created``, the
-    highest directory of the path that did not exist before (None: --out existed), until
+    highest directory of the path ``out`` that did not exist before (None: --out existed), until
     ``training`` starts (from then on the run's logs and metrics are its record)."""
 
     created: str | None
+    out: str = ""
     training: bool = False
 
 
@@ -155,12 +155,13 @@ def _remove_what_was_created(run_dir: RunDirectory, world) -> None:
     """After bad input every rank raised together: rank 0 removes the directory this command
     created (every rank first closes its log file in it, at the barrier)."""
     from hpcdl.debug.log import setup_rank_logging
+    from hpcdl.io import remove_created_directories
 
     if run_dir.created and not run_dir.training:
         setup_rank_logging(None, world.Get_rank(), world.Get_size())  # the terminal only
     world.Barrier()
     if world.Get_rank() == 0 and run_dir.created and not run_dir.training:
-        shutil.rmtree(run_dir.created, ignore_errors=True)
+        remove_created_directories(run_dir.out, run_dir.created)
 
 
 def _resume_and_train(runner, resume: str, world, run_dir: RunDirectory,
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     world = MPI.COMM_WORLD
     # Rank 0 looks before any rank can create --out: the others wait in this broadcast.
     run_dir = RunDirectory(world.bcast(first_missing_directory(args.out)
-                                       if world.Get_rank() == 0 else None, root=0))
+                                       if world.Get_rank() == 0 else None, root=0), args.out)
     try:
         with agreed(world):  # every rank reads the same recipe and flags; --out may differ
             config = load_recipe(args.recipe, args.overrides)

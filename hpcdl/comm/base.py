@@ -25,6 +25,7 @@ import torch
 from mpi4py import MPI
 
 from hpcdl.debug import NULL_MONITOR
+from hpcdl.env import env_flag, env_tristate
 from hpcdl.topology import ranks_per_node_from_env, split_nodes
 
 #: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
@@ -48,7 +49,7 @@ def segment_bounds(numel: int, parts: int) -> list[int]:
 
 def debug_enabled() -> bool:
     """HPCDL_DEBUG=1: check every collective's signature, not only a layout's first call."""
-    return os.environ.get("HPCDL_DEBUG", "0") not in ("", "0", "false", "False")
+    return env_flag("HPCDL_DEBUG")
 
 
 def require_thread_multiple() -> None:
@@ -71,9 +72,9 @@ def require_thread_multiple() -> None:
 def oversubscribed(local_size: int) -> bool:
     """More ranks on this node than cores: a rank that busy-polls steals its peer's core.
     HPCDL_COMM_YIELD=1/0 forces yielding waits on/off."""
-    forced = os.environ.get("HPCDL_COMM_YIELD", "")
-    if forced:
-        return forced not in ("0", "false", "False")
+    forced = env_tristate("HPCDL_COMM_YIELD")
+    if forced is not None:
+        return forced
     return local_size > (os.cpu_count() or 1)
 
 

@@ -79,6 +79,21 @@ class _UniqueId(ctypes.Structure):
     _fields_ = [("data", ctypes.c_char * UNIQUE_ID_BYTES)]
 
 
+def unique_id_to_bytes(uid: _UniqueId) -> bytes:
+    """All ``UNIQUE_ID_BYTES`` of ``uid``. Not ``uid.data``: ctypes reads a ``c_char`` array
+    field as a C string, cut at its first NUL byte, and an id is binary."""
+    return bytes(uid)
+
+
+def unique_id_from_bytes(raw: bytes) -> _UniqueId:
+    """The id rank 0 sent, after checking that all of it arrived (a short buffer would be
+    read past its end by a copy of ``UNIQUE_ID_BYTES``)."""
+    if len(raw) != ctypes.sizeof(_UniqueId):
+        raise RuntimeError(f"ccl: received a oneCCL unique id of {len(raw)} bytes, expected "
+                           f"{ctypes.sizeof(_UniqueId)} (ranks run different oneCCL builds?)")
+    return _UniqueId.from_buffer_copy(raw)
+
+
 def library_path() -> str:
     """Where ``libccl.so.2`` is opened from: ``$CCL_ROOT/lib`` when CCL_ROOT is set, else the
     bare name, which the dynamic loader looks up on ``LD_LIBRARY_PATH`` and ld.so's cache."""
@@ -235,9 +250,9 @@ class CCLCommunicator(Communicator):
         result = ONECCL_SUCCESS
         if self.rank == 0:
             result = self._lib.onecclGetUniqueId(ctypes.byref(uid))
-        result, raw = self._comm.bcast((result, bytes(uid.data)), root=0)
+        result, raw = self._comm.bcast((result, unique_id_to_bytes(uid)), root=0)
         _check(self._lib, result, "onecclGetUniqueId", unusable=True)  # same on every rank
-        ctypes.memmove(ctypes.byref(uid), raw, UNIQUE_ID_BYTES)
+        uid = unique_id_from_bytes(raw)
         comm = ctypes.c_void_p()
         _check(self._lib, self._lib.onecclCommInitRank(ctypes.byref(comm), self.size, uid,
                                                        self.rank), "onecclCommInitRank")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import os
 import signal
 import socket
 import sys
@@ -25,6 +24,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from hpcdl.debug.log import LOGGER_NAME, current_log_file, rank_prefix
+from hpcdl.env import env_flag, env_seconds
 
 ABORT_EXIT_CODE = 1
 _dump_file: TextIO | None = None
@@ -117,8 +117,8 @@ def install_stack_dump(path: str | None = None) -> str:
     # keeps open for the life of the process, separate from logging's handler.
     _dump_file = open(path, "a", encoding="utf-8") if path else sys.stderr  # noqa: SIM115
     faulthandler.register(signal.SIGUSR2, file=_dump_file, all_threads=True, chain=False)
-    if os.environ.get("HPCDL_DUMP", "").strip() not in ("", "0"):
-        every_s = float(os.environ.get("HPCDL_DUMP_EVERY_S", "60"))
+    if env_flag("HPCDL_DUMP"):
+        every_s = env_seconds("HPCDL_DUMP_EVERY_S")
         faulthandler.dump_traceback_later(every_s, repeat=True, file=_dump_file)
     return path or "<stderr>"
 

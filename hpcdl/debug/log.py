@@ -12,6 +12,8 @@ import os
 import socket
 import sys
 
+from hpcdl.env import env_flag
+
 LOGGER_NAME = "hpcdl"
 #: Debug mode's one line per collective: to the rank's file only, never the terminal.
 COLLECTIVES_LOGGER = "hpcdl.debug.collectives"
@@ -21,8 +23,8 @@ _log_file: str | None = None
 
 
 def debug_enabled() -> bool:
-    """``HPCDL_DEBUG=1`` (or any value but 0/empty/false) switches on debug mode."""
-    return os.environ.get("HPCDL_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+    """``HPCDL_DEBUG=1`` switches on debug mode (values: hpcdl.env)."""
+    return env_flag("HPCDL_DEBUG")
 
 
 def rank_log_path(run_dir: str, rank: int) -> str:

@@ -24,7 +24,7 @@ import uuid
 from collections import deque
 from typing import Any
 
-from hpcdl.debug.inject import is_named_point
+from hpcdl.debug.inject import announce_injection, is_named_point
 from hpcdl.debug.log import COLLECTIVES_LOGGER, debug_enabled
 from hpcdl.debug.stall import (
     StallWatchdog,
@@ -33,6 +33,7 @@ from hpcdl.debug.stall import (
     heartbeat_path,
     thresholds_from_env,
 )
+from hpcdl.env import env_text
 
 RECORDS_KEPT = 10_000
 
@@ -216,7 +217,10 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
     job = peers[0][1]
     monitor = CollectiveMonitor(comm.rank, comm.size,
                                 record=debug_enabled() if record is None else record,
-                                timeline=timeline, injection=os.environ.get("HPCDL_INJECT", ""))
+                                timeline=timeline, injection=env_text("HPCDL_INJECT"))
+    from mpi4py import MPI
+
+    announce_injection(MPI.COMM_WORLD.Get_rank())  # parsed above: a bad value raised there
     thresholds = thresholds_from_env(warn_s, abort_s)
     if thresholds.enabled:
         exit_process = None

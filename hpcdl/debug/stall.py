@@ -47,11 +47,12 @@ from typing import Any
 
 from hpcdl.debug.inject import injected_pause
 from hpcdl.debug.log import LOGGER_NAME
+from hpcdl.env import VARIABLES, env_seconds, env_text
 
-DEFAULT_WARN_S = 60.0
-DEFAULT_ABORT_S = 600.0
+DEFAULT_WARN_S = float(VARIABLES["HPCDL_STALL_WARN_S"].default)
+DEFAULT_ABORT_S = float(VARIABLES["HPCDL_STALL_ABORT_S"].default)
 #: Seconds MPI_Abort gets to end this rank before it ends itself (HPCDL_STALL_EXIT_GRACE_S).
-DEFAULT_EXIT_GRACE_S = 10.0
+DEFAULT_EXIT_GRACE_S = float(VARIABLES["HPCDL_STALL_EXIT_GRACE_S"].default)
 #: MPI_Abort error code of a stall abort (an uncaught exception aborts with 1).
 STALL_EXIT_CODE = 3
 
@@ -83,19 +84,11 @@ def thresholds_from_env(warn_s: float | None = None, abort_s: float | None = Non
                         environ: Mapping[str, str] = os.environ) -> StallThresholds:
     """API arguments win over ``HPCDL_STALL_WARN_S`` / ``HPCDL_STALL_ABORT_S``, which win over
     the defaults (60 s, 600 s); ``HPCDL_STALL_EXIT_GRACE_S`` (10 s)."""
-    def pick(value: float | None, var: str, default: float) -> float:
-        if value is not None:
-            return float(value)
-        text = environ.get(var, "").strip()
-        if not text:
-            return default
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{var}={text!r} is not a number of seconds") from None
-    return StallThresholds(pick(warn_s, "HPCDL_STALL_WARN_S", DEFAULT_WARN_S),
-                           pick(abort_s, "HPCDL_STALL_ABORT_S", DEFAULT_ABORT_S),
-                           pick(None, "HPCDL_STALL_EXIT_GRACE_S", DEFAULT_EXIT_GRACE_S))
+    def pick(value: float | None, var: str) -> float:
+        return float(value) if value is not None else env_seconds(var, environ)
+    return StallThresholds(pick(warn_s, "HPCDL_STALL_WARN_S"),
+                           pick(abort_s, "HPCDL_STALL_ABORT_S"),
+                           pick(None, "HPCDL_STALL_EXIT_GRACE_S"))
 
 
 # -- heartbeat files --------------------------------------------------------------------------
@@ -109,7 +102,7 @@ def default_heartbeat_dir(job: str, environ: Mapping[str, str] = os.environ) -> 
     this host's temporary directory; one sub-directory per job."""
     import tempfile
 
-    base = environ.get("HPCDL_HEARTBEAT_DIR", "").strip() or os.path.join(
+    base = env_text("HPCDL_HEARTBEAT_DIR", environ) or os.path.join(
         tempfile.gettempdir(), f"hpcdl-heartbeat-{os.getuid()}")
     return os.path.join(base, job[:12])
 
@@ -409,7 +402,7 @@ def guard_mpi_finalize(environ: Mapping[str, str] = os.environ) -> float:
     abort_s = thresholds_from_env(environ=environ).abort_s
     limit = max(abort_s, FINALIZE_MIN_S) if abort_s > 0 else 0.0
     _, seconds = injected_pause(mpi.COMM_WORLD.Get_rank(), "exit",
-                                environ.get("HPCDL_INJECT", ""))
+                                env_text("HPCDL_INJECT", environ))
     if seconds > 0:
         logging.getLogger(LOGGER_NAME).warning("sleeping %g s (HPCDL_INJECT) before MPI_Finalize",
                                                seconds)

@@ -49,6 +49,7 @@ from typing import Any
 
 import yaml
 
+from hpcdl.env import env_text
 from hpcdl.plan.layers import LINEAR_WEIGHTS, OP_CLASSES, OPTIMIZER
 
 PACKAGE_MACHINES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "machines")
@@ -81,7 +82,7 @@ def user_machines_dir() -> str:
 
 def machine_search_path(machines_dir: str | None = None) -> list[str]:
     """Directories searched for ``NAME.yaml``, most specific first."""
-    dirs = [machines_dir, os.environ.get("HPCDL_MACHINES_DIR"), user_machines_dir(),
+    dirs = [machines_dir, env_text("HPCDL_MACHINES_DIR"), user_machines_dir(),
             PACKAGE_MACHINES_DIR]
     return [d for d in dirs if d]
 
