@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from hpcdl.figures.growth import fit
+
 MODELS = ("resnet50", "alexnet_bn")
 TARGET_P = 2048
 IO_FIELDS = ("rchar", "wchar", "syscr", "syscw", "read_bytes", "write_bytes")
@@ -129,23 +131,6 @@ def worker(shards: str, run_dir: str, out: str) -> None:
                        "manifest_bytes": os.path.getsize(os.path.join(path, ckpt.MANIFEST))},
                       f)
     comm.close()
-
-
-#: a growth of fewer bytes than this over the measured range is noise (a lazy import, a
-#: log line): counted as none
-NOISE_BYTES = 64
-
-
-def fit(ps: list[int], values: list[float]) -> tuple[float, float]:
-    """Least squares ``a + b*P``; ``b`` is 0 when the fitted change over the measured ranks
-    is below :data:`NOISE_BYTES` (then ``a`` is the largest value measured)."""
-    n = len(ps)
-    mp, mv = sum(ps) / n, sum(values) / n
-    var = sum((p - mp) ** 2 for p in ps)
-    b = sum((p - mp) * (v - mv) for p, v in zip(ps, values, strict=True)) / var if var else 0.0
-    if abs(b) * (max(ps) - min(ps)) < NOISE_BYTES:
-        return float(max(values)), 0.0
-    return mv - b * mp, b
 
 
 def model_terms(name: str) -> dict[str, int]:

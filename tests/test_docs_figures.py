@@ -33,11 +33,11 @@ def test_the_docs_hold_a_generated_block_for_each_builder():
     assert found == set(TABLES)
 
 
-def _copy_with_edit(tmp_path: Path, old: str, new: str) -> Path:
+def _copy_with_edit(tmp_path: Path, old: str, new: str, name: str = "performance.md") -> Path:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "results").symlink_to(ROOT / "docs" / "results")
-    doc = tmp_path / "docs" / "performance.md"
-    text = (ROOT / "docs" / "performance.md").read_text()
+    doc = tmp_path / "docs" / name
+    text = (ROOT / "docs" / name).read_text()
     assert old in text
     doc.write_text(text.replace(old, new, 1))
     return doc
@@ -49,6 +49,13 @@ def test_a_figure_edited_by_hand_fails_the_check(tmp_path):
     assert regenerate(tmp_path, [doc], write=False) == ["docs/performance.md: relaxed-network"]
     regenerate(tmp_path, [doc], write=True)
     assert "| 4.44 / 3.86 |" in doc.read_text()
+
+
+def test_a_checkpoint_cost_figure_edited_by_hand_fails_the_check(tmp_path):
+    # scaling.md's 2,048-rank extrapolation is the bench's, read from its JSON
+    doc = _copy_with_edit(tmp_path, "| 205.2 MB | 489.3 MB |", "| 205.0 MB | 489.3 MB |",
+                          "scaling.md")
+    assert regenerate(tmp_path, [doc], write=False) == ["docs/scaling.md: checkpoint-cost"]
 
 
 def test_a_summary_cell_edited_by_hand_fails_the_check(tmp_path):

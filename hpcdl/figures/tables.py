@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcdl.figures.growth import NOISE_BYTES
+
 RESULTS = "docs/results"
 SAME_RUN = ("ratios between modes of one run are computed per run, then the median "
             "[min–max] over runs")
@@ -1020,6 +1022,174 @@ def demo_headline(root: Path) -> str:
             "[docs/performance.md](docs/performance.md#the-demo)).")
 
 
+# ---- checkpoint cost at scale ----------------------------------------------------------
+
+CKPT_FILE = "checkpoint-cost-2026-12-02.json"
+CKPT_P = 2048  # the rank count of the bench's extrapolation (its summary's ``at_2048``)
+CKPT_MODELS = (("resnet50", "ResNet-50"), ("alexnet_bn", "AlexNet-BN"))
+RESUME_TESTS = ("`tests/test_resume_reads.py::test_what_a_rank_reads_at_resume_does_not_grow_"
+                "with_the_rank_count`, `...::test_only_rank_0_reads_the_model_the_others_their_"
+                "own_file`")
+
+
+def _size(x: float) -> str:
+    """Bytes in the unit that keeps three figures: B, KB, MB, GB, TB (powers of 1000)."""
+    for unit, scale, nd in (("TB", 1e12, 2), ("GB", 1e9, 1), ("MB", 1e6, 1), ("KB", 1e3, 0)):
+        if x >= scale:
+            return f"{x / scale:,.{nd}f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def _measured(values: Sequence[float], unit: str) -> str:
+    """One value per measured P: exact bytes (``B``), or KB with ``unit``'s decimals."""
+    if unit == "B":
+        return " / ".join(f"{v:,}" for v in values)
+    nd = int(unit[2:])
+    return " / ".join(f"{v / 1e3:.{nd}f}" for v in values) + " KB"
+
+
+def _growth(slope: float, why: str = "") -> str:
+    return "none" if slope == 0 else f"+{slope:,.0f} B/P" + (f" ({why})" if why else "")
+
+
+def _ckpt_row(rows: Mapping[str, Any], key: str, side: str, unit: str, why: str = ""
+              ) -> list[str]:
+    """measured at each P, growth (the bench's fit), at 2,048 for each model: of rank 0
+    (``rank0``), the largest other rank (``other``) or all ranks (``total``)."""
+    row = rows[key]
+    measured = row["other_max" if side == "other" else side]
+    growth = ("linear in P: rank 0 + (P − 1) × the others" if side == "total"
+              else _growth(row["fit_" + side][1], why))
+    at = [row["at_2048"][m][side] for m, _ in CKPT_MODELS]
+    cells = [f"{a:,.0f}" for a in at] if key.endswith(".messages") else [_size(a) for a in at]
+    return [_measured(measured, unit), growth, *cells]
+
+
+def _calls(report: Mapping[str, Any], phase: str) -> str:
+    return ", ".join(f"`{c}`" for c in report["runs"][0]["per_rank"][0][phase]["calls"])
+
+
+def _files_beyond_p(summary: Mapping[str, Any]) -> int:
+    """Files of a checkpoint directory beyond one a rank; the same at every measured P."""
+    files = summary["files"]
+    extra = {n - p for p, n in zip(files["P"], files["files_in_checkpoint"], strict=True)}
+    if len(extra) != 1:
+        raise ValueError(f"files_in_checkpoint {files['files_in_checkpoint']} is not P + a "
+                         f"constant at P = {files['P']}")
+    return extra.pop()
+
+
+def checkpoint_cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
+    s = report["summary"]
+    rows, models = s["rows"], s["models"]
+    written = {m: rows["write.wchar"]["at_2048"][m] for m, _ in CKPT_MODELS}
+    # before per-rank files, each rank read everything a checkpoint writes (all ranks' state
+    # and the model) and rank 0 gathered the others' state: the same bytes, measured here
+    before_read = {m: w["total"] for m, w in written.items()}
+    before_gather = {m: w["total"] - w["rank0"] for m, w in written.items()}
+    r50 = CKPT_MODELS[0][0]
+    extra = _files_beyond_p(s)
+    files = s["files"]
+    return [
+        ["write: bytes written, rank ≠ 0",
+         *_ckpt_row(rows, "write.wchar", "other", "B", "torch's zip padding, 64-byte steps"),
+         "its own rank file: RNG states + its BN statistics + its policy state (local SGD: its "
+         "model and momentum; PowerSGD: its error buffers)",
+         "`tests/test_resume_reads.py::test_what_a_rank_writes_does_not_grow_with_the_rank_"
+         "count`"],
+        ["write: bytes written, rank 0",
+         *_ckpt_row(rows, "write.wchar", "rank0", "B", "manifest records"),
+         "`model.pt` + its rank file + a manifest of ≤ 130 B a rank",
+         "same test (file sizes), `tests/test_checkpoint.py`"],
+        ["write: bytes written in all", *_ckpt_row(rows, "write.wchar", "total", "KB0"),
+         "`model.pt` + P rank files (before: the same, but all through rank 0's memory)", "—"],
+        ["write: bytes read, rank 0",
+         *_ckpt_row(rows, "write.rchar", "rank0", "KB1", "pruning reads the line's manifests"),
+         "`keep` manifests", "—"],
+        ["write: files, per rank / in all",
+         f"per rank 1 (rank 0: {extra + 1}); in all "
+         f"{' / '.join(map(str, files['files_in_checkpoint']))} and one directory",
+         f"P + {extra} in all",
+         *[f"{CKPT_P + extra:,} files"] * len(CKPT_MODELS), "one file a rank",
+         "`test_what_a_rank_writes_...` (the listing)"],
+        [f"write: MPI calls per rank ({_calls(report, 'write')}; + one `Barrier` when a "
+         "checkpoint is pruned)", *_ckpt_row(rows, "write.messages", "other", "B"),
+         "constant", "the counts in the JSON"],
+        ["write: MPI payload, rank ≠ 0",
+         *_ckpt_row(rows, "write.message_bytes", "other", "B"),
+         "8 B × BN floats (the float64 allreduce) + the records", "—"],
+        ["write: MPI payload, rank 0",
+         *_ckpt_row(rows, "write.message_bytes", "rank0", "B", "the gather of file records"),
+         f"8 B × BN floats + 130 B a rank (before: every other rank's state, "
+         f"{_size(before_gather[r50])} for ResNet-50; with local SGD ≈ P × `model.pt`: "
+         f"{_size(CKPT_P * models[r50]['model_pt'])})", "—"],
+        ["resume: bytes read, rank ≠ 0", *_ckpt_row(rows, "resume.rchar", "other", "B",
+                                                    "torch's zip padding, 64-byte steps"),
+         "its own rank file + 1/8", RESUME_TESTS],
+        ["resume: bytes read, rank 0",
+         *_ckpt_row(rows, "resume.rchar", "rank0", "B", "the manifest, read for the line "
+                    "index, the check and the line decision"),
+         "`model.pt` + its rank file + 3 × 130 B a rank",
+         "same tests (P = 2 vs 8, slack 3 × 130 B a rank)"],
+        ["resume: bytes read in all (file system)",
+         *_ckpt_row(rows, "resume.rchar", "total", "KB0"),
+         f"`model.pt` once + P rank files (before: P × everything written = "
+         f"{_size(CKPT_P * before_read[r50])} for ResNet-50, {_size(before_read[r50])} a rank)",
+         "—"],
+        [f"resume: MPI calls per rank ({_calls(report, 'resume')}; again per checkpoint "
+         "skipped)", *_ckpt_row(rows, "resume.messages", "other", "B"), "constant",
+         "the counts in the JSON"],
+        ["resume: MPI payload, rank ≠ 0 (≈ `model.pt`)",
+         *_ckpt_row(rows, "resume.message_bytes", "other", "B"),
+         f"`model.pt` (the broadcast); {CKPT_P:,} × that crosses the network, as any model "
+         "broadcast does", "—"],
+        ["resume: layout probe before the trainer, rank 0 (reads the manifest; one "
+         f"{_calls(report, 'resume_layout')} of "
+         f"{rows['resume_layout.message_bytes']['fit_rank0'][0]:,.0f} B)",
+         *_ckpt_row(rows, "resume_layout.rchar", "rank0", "KB1", "the manifest"),
+         "2 × 130 B a rank", "—"],
+        ["resume: layout probe, rank ≠ 0",
+         *_ckpt_row(rows, "resume_layout.rchar", "other", "B"), "constant", "—"],
+    ]
+
+
+def checkpoint_cost(root: Path) -> str:
+    report = load(root, CKPT_FILE)
+    s, m = report["summary"], report["machine"]
+    ps = s["rows"]["write.wchar"]["P"]
+    tiny, models = s["tiny"], s["models"]
+    sized = "; ".join(
+        f"{label}: {models[key]['parameters']:,} parameters, {models[key]['float_buffers']:,} "
+        f"BN floats: `model.pt` {_size(models[key]['model_pt'])}, a rank file's BN statistics "
+        f"{_size(models[key]['rank_buffers'])}" for key, label in CKPT_MODELS)
+    run = (f"`{report['command']}` ({report['measured']}, P = {', '.join(map(str, ps))}): "
+           f"the tiny model's `model.pt` {tiny['model_pt']:,} bytes, a rank file "
+           f"{tiny['rank_file']:,} bytes. Machine: {m['cores']}-core {m['cpu']}, torch "
+           f"{m['torch']}, `get_cpu_capability()` {m['capability']}, load average "
+           f"{m['load_1_5_15'].split()[0]} at the end. At {CKPT_P:,} ranks the model-sized "
+           f"terms are the full model's (float32, counted on the meta device): {sized}.")
+    header = ["what", f"per rank, measured P = {' / '.join(map(str, ps))}", "growth (fit)",
+              *(f"at {CKPT_P:,}: {label}" for _, label in CKPT_MODELS), "bound", "held by"]
+    rows = checkpoint_cost_rows(report)
+    return f"{run}\n\n{md(header, rows, right=9)}\n\n{_ckpt_growth_line(s['rows'])}"
+
+
+def _ckpt_growth_line(rows: Mapping[str, Any]) -> str:
+    """The fits' summary: what grows with P on rank 0 and on the others."""
+    byte_rows = {k: r for k, r in rows.items() if not k.endswith(".messages")}
+    root = [r["fit_rank0"][1] for r in byte_rows.values() if r["fit_rank0"][1]]
+    other = [r["fit_other"][1] for r in byte_rows.values() if r["fit_other"][1]]
+    line = (f"Rank 0's view (the manifest, the gather of file records, the line index) grows "
+            f"by {min(root):,.0f}–{max(root):,.0f} bytes a rank, "
+            f"{_size(max(root) * CKPT_P)} at most at {CKPT_P:,} ranks")
+    if other:
+        line += (f"; the other ranks' fits grow by at most {max(other):,.0f} bytes a rank "
+                 f"({_size(max(other) * CKPT_P)} at {CKPT_P:,}): rank files of one P differ "
+                 "by torch's 64-byte zip padding steps, and the largest of more ranks lands on "
+                 "a higher step, not a record a rank")
+    return line + "."
+
+
 TABLES: dict[str, Table] = {
     "allreduce-busbw": Table(
         tuple(f"{RESULTS}/{n}" for p in (2, 4) for n in ALLREDUCE_FILES[p]),
@@ -1113,6 +1283,16 @@ TABLES: dict[str, Table] = {
         "predicted ÷ measured allreduce time of each row (both runs), the network calibrated "
         "at 2gbit on 2 hosts; held out = every row at 3 hosts or at 1gbit; cells are min–max "
         "over the held-out rows of that layout.", planner_network),
+    "checkpoint-cost": Table(
+        (f"{RESULTS}/{CKPT_FILE}",),
+        "bytes are `/proc/self/io` (`rchar`, `wchar`) before and after, on every rank; rank ≠ 0 "
+        "is the largest of the other ranks at each P; growth is the bench's least-squares fit "
+        f"a + b·P over the measured P (a fitted change under {NOISE_BYTES} bytes over that "
+        "range counts as none); at 2,048 is the bench's extrapolation: the fit at P = 2,048 "
+        "with the tiny model's `model.pt` and BN statistics replaced by the full model's; in all "
+        "= rank 0 + (P − 1) × the others; 'before' figures are what the gathered design moved: "
+        "every rank's state through rank 0 (in all minus rank 0's write) and everything written "
+        "read by every rank.", checkpoint_cost),
     "demo-headline": Table((f"{RESULTS}/{DEMO_TIME}",),
                            "top-1 and wall time as the timed run's record holds them.",
                            demo_headline),
