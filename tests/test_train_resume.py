@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from signal_at import SIGNAL_AT
 
 from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
@@ -23,11 +24,14 @@ def setup(tmp_path_factory, tiny_shards, tiny_recipe):
     return root
 
 
-def hpcdl_train(root, run, *extra, env=None):
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "train",
+def hpcdl_train(root, run, *extra, signal_at=None):
+    """``signal_at=(RANK, WHEN)``: that rank raises SIGUSR1 then (tests/signal_at.py)."""
+    hpcdl = [*SIGNAL_AT, *map(str, signal_at)] if signal_at else \
+        [sys.executable, "-m", "hpcdl.cli.main"]
+    cmd = ["mpiexec", "-n", "2", *hpcdl, "train",
            "--recipe", str(root / "tiny.yaml"), "--data", str(root / "shards"),
            "--out", str(root / run), "--deterministic", "--max-steps", "9", *extra]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "300", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "300"}
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     return proc
@@ -46,8 +50,8 @@ def test_signal_stop_then_resume_matches_uninterrupted_run(setup):
     root = setup
     # The reference and the interrupted run are independent: launch them together.
     reference = hpcdl_train(root, "ref", "--resume", "none")
-    stopped = hpcdl_train(root, "run", env={"HPCDL_TEST_SIGNAL_AT_STEP": "4",
-                                            "HPCDL_TEST_SIGNAL_RANK": "1"})
+    # Rank 1 alone is signalled after step 4's agreement: every rank stops at step 5.
+    stopped = hpcdl_train(root, "run", signal_at=(1, "step=4"))
     code, out = finish(stopped)
     assert code == EXIT_STOPPED_BY_SIGNAL, out
     assert summary(root, "run")["stopped"] == "signal" and summary(root, "run")["steps"] == 5
