@@ -1,5 +1,6 @@
 """`mpiexec -n 2 hpcdl train` end to end: a run stopped by SIGUSR1 exits 75 after a checkpoint,
-and `--resume auto` ends with exactly the parameters of an uninterrupted run (--deterministic).
+and `--resume auto` ends with exactly the parameters of an uninterrupted run (--deterministic);
+a signal after training leaves a completed run's exit code 0.
 
 Serial test that launches its own mpiexec (never nested inside an MPI-launched rank)."""
 import json
@@ -69,6 +70,18 @@ def test_signal_stop_then_resume_matches_uninterrupted_run(setup):
     assert resumed["params_sha256"] == summary(root, "ref")["params_sha256"]
     assert os.path.exists(root / "run" / "config.yaml")
     assert os.path.exists(root / "run" / "logs" / "rank-0001.log")
+
+
+def test_signal_after_training_ends_the_run_as_completed(setup):
+    # Rank 1 is signalled once training has returned: the run's last agreement is over, its
+    # final checkpoint written, so nothing is left to requeue for; the rank neither dies of
+    # the signal nor exits otherwise than the others, and says what came.
+    code, out = finish(hpcdl_train(setup, "late", "--resume", "none", "--max-steps", "2",
+                                   signal_at=(1, "after-train")))
+    assert code == 0, out
+    assert summary(setup, "late")["stopped"] == "max_steps"
+    assert "signal SIGUSR1 after the run's last step (max_steps at step 2): nothing left to " \
+           "checkpoint, exit 0" in (setup / "late" / "logs" / "rank-0001.log").read_text()
 
 
 def test_ipex_asked_for_but_missing_says_how_to_get_it(setup):

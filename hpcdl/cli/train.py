@@ -207,9 +207,13 @@ def _resume_and_train(runner, resume: str, world, run_dir: RunDirectory,
 def run(args: argparse.Namespace) -> int:
     from hpcdl.train import signals
 
-    # Before anything slow (MPI's start-up, torch, the data): from here to the exit a
-    # SIGUSR1/SIGTERM is recorded, and acted on at the ranks' next agreement.
-    signals.install()
+    # Before anything slow (MPI's start-up, torch, the data): from here a SIGUSR1/SIGTERM is
+    # recorded and acted on at the ranks' next agreement; once the command returns, ignored.
+    with signals.until_exit():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from hpcdl.errors import agreed

@@ -12,11 +12,13 @@ signalled?" into each step's agreement (one small allreduce, ``Trainer._agree``;
 check across trainers) and every rank acts on the agreed answer, at the same step. A signal
 that lands after a step's agreement waits for the next one.
 
-``hpcdl train`` installs the handler when the process starts (:func:`install`), not only around
-the training loop: during set-up and resume a signal taking its default action would kill the
-rank with no checkpoint, no summary and no requeue; recorded, it stops the run at the first
-step's agreement. Python runs signal handlers on the main thread only, between bytecodes: a
-rank blocked in a C call (an MPI collective) records the signal when the call returns.
+``hpcdl train`` installs the handler when the process starts (:func:`until_exit`), not only
+around the training loop: during set-up and resume a signal taking its default action would
+kill the rank with no checkpoint, no summary and no requeue; recorded, it stops the run at the
+first step's agreement. Once the outcome is decided the signals are ignored to the end.
+
+Python runs signal handlers on the main thread only, between bytecodes: a rank blocked in a
+C call (an MPI collective) records the signal when the call returns.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["STOP_SIGNALS", "install", "as_flag", "pending", "consume", "name"]
+__all__ = ["STOP_SIGNALS", "install", "ignore", "until_exit", "as_flag", "pending", "consume",
+           "name"]
 
 #: Signals Slurm sends before the time limit (``--signal=USR1@300``) and at it (SIGTERM).
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -65,6 +68,28 @@ def install() -> None:
     if _on_main_thread():
         for sig in STOP_SIGNALS:
             signal.signal(sig, _record)
+
+
+def ignore() -> None:
+    """From now on SIGUSR1/SIGTERM are discarded (main thread only)."""
+    if _on_main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def until_exit() -> Iterator[None]:
+    """A command's whole life: the flag from the start (:func:`install`); once the command has
+    decided its outcome, the signals are discarded (:func:`ignore`) until the process ends.
+    Not restored to their default action: the interpreter's shutdown and MPI_Finalize still
+    follow, and a late signal -- srun's skewed deliveries reach some ranks after the others
+    have stopped -- would kill the rank there (seen: exit by SIGUSR1, and a segfault, on a
+    rank still finalizing), turning a checkpointed stop or a finished run into a failure."""
+    install()
+    try:
+        yield
+    finally:
+        ignore()
 
 
 @contextlib.contextmanager
