@@ -26,7 +26,8 @@ from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 pytestmark = [pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec"),
               pytest.mark.slow]
 
-RANKS = 4
+#: 4 here (2 cores: about 40 s a launch); HPCDL_SIGNAL_SKEW_RANKS=8 on a bigger machine
+RANKS = int(os.environ.get("HPCDL_SIGNAL_SKEW_RANKS", "4"))
 MAX_STEPS = 60       # the uninterrupted run; every trial stops well before (a few steps each)
 SKEW_TRIALS = 3      # launches signalled mid-training, after the one signalled during set-up
 SKEW_S = 2.0         # each rank's delivery: the first one's moment + uniform(0, SKEW_S)
@@ -36,7 +37,7 @@ RECIPE = """
 name: tiny-auto
 model: {name: resnet_small, num_classes: 3, width: 4, layers: [1, 1, 1]}
 data: {image_size: 16, workers: 1}
-batch: {global: 8, per_rank: 2}
+batch: {global: 8, per_rank: 2}  # global: 2 x RANKS, overridden
 epochs: 20
 optimizer: {name: lars, momentum: 0.9, weight_decay: 5.0e-5}
 schedule: {name: poly, base_lr: 1.0, warmup_epochs: 0.5}
@@ -47,8 +48,8 @@ comm: {backend: auto, bucket_mb: 0.004}
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """192 training images: 24 steps of global batch 8 per epoch, so the trials cross epoch
-    ends (an evaluation-free checkpoint there) as well as plain steps."""
+    """192 training images: 24 steps of global batch 8 per epoch (4 ranks), so the trials
+    cross epoch ends (a checkpoint there) as well as plain steps."""
     from hpcdl.data_prep.shard import shard_tree
     from hpcdl.data_prep.synthetic import make_imagenet_tree
 
@@ -64,7 +65,7 @@ def launch(root, run, *extra):
     cmd = ["mpiexec", "-n", str(RANKS), sys.executable, "-m", "hpcdl.cli.main", "train",
            "--recipe", str(root / "tiny.yaml"), "--data", str(root / "shards"),
            "--out", str(root / run), "--deterministic", "--no-eval", "--no-progress",
-           "--max-steps", str(MAX_STEPS), *extra]
+           "--max-steps", str(MAX_STEPS), f"batch.global={2 * RANKS}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": str(LAUNCH_LIMIT_S + 60)}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
