@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from signal_at import SIGNAL_AT  # tests/signal_at.py
 
 from hpcdl.bench import convergence as bench
 from hpcdl.bench import runs
@@ -100,15 +101,15 @@ def test_holdout_split_is_carved_from_training_images_only(tmp_path):
 def test_two_rank_run_writes_the_table_json(tmp_path):
     out = tmp_path / "conv.json"
     # The shipped subset and three steps per run: the plumbing, not the accuracy.
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench",
-           "convergence", "--source", "demo", "--epochs", "1", "--max-steps", "3",
-           "--small-batch", "64", "--large-batch", "256", "--width", "4",
-           "--out", str(tmp_path / "runs"), "--json", str(out)]
+    bench_args = ["bench", "convergence", "--source", "demo", "--epochs", "1", "--max-steps",
+                  "3", "--small-batch", "64", "--large-batch", "256", "--width", "4",
+                  "--out", str(tmp_path / "runs"), "--json", str(out)]
+    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", *bench_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "400"}
-    # Slurm's time-limit signal during the first run (raised after step 1, acted on at the end
-    # of step 2 by every rank): checkpoint, stop the bench, exit 75.
-    stopped = subprocess.run(cmd, env={**env, "HPCDL_TEST_SIGNAL_AT_STEP": "1"},
-                             capture_output=True, text=True, timeout=450)
+    # Slurm's time-limit signal during the first run (raised on rank 0 after step 1, acted on
+    # at the end of step 2 by every rank): checkpoint, stop the bench, exit 75.
+    stopped = subprocess.run(["mpiexec", "-n", "2", *SIGNAL_AT, "0", "step=1", *bench_args],
+                             env=env, capture_output=True, text=True, timeout=450)
     assert stopped.returncode == 75, stopped.stdout + stopped.stderr
     assert not out.exists() and not (tmp_path / "runs" / "lars-e1").exists()
     assert os.listdir(tmp_path / "runs" / "baseline-e1" / "checkpoints") == ["ckpt-000000002.pt"]

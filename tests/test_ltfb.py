@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from signal_at import SIGNAL_AT  # tests/signal_at.py
 
 from hpcdl.train.tournament import (
     better,
@@ -127,16 +128,14 @@ def setup(tmp_path_factory, tiny_shards):
     return root
 
 
-def hpcdl_train(root, run, ranks, *extra, first_rank_env=None):
-    """mpiexec -n RANKS hpcdl train ...; ``first_rank_env`` is given to world rank 0 only
-    (an MPMD launch: ``-n 1 -env K V prog : -n RANKS-1 prog``)."""
-    prog = [sys.executable, "-m", "hpcdl.cli.main", "train",
-            "--recipe", str(root / "tiny.yaml"), "--data", str(root / "shards"),
-            "--out", str(root / run), "--deterministic", *extra]
-    cmd = ["mpiexec", "-n", str(ranks), *prog]
-    if first_rank_env:
-        extra_env = [x for k, v in first_rank_env.items() for x in ("-env", k, v)]
-        cmd = ["mpiexec", "-n", "1", *extra_env, *prog, ":", "-n", str(ranks - 1), *prog]
+def hpcdl_train(root, run, ranks, *extra, signal_at=None):
+    """mpiexec -n RANKS hpcdl train ...; ``signal_at=(RANK, WHEN)``: that world rank raises
+    SIGUSR1 then (tests/signal_at.py)."""
+    hpcdl = [*SIGNAL_AT, *map(str, signal_at)] if signal_at else \
+        [sys.executable, "-m", "hpcdl.cli.main"]
+    cmd = ["mpiexec", "-n", str(ranks), *hpcdl, "train",
+           "--recipe", str(root / "tiny.yaml"), "--data", str(root / "shards"),
+           "--out", str(root / run), "--deterministic", *extra]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "300"}
     return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -166,9 +165,8 @@ def launched(setup):
                            "--trainers", "1"),
         "bad": hpcdl_train(setup, "bad", 3, "--algorithm", "ltfb", "--trainers", "2"),
         "ref": hpcdl_train(setup, "ref", 2, *LTFB, "--resume", "none"),
-        # SIGUSR1 reaches trainer 0 only (at step 3): trainer 1 must stop at the same step.
-        "stopped": hpcdl_train(setup, "run", 2, *LTFB, first_rank_env={
-            "HPCDL_TEST_SIGNAL_AT_STEP": "3", "HPCDL_TEST_SIGNAL_RANK": "0"}),
+        # SIGUSR1 reaches trainer 0 only (after step 3): trainer 1 must stop at the same step.
+        "stopped": hpcdl_train(setup, "run", 2, *LTFB, signal_at=(0, "step=3")),
     }
     yield runs
     for proc in runs.values():

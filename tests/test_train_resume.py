@@ -1,5 +1,6 @@
 """`mpiexec -n 2 hpcdl train` end to end: a run stopped by SIGUSR1 exits 75 after a checkpoint,
-and `--resume auto` ends with exactly the parameters of an uninterrupted run (--deterministic).
+and `--resume auto` ends with exactly the parameters of an uninterrupted run (--deterministic);
+a signal after training leaves a completed run's exit code 0.
 
 Serial test that launches its own mpiexec (never nested inside an MPI-launched rank)."""
 import json
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from signal_at import SIGNAL_AT
 
 from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
@@ -23,11 +25,14 @@ def setup(tmp_path_factory, tiny_shards, tiny_recipe):
     return root
 
 
-def hpcdl_train(root, run, *extra, env=None):
-    cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "train",
+def hpcdl_train(root, run, *extra, signal_at=None):
+    """``signal_at=(RANK, WHEN)``: that rank raises SIGUSR1 then (tests/signal_at.py)."""
+    hpcdl = [*SIGNAL_AT, *map(str, signal_at)] if signal_at else \
+        [sys.executable, "-m", "hpcdl.cli.main"]
+    cmd = ["mpiexec", "-n", "2", *hpcdl, "train",
            "--recipe", str(root / "tiny.yaml"), "--data", str(root / "shards"),
            "--out", str(root / run), "--deterministic", "--max-steps", "9", *extra]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "300", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": "300"}
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     return proc
@@ -46,8 +51,8 @@ def test_signal_stop_then_resume_matches_uninterrupted_run(setup):
     root = setup
     # The reference and the interrupted run are independent: launch them together.
     reference = hpcdl_train(root, "ref", "--resume", "none")
-    stopped = hpcdl_train(root, "run", env={"HPCDL_TEST_SIGNAL_AT_STEP": "4",
-                                            "HPCDL_TEST_SIGNAL_RANK": "1"})
+    # Rank 1 alone is signalled after step 4's agreement: every rank stops at step 5.
+    stopped = hpcdl_train(root, "run", signal_at=(1, "step=4"))
     code, out = finish(stopped)
     assert code == EXIT_STOPPED_BY_SIGNAL, out
     assert summary(root, "run")["stopped"] == "signal" and summary(root, "run")["steps"] == 5
@@ -65,6 +70,18 @@ def test_signal_stop_then_resume_matches_uninterrupted_run(setup):
     assert resumed["params_sha256"] == summary(root, "ref")["params_sha256"]
     assert os.path.exists(root / "run" / "config.yaml")
     assert os.path.exists(root / "run" / "logs" / "rank-0001.log")
+
+
+def test_signal_after_training_ends_the_run_as_completed(setup):
+    # Rank 1 is signalled once training has returned: the run's last agreement is over, its
+    # final checkpoint written, so nothing is left to requeue for; the rank neither dies of
+    # the signal nor exits otherwise than the others, and says what came.
+    code, out = finish(hpcdl_train(setup, "late", "--resume", "none", "--max-steps", "2",
+                                   signal_at=(1, "after-train")))
+    assert code == 0, out
+    assert summary(setup, "late")["stopped"] == "max_steps"
+    assert "signal SIGUSR1 after the run's last step (max_steps at step 2): nothing left to " \
+           "checkpoint, exit 0" in (setup / "late" / "logs" / "rank-0001.log").read_text()
 
 
 def test_ipex_asked_for_but_missing_says_how_to_get_it(setup):

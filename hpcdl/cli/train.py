@@ -164,6 +164,28 @@ def _remove_what_was_created(run_dir: RunDirectory, world) -> None:
         remove_created_directories(run_dir.out, run_dir.created)
 
 
+def exit_code(summary: dict) -> int:
+    """The exit code every rank returns for a run that ended: EXIT_STOPPED_BY_SIGNAL
+    (checkpointed: the job requeues) when the ranks agreed to stop on a signal, else 0.
+
+    A signal that came after the run's last agreement (during the final evaluation, the
+    final checkpoint or the teardown) changes nothing: the run is complete and its final
+    checkpoint written, so there is nothing to requeue for; and ranks it reached at different
+    moments would otherwise exit with different codes, which no agreement can prevent (the
+    signal can always land after the last one). It is logged on the ranks it reached."""
+    from hpcdl.train import signals
+    from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
+
+    if summary["stopped"] == "signal":
+        return EXIT_STOPPED_BY_SIGNAL
+    late = signals.pending()
+    if late is not None:
+        log.warning("signal %s after the run's last step (%s at step %d): nothing left to "
+                    "checkpoint, exit 0", signals.name(late), summary["stopped"],
+                    summary["steps"])
+    return 0
+
+
 def _resume_and_train(runner, resume: str, world, run_dir: RunDirectory,
                       abort: bool = False) -> dict | int:
     """Resume (every rank agreeing), train, and return the summary, or EXIT_NONFINITE_LOSS
@@ -184,6 +206,15 @@ def _resume_and_train(runner, resume: str, world, run_dir: RunDirectory,
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcdl.train import signals
+
+    # Before anything slow (MPI's start-up, torch, the data): from here a SIGUSR1/SIGTERM is
+    # recorded and acted on at the ranks' next agreement; once the command returns, ignored.
+    with signals.until_exit():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from hpcdl.errors import agreed
@@ -219,10 +250,7 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
     from hpcdl.train.checkpoint import resume_layout
     from hpcdl.train.launch import setup_run_process
     from hpcdl.train.threads import configure_threads
-    from hpcdl.train.trainer import (
-        EXIT_STOPPED_BY_SIGNAL,
-        Trainer,
-    )
+    from hpcdl.train.trainer import Trainer
 
     with agreed(world):
         comm = hpcdl.comm.init(args.backend or config.comm.backend, world,
@@ -257,7 +285,7 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
             log.info("done: %s step %d/%d, top-1 %s, %.1f s, params sha256 %s",
                      summary["stopped"], summary["steps"], summary["total_steps"],
                      summary["top1"], summary["wall_s"], summary["params_sha256"][:16])
-        return EXIT_STOPPED_BY_SIGNAL if summary["stopped"] == "signal" else 0
+        return exit_code(summary)
     finally:
         if timeline is not None:
             timeline.save()
@@ -278,7 +306,6 @@ def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> 
     from hpcdl.train.ltfb import LTFB, LTFBOptions
     from hpcdl.train.threads import configure_threads
     from hpcdl.train.tournament import split_world
-    from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
     ltfb = LTFBOptions(trainers=args.trainers, interval=args.tournament_interval,
                        metric=args.tournament_metric, exchange=args.exchange,
@@ -315,7 +342,7 @@ def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> 
                      "%s", summary["stopped"], summary["steps"], summary["total_steps"],
                      ltfb.trainers, summary["top1"], summary["wall_s"],
                      summary["params_sha256"][:16])
-        return EXIT_STOPPED_BY_SIGNAL if summary["stopped"] == "signal" else 0
+        return exit_code(summary)
     finally:
         if timeline is not None:
             timeline.save()

@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 from hpcdl.debug.monitor import watch_region
 from hpcdl.train import checkpoint as ckpt
+from hpcdl.train import signals
 from hpcdl.train.config import Config, resolve_batch
 from hpcdl.train.metrics import read_metrics, write_summary
 from hpcdl.train.tournament import (
@@ -52,7 +53,7 @@ from hpcdl.train.tournament import (
     state_tensors,
     tournament_partners,
 )
-from hpcdl.train.trainer import Trainer, TrainOptions, stop_signals_as_flag
+from hpcdl.train.trainer import Trainer, TrainOptions
 
 __all__ = ["LTFB", "LTFBOptions", "METRICS", "EXCHANGES", "trainer_run_dir"]
 
@@ -125,7 +126,6 @@ class LTFB:
                                     wire_dtype=config.comm.wire_dtype)
         self.rounds: list[dict[str, Any]] = []
         self._scratch: torch.nn.Module | None = None
-        self._signal: int | None = None
         self.tournament_loader = None
         try:
             self.trainer = self._build_trainer(config, data_dir, timeline)
@@ -221,8 +221,7 @@ class LTFB:
         """Train every trainer to the end (or ``max_steps``) with a tournament every
         ``interval`` steps. Returns the run summary (every rank)."""
         start = time.perf_counter()
-        with stop_signals_as_flag(self._note_signal,
-                                  self.trainers > 1 and self.options.handle_signals):
+        with signals.as_flag(self.trainers > 1 and self.options.handle_signals):
             summary = self.trainer.train()
         return self._run_summary(summary, time.perf_counter() - start)
 
@@ -241,11 +240,14 @@ class LTFB:
             self.play_round(trainer.step // self.ltfb.interval)
         every = min(self.ltfb.stop_check_steps, self.ltfb.interval)
         if trainer.step % every == 0 and self._agree_stop():
-            trainer.request_stop(self._signal or signal.SIGUSR1)
+            # agreed over the world: every rank of every trainer stops at this step
+            trainer.request_stop(signals.pending() or signal.SIGUSR1)
 
     def _agree_stop(self) -> bool:
-        """One integer summed over the world: has any rank been signalled?"""
-        flag = np.array([0 if self._signal is None else 1], dtype=np.int64)
+        """One integer summed over the world: has any rank been signalled? (A signal that
+        lands after this check waits for the next one.)"""
+        signalled = self.options.handle_signals and signals.pending() is not None
+        flag = np.array([1 if signalled else 0], dtype=np.int64)
         total = np.empty_like(flag)
         # the stall watchdog sees it; its name says where the ranks it waits for run
         with watch_region(self.comm, self._stop_check):
@@ -319,10 +321,6 @@ class LTFB:
             model = create_model(cfg["name"], **{k: v for k, v in cfg.items() if k != "name"})
             self._scratch = model.to(memory_format=self.trainer.memory_format)
         return self._scratch
-
-    # -- signals -----------------------------------------------------------------------------
-    def _note_signal(self, signum: int) -> None:
-        self._signal = signum  # acted on at the next world-wide stop check
 
     # -- the record --------------------------------------------------------------------------
     def _all_rounds(self) -> list[dict[str, Any]]:

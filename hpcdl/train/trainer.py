@@ -8,7 +8,9 @@ boundaries. Other commands build on the pieces: ``hpcdl bench train`` (``no_comm
 compute-only ceiling, ``max_steps``), LTFB (``state_dict``/``load_state_dict``, ``evaluate``).
 
 Every decision that ends or changes the run (signal received, non-finite loss) is agreed by
-all ranks with one small allreduce per step, so ranks never disagree about the step they stop at.
+all ranks with one small allreduce per step, and only the agreed value is acted on: a rank's own
+signal (hpcdl/train/signals.py) just feeds the next agreement, so ranks that received it at
+different moments still checkpoint and stop at the same step.
 """
 from __future__ import annotations
 
@@ -18,9 +20,8 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.optim.factory import set_learning_rate
 from hpcdl.topology import node_path
 from hpcdl.train import checkpoint as ckpt
+from hpcdl.train import signals
 from hpcdl.train.config import Config, elastic_batch, resolve_batch, write_resolved_config
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
 
@@ -48,28 +50,6 @@ log = logging.getLogger("hpcdl.train")
 EXIT_OK = 0
 EXIT_NONFINITE_LOSS = 3
 EXIT_STOPPED_BY_SIGNAL = 75
-
-#: Signals Slurm sends before the time limit (``--signal=USR1@120``; SIGTERM at the limit).
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def stop_signals_as_flag(on_signal: Callable[[int], None], enabled: bool = True) -> Iterator[None]:
-    """While active, SIGUSR1/SIGTERM only call ``on_signal(signum)``, which sets a flag: the
-    loop acts on it at the next step boundary, agreed by all ranks, so a checkpoint is never
-    written from inside a signal handler. Python runs handlers on the main thread only, so
-    elsewhere (and with ``enabled=False``) this does nothing."""
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, lambda signum, frame: on_signal(signum))
-                for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf on some rank; the run stops without stepping."""
@@ -223,7 +203,9 @@ class Trainer:
         # number in the run directory (hpcdl/train/checkpoint.py); set by resume
         self._line: str | None = None
         self._seq: int | None = None
-        self._stop_signal: int | None = None
+        #: the signal every rank agreed to stop on (None: no agreed stop): only an agreement
+        #: (_agree, or request_stop called on every rank at the same step) sets it
+        self._stop_agreed: int | None = None
         self._metrics: MetricsWriter | None = None
         self._images_this_run = 0
         self._train_time_s = 0.0          # training seconds of this invocation
@@ -345,7 +327,7 @@ class Trainer:
             self.check_replicas()
         self._open_outputs()
         stopped = "completed"
-        with stop_signals_as_flag(self.request_stop, self.options.handle_signals):
+        with signals.as_flag(self.options.handle_signals):
             try:
                 while self.step < self._last_step():
                     epoch = self.step // self.steps_per_epoch
@@ -404,14 +386,13 @@ class Trainer:
                 hook(self)
             if self._should_checkpoint():
                 self.save_checkpoint()
-            if self._stop_signal is not None:
-                log.warning("signal %s: checkpointed at step %d, stopping (exit %d)",
-                            signal.Signals(self._stop_signal).name, self.step,
-                            EXIT_STOPPED_BY_SIGNAL)
+            if self._stop_agreed is not None:  # agreed: every rank is here at this step
                 if self._last_checkpoint_step != self.step:
                     self.save_checkpoint()
+                log.warning("signal %s: checkpointed at step %d, stopping (exit %d)",
+                            signals.name(self._stop_agreed), self.step, EXIT_STOPPED_BY_SIGNAL)
+                signals.consume()
                 return "signal"
-            self._test_hook_signal()
         if self.step >= end_of_epoch or self.step >= self.total_steps:
             return "completed"  # (a fractional last epoch ends at total_steps)
         return "max_steps"
@@ -437,8 +418,8 @@ class Trainer:
         if nonfinite:  # every rank raises here, at the same step
             raise NonFiniteLossError(self.step + 1, local_loss if not math.isfinite(local_loss)
                                      else math.nan)
-        if stop and self._stop_signal is None:
-            self._stop_signal = signal.SIGUSR1  # another rank got it: stop here too
+        if stop and self._stop_agreed is None:  # this rank's signal or another's
+            self._stop_agreed = signals.pending() or signal.SIGUSR1
         if self.config.train.momentum_correction:
             from hpcdl.optim import apply_momentum_correction
 
@@ -453,12 +434,15 @@ class Trainer:
 
     def _agree(self, local_loss: float) -> tuple[bool, bool, float]:
         """One tiny allreduce per step: any rank signalled, any rank's loss non-finite, and
-        the sum of losses. A signal reaching one rank only, or ranks at different steps,
-        is acted on at the same step everywhere."""
+        the sum of losses. A signal reaching one rank only, or ranks at different moments,
+        is acted on at the same step everywhere; one landing after this call waits for the
+        next step's. (``handle_signals=False``: this trainer's stop is decided elsewhere --
+        LTFB's check across trainers -- or not at all, the benches.)"""
         from mpi4py import MPI
 
         nonfinite = not math.isfinite(local_loss)
-        flags = np.array([1.0 if self._stop_signal is not None else 0.0,
+        signalled = self.options.handle_signals and signals.pending() is not None
+        flags = np.array([1.0 if signalled else 0.0,
                           1.0 if nonfinite else 0.0,
                           0.0 if nonfinite else local_loss], dtype=np.float64)
         total = np.empty_like(flags)
@@ -935,15 +919,6 @@ class Trainer:
                 return
         self._line = ckpt.start_line(self.run_dir, path)
 
-    # -- signals -----------------------------------------------------------------------------
-    def _test_hook_signal(self) -> None:
-        """HPCDL_TEST_SIGNAL_AT_STEP=k: raise SIGUSR1 in rank HPCDL_TEST_SIGNAL_RANK (default
-        0) after step k -- how the tests stop a run mid-epoch without racing a real kill."""
-        at = os.environ.get("HPCDL_TEST_SIGNAL_AT_STEP")
-        if at and self.step == int(at) and \
-                self.rank == int(os.environ.get("HPCDL_TEST_SIGNAL_RANK", "0")):
-            os.kill(os.getpid(), signal.SIGUSR1)
-
     # -- metrics and output ------------------------------------------------------------------
     def _open_outputs(self) -> None:
         if self.rank != 0 or not self.options.write_files:
@@ -972,9 +947,11 @@ class Trainer:
             self._progress = None
 
     def request_stop(self, signum: int = signal.SIGUSR1) -> None:
-        """Checkpoint and stop at the end of the current step, as on a signal. Call it on
-        every rank at the same step (LTFB agrees on it across trainers)."""
-        self._stop_signal = signum
+        """Checkpoint and stop at the end of the current step, as on a signal. An agreed
+        decision: call it on every rank at the same step, from an after-step hook, after an
+        agreement of your own (LTFB's stop check across trainers). A rank's own wish to stop
+        must go through an agreement first, or it checkpoints alone and the others wait."""
+        self._stop_agreed = signum
 
     def write_metrics(self, record: dict[str, Any]) -> None:
         """Append a record to metrics.jsonl (rank 0; a no-op on the others)."""

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from signal_at import signal_after_step  # tests/signal_at.py
 
 import hpcdl.comm
 from hpcdl.comm.policy import create_policy
@@ -209,12 +210,13 @@ def shards(make_tiny_shards):
     return make_tiny_shards()
 
 
-def run_trainer(config, shards, run_dir, comm, resume="none", **options):
+def run_trainer(config, shards, run_dir, comm, resume="none", hooks=(), **options):
     from hpcdl.train.trainer import Trainer, TrainOptions
 
     trainer = Trainer(config, shards, run_dir, comm,
                       options=TrainOptions(deterministic=True, progress=False, evaluate=False,
                                            **options))
+    trainer.after_step_hooks.extend(hooks)
     try:
         trainer.resume(resume)
         return trainer.train()
@@ -225,7 +227,7 @@ def run_trainer(config, shards, run_dir, comm, resume="none", **options):
 @pytest.mark.min_ranks(2)
 @pytest.mark.parametrize("algorithm", ["local_sgd", "hierarchical_local_sgd", "powersgd"])
 def test_resume_mid_interval_ends_with_the_uninterrupted_replicas(
-        algorithm, shards, world, shared_tmp, monkeypatch):
+        algorithm, shards, world, shared_tmp):
     per_node = 2 if world.size % 2 == 0 and world.size > 2 else 1
     comm = hpcdl.comm.init("mpi", world, ranks_per_node=per_node)
     config = recipe(world.size, algorithm=algorithm, local_steps=3, sync_warmup_steps=2,
@@ -234,14 +236,14 @@ def test_resume_mid_interval_ends_with_the_uninterrupted_replicas(
         reference = run_trainer(config, shards, os.path.join(shared_tmp, "a"), comm,
                                 max_steps=8)
         # Stop after step 4: two local steps into an interval of three (local SGD), with
-        # error-feedback buffers and Q mid-flight (PowerSGD).
-        monkeypatch.setenv("HPCDL_TEST_SIGNAL_AT_STEP", "3")
+        # error-feedback buffers and Q mid-flight (PowerSGD). Rank 0 is signalled after step
+        # 3's agreement; every rank stops at the next.
         run_b = os.path.join(shared_tmp, "b")
-        stopped = run_trainer(config, shards, run_b, comm, max_steps=8)
+        stopped = run_trainer(config, shards, run_b, comm, max_steps=8,
+                              hooks=[signal_after_step(3, 0)])
         assert stopped["stopped"] == "signal" and stopped["steps"] == 4
         if algorithm != "powersgd":  # replicas differ in the checkpoint: per-rank state
             assert len(set(world.allgather(stopped["params_sha256"]))) > 1
-        monkeypatch.delenv("HPCDL_TEST_SIGNAL_AT_STEP")
         resumed = run_trainer(config, shards, run_b, comm, resume="auto", max_steps=8)
     finally:
         comm.close()

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 from mpi4py import MPI
+from signal_at import signal_after_step  # tests/signal_at.py
 
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import RecipeError, config_from_dict
@@ -34,9 +35,10 @@ def shards(make_tiny_shards):
 
 
 
-def run_trainer(config, shards, run_dir, comm, resume="none", **options):
+def run_trainer(config, shards, run_dir, comm, resume="none", hooks=(), **options):
     trainer = Trainer(config, shards, run_dir, comm,
                       options=TrainOptions(deterministic=True, progress=False, **options))
+    trainer.after_step_hooks.extend(hooks)
     try:
         trainer.resume(resume)
         summary = trainer.train()
@@ -46,21 +48,20 @@ def run_trainer(config, shards, run_dir, comm, resume="none", **options):
 
 
 def test_resume_after_signal_ends_with_the_uninterrupted_parameters(
-        shards, comm, world, shared_tmp, monkeypatch):
+        shards, comm, world, shared_tmp):
     config = recipe(world.size)
     _, reference = run_trainer(config, shards, os.path.join(shared_tmp, "a"), comm, max_steps=7)
     assert reference["steps"] == 7
 
-    # SIGUSR1 reaches the last rank only: every rank must stop at the same step.
-    monkeypatch.setenv("HPCDL_TEST_SIGNAL_AT_STEP", "3")
-    monkeypatch.setenv("HPCDL_TEST_SIGNAL_RANK", str(world.size - 1))
+    # SIGUSR1 reaches the last rank only, after step 3's agreement (in the window between
+    # the agreement and the step's end): every rank must stop at the same step, the next.
     run_b = os.path.join(shared_tmp, "b")
-    _, stopped = run_trainer(config, shards, run_b, comm, max_steps=7)
+    _, stopped = run_trainer(config, shards, run_b, comm, max_steps=7,
+                             hooks=[signal_after_step(3, world.size - 1)])
     assert stopped["stopped"] == "signal"
     assert world.allgather(stopped["steps"]) == [4] * world.size
     assert os.path.basename(ckpt.list_checkpoints(run_b)[-1]) == "ckpt-000000004.pt"
 
-    monkeypatch.delenv("HPCDL_TEST_SIGNAL_AT_STEP")
     resumed_trainer, resumed = run_trainer(config, shards, run_b, comm, resume="auto",
                                            max_steps=7)
     assert resumed["resumed_from"].endswith("ckpt-000000004.pt")

@@ -1,0 +1,108 @@
+"""Stop signals as a flag that only feeds the ranks' next agreement.
+
+Slurm sends SIGUSR1 before the time limit (``#SBATCH --signal=B:USR1@300``, forwarded to the
+ranks by slurm/job_body.sh) and SIGTERM at it; srun hands it to each of 2,048 tasks at a
+slightly different moment, anywhere in a step. A rank must never act on its own copy: one that
+checkpointed (a collective) because its signal landed after the step's agreement, while the
+others began the next step, would hold every rank until the stall abort -- longer than the
+signal's lead, so the job would die with no checkpoint and no requeue.
+
+So the handler does nothing but record the signal here. The trainer puts "has any rank been
+signalled?" into each step's agreement (one small allreduce, ``Trainer._agree``; LTFB's stop
+check across trainers) and every rank acts on the agreed answer, at the same step. A signal
+that lands after a step's agreement waits for the next one.
+
+``hpcdl train`` installs the handler when the process starts (:func:`until_exit`), not only
+around the training loop: during set-up and resume a signal taking its default action would
+kill the rank with no checkpoint, no summary and no requeue; recorded, it stops the run at the
+first step's agreement. Once the outcome is decided the signals are ignored to the end.
+
+Python runs signal handlers on the main thread only, between bytecodes: a rank blocked in a
+C call (an MPI collective) records the signal when the call returns.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+__all__ = ["STOP_SIGNALS", "install", "ignore", "until_exit", "as_flag", "pending", "consume",
+           "name"]
+
+#: Signals Slurm sends before the time limit (``--signal=USR1@300``) and at it (SIGTERM).
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+_pending: int | None = None  # the first stop signal since the last stop acted on
+
+
+def _record(signum: int, frame: object = None) -> None:
+    global _pending
+    if _pending is None:
+        _pending = signum
+
+
+def pending() -> int | None:
+    """The stop signal this process received and no stop has acted on yet (None: none)."""
+    return _pending
+
+
+def consume() -> int | None:
+    """Clear the flag once the agreed stop it fed is acted on; returns what it held."""
+    global _pending
+    signum, _pending = _pending, None
+    return signum
+
+
+def name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum else "none"
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def install() -> None:
+    """From now until the process ends, SIGUSR1/SIGTERM only set the flag (main thread only:
+    elsewhere Python cannot install handlers, and this does nothing)."""
+    if _on_main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _record)
+
+
+def ignore() -> None:
+    """From now on SIGUSR1/SIGTERM are discarded (main thread only)."""
+    if _on_main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def until_exit() -> Iterator[None]:
+    """A command's whole life: the flag from the start (:func:`install`); once the command has
+    decided its outcome, the signals are discarded (:func:`ignore`) until the process ends.
+    Not restored to their default action: the interpreter's shutdown and MPI_Finalize still
+    follow, and a late signal -- srun's skewed deliveries reach some ranks after the others
+    have stopped -- would kill the rank there (seen: exit by SIGUSR1, and a segfault, on a
+    rank still finalizing), turning a checkpointed stop or a finished run into a failure."""
+    install()
+    try:
+        yield
+    finally:
+        ignore()
+
+
+@contextlib.contextmanager
+def as_flag(enabled: bool = True) -> Iterator[None]:
+    """While active, SIGUSR1/SIGTERM only set the flag; the handlers before are restored after
+    (a library caller's own, or the default). Does nothing with ``enabled=False`` or off the
+    main thread."""
+    if not enabled or not _on_main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _record) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
