@@ -1,5 +1,6 @@
 """The trainer under real MPI: exact resume after a signal, agreement on stopping, evaluation,
 the run directory. Tiny model (resnet_small, width 4) on tiny synthetic shards."""
+import importlib.util
 import json
 import os
 
@@ -80,8 +81,11 @@ def test_run_directory_holds_config_metrics_summary(shards, comm, world, shared_
     assert summary["global_batch"] == PER_RANK * world.size and summary["ranks"] == world.size
     assert summary["stopped"] == "max_steps" and 0.0 <= summary["top1"] <= 1.0
     if world.rank == 0:
-        assert sorted(os.listdir(run)) == ["checkpoints", "config.yaml", "metrics.jsonl",
-                                           "summary.json"]
+        # tensorboard/: the event files, when the optional package is installed
+        expected = ["checkpoints", "config.yaml", "metrics.jsonl", "summary.json"]
+        if importlib.util.find_spec("tensorboard") is not None:
+            expected.append("tensorboard")
+        assert sorted(os.listdir(run)) == sorted(expected)
         assert len(ckpt.list_checkpoints(run)) == 1  # keep_checkpoints=1
         records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
         train = [r for r in records if r["kind"] == "train"]
