@@ -12,8 +12,10 @@ by SIGUSR1/SIGTERM (resume with --resume auto). See docs/training.md.
 Every check that may come out differently on different ranks is agreed by all of them before
 the next collective (hpcdl.errors.agreed), so a bad input ends every rank with exit code 2 and
 rank 0 prints the line; an error found by one rank mid-run (a shard that fails to read) aborts
-the job with code 2. A command rejected before training starts leaves no directory it
-created: the --out it made (and any parent it made) is removed again; one that existed stays.
+the job with code 2, and any other error of one rank prints its traceback (rank and host)
+and aborts the job with code 1 before any teardown that would wait for the others. A command
+rejected before training starts leaves no directory it created: the --out it made (and any
+parent it made) is removed again; one that existed stays.
 """
 from __future__ import annotations
 
@@ -115,19 +117,19 @@ def _recipe_value_error(recipe: str, exc: Exception) -> BadInputError:
     return BadInputError(f"{recipe}: {exc}")
 
 
-def _train_or_abort(train, world):
-    """Run ``train()``; bad input found mid-run by some ranks only (a shard unreadable on
-    one node) aborts the job with exit code 2 at once, since the other ranks may be in a
-    collective. Errors every rank raised together (a checkpoint the disk had no room for) go
-    up to hpcdl/cli/main.py, which prints them once."""
+def _abort_unless_shared(exc: BaseException, world) -> None:
+    """An error this rank may have alone ends the job here, before any teardown that needs
+    the peers (a shared window freed, a barrier, a library finalized): they wait for this rank
+    in the step's collective. Bad input prints its one line and exits 2 (a shard unreadable
+    on one node), anything else its traceback, once, with rank and host, and exits 1. Errors
+    every rank raised together (a checkpoint the disk had no room for) return, for the caller
+    to re-raise up to hpcdl/cli/main.py, which prints them once."""
     from hpcdl.cli.main import report_bad_input
+    from hpcdl.debug.faults import abort_on_unshared_error
 
-    try:
-        return train()
-    except BadInputError as exc:
-        if not exc.agreed and world.Get_size() > 1:
-            report_bad_input(COMMAND, exc)  # MPI_Abort: does not return
-        raise
+    if isinstance(exc, BadInputError) and not exc.agreed and world.Get_size() > 1:
+        report_bad_input(COMMAND, exc)  # MPI_Abort: does not return
+    abort_on_unshared_error(exc)
 
 
 @dataclass
@@ -174,7 +176,7 @@ def _resume_and_train(runner, resume: str, world, run_dir: RunDirectory,
         runner.resume(resume)
     run_dir.training = True
     try:
-        return _train_or_abort(runner.train, world)
+        return runner.train()
     except NonFiniteLossError as exc:
         log.error("%s", exc)
         if abort:
@@ -257,7 +259,10 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
                      summary["stopped"], summary["steps"], summary["total_steps"],
                      summary["top1"], summary["wall_s"], summary["params_sha256"][:16])
         return EXIT_STOPPED_BY_SIGNAL if summary["stopped"] == "signal" else 0
-    finally:
+    except BaseException as exc:
+        _abort_unless_shared(exc, world)
+        raise
+    finally:  # reached with an error only when every rank raised it
         if timeline is not None:
             timeline.save()
         if trainer is not None:
@@ -315,7 +320,10 @@ def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> 
                      ltfb.trainers, summary["top1"], summary["wall_s"],
                      summary["params_sha256"][:16])
         return EXIT_STOPPED_BY_SIGNAL if summary["stopped"] == "signal" else 0
-    finally:
+    except BaseException as exc:
+        _abort_unless_shared(exc, world)
+        raise
+    finally:  # reached with an error only when every rank raised it
         if timeline is not None:
             timeline.save()
         runner.close()

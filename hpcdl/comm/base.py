@@ -25,6 +25,7 @@ import torch
 from mpi4py import MPI
 
 from hpcdl.data.nodes import ranks_per_node_from_env, split_nodes
+from hpcdl.debug.faults import abort_on_unshared_error
 from hpcdl.debug.monitor import NULL_MONITOR
 
 #: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
@@ -408,9 +409,14 @@ class Communicator:
         return torch.empty(int(numel), dtype=dtype)
 
     def close(self) -> None:
-        """Free the duplicated communicators (idempotent). Collective over the world."""
+        """Free the duplicated communicators (idempotent). Collective over the world.
+
+        Called while this rank unwinds an error the others do not share, it prints the
+        traceback and aborts the job instead (the peers wait in a collective for this rank,
+        not in close)."""
         if self._closed:
             return
+        abort_on_unshared_error()
         self._closed = True
         self._staging.clear()
         try:

@@ -5,7 +5,12 @@ The trainer calls ``setup_rank_logging``, ``install_fail_fast``, ``install_stack
 ``Timeline``; the communicator's ``_collective`` calls a ``CollectiveMonitor``, which
 ``hpcdl.comm.init`` installs with the stall watchdog by default (``watchdog=False``: a no-op).
 """
-from hpcdl.debug.faults import dump_stacks_now, install_fail_fast, install_stack_dump
+from hpcdl.debug.faults import (
+    abort_on_unshared_error,
+    dump_stacks_now,
+    install_fail_fast,
+    install_stack_dump,
+)
 from hpcdl.debug.log import debug_enabled, rank_log_path, setup_rank_logging
 from hpcdl.debug.monitor import (
     note_activity,
@@ -17,6 +22,7 @@ from hpcdl.debug.trace import Timeline
 
 __all__ = [
     "Timeline",
+    "abort_on_unshared_error",
     "debug_enabled",
     "dump_stacks_now",
     "install_fail_fast",

@@ -171,6 +171,7 @@ class CollectiveMonitor:
             time.sleep(seconds)
             self.note("")
             return
+        self.injection = None  # one fault: the teardown's own collectives must not raise again
         raise InjectedFault(f"HPCDL_INJECT: rank {self.rank} raises before collective #{seq} "
                             f"{name}")
 
