@@ -170,3 +170,39 @@ def test_hpcdl_train_ends_on_one_ranks_error_before_its_teardown(
     assert_ended_with_one_traceback(
         job, 2, "InjectedFault: HPCDL_INJECT: rank 1 raises before collective #2")
     assert job.returncode == 1, job.stdout  # fail-fast's abort, not the stall watchdog's
+
+
+@pytest.fixture(scope="module")
+def shards_with_one_bad_label(tmp_path_factory):
+    """Shards of 3 classes x 8 images plus ONE image of a 4th class: under a 3-class model its
+    label is out of range, so the one rank that draws it raises in its forward pass while the
+    other waits in the step's allreduce (a user's data bug, as it really happens)."""
+    from hpcdl.data_prep.shard import shard_tree
+    from hpcdl.data_prep.synthetic import make_imagenet_tree
+
+    root = tmp_path_factory.mktemp("bad-label")
+    tree = make_imagenet_tree(str(root / "tree"), num_classes=4, train_per_class=8,
+                              val_per_class=1, size=(24, 20))
+    fourth = tree.classes[-1]
+    for key in sorted(k for k in tree.labels if k.startswith(f"train/{fourth}/"))[1:]:
+        os.unlink(os.path.join(str(root / "tree"), key))
+    shard_tree(str(root / "tree"), str(root / "shards"), shards=2, resize=20)
+    return str(root / "shards")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hpcdl_train_ends_on_one_ranks_data_error_printing_it_once(
+        tmp_path, shards_with_one_bad_label, tiny_recipe, backend):
+    env = backend_environment(backend)
+    program = [sys.executable, "-m", "hpcdl.cli.main", "train", "--recipe", tiny_recipe,
+               "--data", shards_with_one_bad_label, "--out", str(tmp_path / "run"),
+               "--backend", backend, "--no-eval", "epochs=4"]
+    job = run_job(tmp_path, 2, env=env, bound_s=ERROR_BOUND_S, program=program)
+    assert job.returncode is not None, f"the job hung (killed after {ERROR_BOUND_S} s):\n" \
+                                       f"{job.stdout}"
+    assert job.returncode == 1, job.stdout
+    lines = [line for line in job.stdout.splitlines() if "IndexError: Target 3 is out of bounds"
+             in line]
+    assert len(lines) == 1, job.stdout
+    assert lines[0].startswith(("[rank 0/2 ", "[rank 1/2 ")), job.stdout
+    assert f" {socket.gethostname()}]" in lines[0], job.stdout
