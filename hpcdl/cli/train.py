@@ -6,7 +6,8 @@
 Rank and size come from MPI (mpiexec, srun, ibrun). RUN_DIR receives config.yaml,
 metrics.jsonl, summary.json, checkpoints/, logs/. Exit codes: 0 done, 2 bad input (recipe,
 options, data, checkpoint, run directory: one line saying what and what to do; the table is in
-docs/debugging.md), 3 non-finite loss (last good checkpoint kept), 75 checkpointed and stopped
+docs/debugging.md), 3 non-finite loss (last good checkpoint kept), 4 stall (a rank stopped
+answering: hpcdl/debug/stall.py), 75 checkpointed and stopped
 by SIGUSR1/SIGTERM (resume with --resume auto). See docs/training.md.
 
 Every check that may come out differently on different ranks is agreed by all of them before

@@ -27,6 +27,7 @@ from typing import Any
 from hpcdl.debug.inject import is_named_point
 from hpcdl.debug.log import COLLECTIVES_LOGGER, debug_enabled
 from hpcdl.debug.stall import (
+    IO_WAIT_S,
     StallWatchdog,
     default_heartbeat_dir,
     end_process,
@@ -179,7 +180,10 @@ class CollectiveMonitor:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog.join()
-            if self.owns_heartbeat_dir:  # a clean end leaves no temporary heartbeat behind
+            published = self.watchdog.wait_published(IO_WAIT_S)
+            # a clean end leaves no temporary heartbeat behind (a write still hanging might
+            # recreate it: then the folder stays)
+            if self.owns_heartbeat_dir and published:
                 _remove_quietly(self.watchdog.heartbeat_dir, self.rank)
             self.watchdog = None
 
