@@ -186,14 +186,13 @@ def _resume_and_train(runner, resume: str, world, run_dir: RunDirectory,
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpi4py import MPI
-
+    from hpcdl.debug.startup import import_mpi_within_bound
     from hpcdl.errors import agreed
     from hpcdl.train.config import load_recipe
     from hpcdl.train.launch import check_output_dir
     from hpcdl.train.trainer import require_ipex
 
-    world = MPI.COMM_WORLD
+    world = import_mpi_within_bound().COMM_WORLD  # MPI_Init, bounded (HPCDL_STARTUP_TIMEOUT_S)
     # Rank 0 looks before any rank can create --out: the others wait in this broadcast.
     run_dir = RunDirectory(world.bcast(first_missing_directory(args.out)
                                        if world.Get_rank() == 0 else None, root=0))
