@@ -216,6 +216,7 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
     """``hpcdl train`` with one data-parallel trainer over every rank."""
     import hpcdl.comm
     from hpcdl.debug import Timeline, watch_collectives
+    from hpcdl.debug.stragglers import StragglerReport
     from hpcdl.errors import agreed
     from hpcdl.train.checkpoint import resume_layout
     from hpcdl.train.launch import setup_run_process
@@ -251,6 +252,9 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
                         f"--resume {args.resume}: the checkpoint in {args.out} was written by "
                         f"{layout.get('world_size')} ranks: {exc}") from exc
                 raise _recipe_value_error(args.recipe, exc) from exc
+        # each log interval, the rank the others waited for (two tiny allreduces)
+        trainer.after_step_hooks.append(
+            StragglerReport(comm, config.train.log_every_steps))
         summary = _resume_and_train(trainer, args.resume, world, run_dir)
         if isinstance(summary, int):
             return summary

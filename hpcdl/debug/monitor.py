@@ -110,6 +110,7 @@ class _Watch:
                  tb: object) -> bool:
         m = self.monitor
         dt = time.perf_counter() - self.t0
+        m.wait_s += dt  # (hpcdl/debug/stragglers.py: who the others waited for)
         m.state = (self.seq, self.name, self.meta, time.time(), False)
         if m.timeline is not None:
             bucket = self.meta.get("bucket")
@@ -131,6 +132,8 @@ class CollectiveMonitor:
                  injection: str = "") -> None:
         self.rank, self.size = rank, size
         self.seq = 0
+        self.wait_s = 0.0  # seconds spent inside watched collectives, summed
+        self.hosts: list[str] = []  # every rank's host (watch_collectives)
         now = time.time()
         self.state: tuple[int, str, dict, float, bool] = (0, "", {}, now, False)
         self.activity: tuple[str, float] = ("", now)
@@ -222,6 +225,7 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
     monitor = CollectiveMonitor(comm.rank, comm.size,
                                 record=debug_enabled() if record is None else record,
                                 timeline=timeline, injection=os.environ.get("HPCDL_INJECT", ""))
+    monitor.hosts = [host for host, _ in peers]
     thresholds = thresholds_from_env(warn_s, abort_s)
     if thresholds.enabled:
         exit_process = None
