@@ -259,3 +259,26 @@ def test_a_file_system_that_never_answers_does_not_hold_the_abort(tmp_path, monk
         hang.set()
     assert aborts == [STALL_EXIT_CODE]
     assert "did not answer within 0.2 s" in dog.reports[0]
+
+
+def test_a_rank_that_goes_quiet_every_step_writes_its_heartbeat_at_most_once_per_beat(
+        tmp_path, monkeypatch):
+    """Steps with a collective-free gap longer than quiet_s, one after another: the rank
+    writes at most once per beat_s (was: once per such step, on every rank, in one
+    directory)."""
+    import hpcdl.debug.stall as stall
+
+    writes = []
+    monkeypatch.setattr(stall, "write_heartbeat", lambda directory, record: writes.append(1))
+    monitor = CollectiveMonitor(rank=0, size=1)
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=60.0, abort_s=0), str(tmp_path), "j",
+                        None)
+    start = monitor.state[3]
+    steps, gap_s = 30, dog.quiet_s + 0.5  # 30 steps, each quiet for longer than quiet_s
+    for step in range(steps):
+        t = start + step * gap_s
+        monitor.state = (step + 1, "allreduce", {}, t, False)  # a collective just ended
+        dog.tick(t + dog.quiet_s)
+        dog.wait_published(10)
+    span_s = steps * gap_s
+    assert 1 <= len(writes) <= span_s / dog.beat_s + 1

@@ -7,8 +7,9 @@ them), and the rank we most need to hear from is exactly the one that is *not* c
 sleeping, decoding JPEGs or stuck in Python). A heartbeat file is written by that rank's own
 watchdog thread, which keeps running while the main thread sleeps; it survives the job's abort,
 so a person can ``cat`` it afterwards. To keep the file system quiet, a rank writes its file only
-when its state has been unchanged for ``quiet_s`` (a healthy rank never does) -- every rank of a
-stalled job is quiet, so every one has published by the time the warning fires.
+when its state has been unchanged for ``quiet_s`` (a healthy rank never does), and at most once
+per ``beat_s`` (10 s by default) however often it goes quiet -- every rank of a stalled job is
+quiet, so every one has published by the time the warning fires.
 
 While a rank is quiet (in a collective, or busy outside one) its watchdog rewrites the file every
 ``beat_s`` with the time of writing (``beat``). That is how a waiting rank tells, without a
@@ -503,7 +504,6 @@ class StallWatchdog(threading.Thread):
         self._stop_event = threading.Event()
         self._writer: threading.Thread | None = None
         self._unanswered = False  # the heartbeat directory did not answer a read in time
-        self._published: tuple | None = None
         self._written_at = 0.0
         self._warned: tuple[int, str, float] | None = None  # (seq, name, since) of the warning
         self._warned_seq = -1
@@ -541,13 +541,15 @@ class StallWatchdog(threading.Thread):
 
     def tick(self, now: float) -> None:
         m = self.monitor
-        state = (m.state, m.activity, self._blocked_what)
         last_change = max(m.state[3], m.activity[1])
         quiet = now - last_change >= self.quiet_s
-        if self.heartbeat_dir and quiet and (state != self._published
-                                             or now - self._written_at >= self.beat_s):
+        # At most one write per beat_s per rank, changed or not: a step with a collective-free
+        # gap (a slow batch, an evaluation) would otherwise have every rank create and rename
+        # a file in one directory -- 2,048 per such step. A stall is reported after warn_s
+        # >= quiet_s + beat_s, by when the file holds the stalled state.
+        if self.heartbeat_dir and quiet and now - self._written_at >= self.beat_s:
             self._publish(self.heartbeat(now))
-            self._published, self._written_at = state, now
+            self._written_at = now
         seq, name, _, since, in_collective = m.state
         self._note_stall_over(seq, in_collective, since, now)
         if not in_collective:
