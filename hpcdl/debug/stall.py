@@ -523,6 +523,11 @@ class StallWatchdog(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
+        # One beat at start: the directory then holds every live rank of every host it can
+        # see, so a rank frozen before it was ever quiet reads as "gone" (its beat went
+        # stale), not "not heard from" (which says: another host's directory).
+        if self.heartbeat_dir:
+            self._publish(self.heartbeat())
         while not self._stop_event.wait(self.poll_s):
             try:
                 self.tick(time.time())

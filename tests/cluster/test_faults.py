@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_hosts import REPO, SCRIPT, job_field, launcher_env, on_controller
+from cluster_hosts import REPO, SCRIPT, job_field, launcher_env, on_controller, slurm_missing
 from test_slurm_across_hosts import DEMO_RECIPE, OVERRIDES, render, shards, wait_until
 
 __all__ = ["shards"]  # a module fixture, used by name
@@ -146,7 +146,11 @@ def hosts_made_again_afterwards(cluster):
 
 @pytest.fixture(scope="module")
 def slurm_on_fresh_hosts(cluster):
-    """Slurm on hosts made again after the faults before it."""
+    """Slurm on hosts made again after the faults before it (skipped, like every Slurm test,
+    where Slurm is not installed: before making anything)."""
+    missing = slurm_missing()
+    if missing:
+        pytest.skip(missing)
     make_the_hosts_again(cluster)
     cluster.script("slurm", "up", timeout=120)
     return cluster
