@@ -129,7 +129,8 @@ def _abort_unless_shared(exc: BaseException, world) -> None:
     from hpcdl.debug.faults import abort_on_unshared_error
 
     if isinstance(exc, BadInputError) and not exc.agreed and world.Get_size() > 1:
-        report_bad_input(COMMAND, exc)  # MPI_Abort: does not return
+        report_bad_input(COMMAND, exc)  # MPI_Abort ...
+        os._exit(EXIT_BAD_INPUT)  # ... which MPICH returns from once its launcher knows
     abort_on_unshared_error(exc)
 
 
