@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from hpcdl.debug.log import LOGGER_NAME, current_log_file, rank_prefix
+from hpcdl.errors import BadInputError
 
 ABORT_EXIT_CODE = 1
 _dump_file: TextIO | None = None
@@ -108,6 +109,11 @@ def abort_on_unshared_error(exc: BaseException | None = None) -> None:
     world = _abort_world
     if exc is None:
         exc = sys.exc_info()[1]
+        if isinstance(exc, BadInputError):
+            # Bad input is checked alike on every rank, and a constructor that tears down
+            # on it (LTFB, oneCCL) runs inside the caller's ``agreed`` block, which agrees
+            # on it after the teardown; an entry point passes ``exc`` to decide itself.
+            return
     if exc is None or world is None or is_shared_error(exc):
         return
     rank, size = world.Get_rank(), world.Get_size()
