@@ -55,13 +55,16 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "recorded", "hpcdl.debug.log, hpcdl.comm"),
     EnvVar("HPCDL_INJECT", "text", "unset",
            "a rehearsed fault: RANK:SEQ:raise, RANK:SEQ:sleep=S, RANK:checkpointN:sleep=S, "
-           "RANK:exit:sleep=S (rank 0 warns at start)", "hpcdl.debug.inject"),
+           "RANK:exit:sleep=S, RANK:startup:sleep=S (rank 0 warns at start)", "hpcdl.debug.inject"),
     EnvVar("HPCDL_STALL_WARN_S", "seconds", "60",
            "a collective waiting this long gets a stall report (0 = off)", "hpcdl.debug.stall"),
     EnvVar("HPCDL_STALL_ABORT_S", "seconds", "600",
            "a collective waiting this long ends the job (0 = off)", "hpcdl.debug.stall"),
     EnvVar("HPCDL_STALL_EXIT_GRACE_S", "seconds", "10",
            "how long MPI_Abort gets before a stalled rank ends itself", "hpcdl.debug.stall"),
+    EnvVar("HPCDL_STARTUP_TIMEOUT_S", "seconds", "300",
+           "MPI_Init and the communicator's creation must end within this, or the rank names "
+           "where it was stuck and ends itself (0 = off)", "hpcdl.debug.startup"),
     EnvVar("HPCDL_HEARTBEAT_DIR", "path", "the host's temporary directory",
            "where a communicator without a run directory keeps heartbeats and stall dumps",
            "hpcdl.debug.stall"),

@@ -12,6 +12,7 @@ from hpcdl.debug import Timeline, setup_rank_logging
 from hpcdl.debug.faults import format_rank_traceback
 from hpcdl.debug.monitor import CollectiveMonitor, InjectedFault, parse_injection
 from hpcdl.debug.stall import (
+    STALL_EXIT_CODE,
     StallThresholds,
     StallWatchdog,
     format_stall_report,
@@ -210,7 +211,7 @@ def test_watchdog_reports_a_collective_waiting_past_warn(tmp_path):
         dog.tick(since + 1.5)
         dog.tick(since + 3.5)
     assert "rank 1: last finished #0" in dog.reports[0] and "loading checkpoint" in dog.reports[0]
-    assert aborts == [3]
+    assert aborts == [STALL_EXIT_CODE]
 
 
 def test_timeline_saved_while_unwinding_writes_this_ranks_file_without_gathering(tmp_path):

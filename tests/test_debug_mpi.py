@@ -90,7 +90,7 @@ def test_a_rank_that_raises_mid_training_aborts_the_job_and_keeps_the_last_check
 def test_a_sleeping_rank_gets_a_stall_report_then_an_abort(tmp_path):
     out, run_dir = launch(tmp_path, "stall", ranks=4, HPCDL_INJECT="2:4:sleep=60",
                           HPCDL_STALL_WARN_S="2", HPCDL_STALL_ABORT_S="6")
-    assert out.returncode == 3, out.stderr  # STALL_EXIT_CODE through MPI_Abort
+    assert out.returncode == 4, out.stderr  # STALL_EXIT_CODE (4) through MPI_Abort
     assert "stall: rank 0 has waited" in out.stderr
     assert "1 of 4 rank(s) have not arrived: 2\n" in out.stderr
     assert "rank 2: last finished #3 allreduce" in out.stderr
@@ -98,5 +98,5 @@ def test_a_sleeping_rank_gets_a_stall_report_then_an_abort(tmp_path):
     # The reason is in the log file of a waiting rank that aborted (stderr may lose its last
     # lines when MPI_Abort takes the launcher down first).
     logs = [(run_dir / "logs" / f"rank-{r:04d}.log").read_text() for r in (0, 1, 3)]
-    assert any("stall: aborting the job (MPI_Abort 3) after" in text for text in logs)
+    assert any("stall: aborting the job (MPI_Abort 4) after" in text for text in logs)
     assert (run_dir / "logs" / "heartbeat" / "rank-0002.json").exists()

@@ -99,7 +99,7 @@ def test_a_users_own_loop_aborts_a_job_with_a_frozen_rank_naming_it(tmp_path):
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode == 3, err  # STALL_EXIT_CODE, through MPI_Abort
+    assert job.returncode == 4, err  # STALL_EXIT_CODE (4), through MPI_Abort
     host = socket.gethostname()
     line = next(x for x in _one_dump(tmp_path, 1).splitlines() if x.startswith("stall: abort"))
     assert "in #" in line and f"on rank 1 ({host}); rank gone: rank 0 on {host} silent since " in \
@@ -129,7 +129,7 @@ def test_a_rank_cut_off_from_its_launcher_ends_itself_after_its_abort_fails(tmp_
     dump = _one_dump(tmp_path, 1)
     assert "rank gone: rank 0 on " in dump.splitlines()[0]
     assert dump.splitlines()[1].startswith("stall: MPI_Abort did not end rank 1 (") and \
-        "the rank ends itself with exit 3" in dump.splitlines()[1]
+        "the rank ends itself with exit 4" in dump.splitlines()[1]
     assert job.returncode != 0
     assert _left_behind(pids) == []
 
@@ -142,14 +142,14 @@ def test_the_demo_has_the_watchdog_at_start_up_and_keeps_every_ranks_state(tmp_p
     out = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "demo",
                           "--out", str(run_dir), "--max-steps", "4", "--no-progress"],
                          capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 3, out.stdout + out.stderr
+    assert out.returncode == 4, out.stdout + out.stderr
     heartbeat = run_dir / "logs" / "heartbeat"
     dump = (heartbeat / "rank-0000.stall.txt").read_text()
     # rank 0 passes the broadcast (it is the root) and waits in its next collective
-    assert dump.startswith("stall: aborting the job (MPI_Abort 3) after ")
+    assert dump.startswith("stall: aborting the job (MPI_Abort 4) after ")
     assert "alive but not arrived: rank 1 on " in dump.splitlines()[0]
     assert "sleeping 300 s (HPCDL_INJECT)" in (heartbeat / "rank-0001.json").read_text()
-    assert "stall: aborting the job (MPI_Abort 3)" in \
+    assert "stall: aborting the job (MPI_Abort 4)" in \
         (run_dir / "logs" / "rank-0000.log").read_text()
 
 
@@ -172,7 +172,7 @@ def test_a_raw_mpi_call_outside_the_communicator_is_watched_too(tmp_path):
     env = {**os.environ, **STALL_ENV, "HPCDL_HEARTBEAT_DIR": str(tmp_path / "heartbeat")}
     out = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(script)],
                          capture_output=True, text=True, env=env, timeout=200)
-    assert out.returncode == 3, out.stderr
+    assert out.returncode == 4, out.stderr
     line = _one_dump(tmp_path, 0).splitlines()[0]
     assert "in MPI Barrier at raw_barrier.py:11 on rank 0 (" in line, line
     assert "alive but not arrived: rank 1 on " in line, line

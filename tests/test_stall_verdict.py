@@ -15,6 +15,7 @@ import pytest
 
 from hpcdl.debug.monitor import CollectiveMonitor
 from hpcdl.debug.stall import (
+    STALL_EXIT_CODE,
     StallThresholds,
     StallWatchdog,
     classify_peers,
@@ -134,20 +135,20 @@ def test_a_rank_whose_abort_reaches_no_one_dumps_its_state_and_ends_itself(tmp_p
     with monitor.watch("allreduce", {}):
         since = monitor.state[3]
         dog.tick(since + 2.5)
-    assert exits == [3]
+    assert exits == [STALL_EXIT_CODE]
     dump = open(stall_dump_path(str(tmp_path), 1)).read()
     first, second = dump.splitlines()[:2]
-    assert first.startswith("stall: aborting the job (MPI_Abort 3) after 2.5 s > "
+    assert first.startswith("stall: aborting the job (MPI_Abort 4) after 2.5 s > "
                             "HPCDL_STALL_ABORT_S=2 in #1 allreduce on rank 1 (")
     assert "not heard from since" in first and "rank 0 on h1" in first
     assert second.startswith("stall: MPI_Abort did not end rank 1 (") and \
-        "the rank ends itself with exit 3" in second
+        "the rank ends itself with exit 4" in second
     assert "in tick" in dump  # every thread's Python stack
     for _ in range(100):  # the abort runs on its own thread (it may block, or return)
         if aborts:
             break
         time.sleep(0.05)
-    assert aborts == [3]
+    assert aborts == [STALL_EXIT_CODE]
 
 
 def test_a_caller_supplied_abort_owns_the_end_and_is_called_once(tmp_path):
@@ -159,7 +160,7 @@ def test_a_caller_supplied_abort_owns_the_end_and_is_called_once(tmp_path):
         since = monitor.state[3]
         for dt in (2.5, 3.0, 3.5):
             dog.tick(since + dt)
-    assert aborts == [3]
+    assert aborts == [STALL_EXIT_CODE]
 
 
 def test_a_quiet_rank_keeps_its_heartbeat_fresh(tmp_path):
@@ -169,8 +170,10 @@ def test_a_quiet_rank_keeps_its_heartbeat_fresh(tmp_path):
     with monitor.watch("barrier", {}):
         since = monitor.state[3]
         dog.tick(since + dog.quiet_s)
+        assert dog.wait_published(10)  # written on a thread of its own
         first = read_heartbeats(str(tmp_path), 1, "j")[0]["beat"]
         dog.tick(since + dog.quiet_s + dog.beat_s)
+        assert dog.wait_published(10)
         second = read_heartbeats(str(tmp_path), 1, "j")[0]["beat"]
     assert second - first == pytest.approx(dog.beat_s)
 
@@ -226,5 +229,56 @@ def test_heartbeat_records_are_json_a_person_can_read(tmp_path):
     monitor = CollectiveMonitor(rank=0, size=1)
     dog = StallWatchdog(monitor, StallThresholds(warn_s=5.0, abort_s=0), str(tmp_path), "j", None)
     dog.tick(monitor.state[3] + dog.quiet_s)
+    assert dog.wait_published(10)  # written on a thread of its own
     record = json.load(open(os.path.join(tmp_path, "rank-0000.json")))
     assert {"host", "pid", "seq", "in_collective", "beat"} <= set(record)
+
+
+def test_a_file_system_that_never_answers_does_not_hold_the_abort(tmp_path, monkeypatch):
+    """Heartbeat writes and reads that never return (a hung file system, not an error): the
+    watchdog still reports and aborts on time, saying why it knows less."""
+    import hpcdl.debug.stall as stall
+
+    hang = threading.Event()
+    monkeypatch.setattr(stall, "write_heartbeat", lambda directory, record: hang.wait())
+    monkeypatch.setattr(stall, "read_heartbeats", lambda *args: hang.wait() or {})
+    monkeypatch.setattr(stall, "IO_WAIT_S", 0.2)
+    aborts = []
+    monitor = CollectiveMonitor(rank=0, size=2)
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=1.0, abort_s=2.0), str(tmp_path), "j",
+                        aborts.append, hosts=["h1", "h2"])
+    try:
+        with monitor.watch("allreduce", {}):
+            since = monitor.state[3]
+            ticks = threading.Thread(target=lambda: [dog.tick(since + t) for t in (1.0, 2.5)],
+                                     daemon=True)
+            ticks.start()
+            ticks.join(60)
+        assert not ticks.is_alive(), "the watchdog blocked in the file system"
+    finally:
+        hang.set()
+    assert aborts == [STALL_EXIT_CODE]
+    assert "did not answer within 0.2 s" in dog.reports[0]
+
+
+def test_a_rank_that_goes_quiet_every_step_writes_its_heartbeat_at_most_once_per_beat(
+        tmp_path, monkeypatch):
+    """Steps with a collective-free gap longer than quiet_s, one after another: the rank
+    writes at most once per beat_s (was: once per such step, on every rank, in one
+    directory)."""
+    import hpcdl.debug.stall as stall
+
+    writes = []
+    monkeypatch.setattr(stall, "write_heartbeat", lambda directory, record: writes.append(1))
+    monitor = CollectiveMonitor(rank=0, size=1)
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=60.0, abort_s=0), str(tmp_path), "j",
+                        None)
+    start = monitor.state[3]
+    steps, gap_s = 30, dog.quiet_s + 0.5  # 30 steps, each quiet for longer than quiet_s
+    for step in range(steps):
+        t = start + step * gap_s
+        monitor.state = (step + 1, "allreduce", {}, t, False)  # a collective just ended
+        dog.tick(t + dog.quiet_s)
+        dog.wait_published(10)
+    span_s = steps * gap_s
+    assert 1 <= len(writes) <= span_s / dog.beat_s + 1

@@ -115,7 +115,7 @@ def bench_workdir(world: Any, out: str | None, prefix: str) -> Iterator[str]:
     """The directory a multi-run bench works in, shared by every rank: ``out`` when given
     (kept, so runs resume), else a temporary one made by rank 0 and removed at the end. Also
     makes a failing rank take the job down and gives every rank its log under it."""
-    from hpcdl.debug import install_fail_fast, setup_rank_logging
+    from hpcdl.debug import abort_on_unshared_error, install_fail_fast, setup_rank_logging
 
     if world.size > 1:
         install_fail_fast(world)
@@ -125,6 +125,7 @@ def bench_workdir(world: Any, out: str | None, prefix: str) -> Iterator[str]:
     try:
         yield path
     finally:
+        abort_on_unshared_error()  # an error of this rank alone: end the job, no barrier
         world.Barrier()
         if not out and world.rank == 0:
             shutil.rmtree(path, ignore_errors=True)

@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
 
         print(loaded_library(initialize=False).flavor)
         return 0
-    from mpi4py import MPI
+    from hpcdl.debug.startup import import_mpi_within_bound
+
+    MPI = import_mpi_within_bound()  # MPI_Init, bounded (HPCDL_STARTUP_TIMEOUT_S)
 
     from hpcdl.debug.doctor import (
         collect_rank_info,

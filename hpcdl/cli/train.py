@@ -6,14 +6,17 @@
 Rank and size come from MPI (mpiexec, srun, ibrun). RUN_DIR receives config.yaml,
 metrics.jsonl, summary.json, checkpoints/, logs/. Exit codes: 0 done, 2 bad input (recipe,
 options, data, checkpoint, run directory: one line saying what and what to do; the table is in
-docs/debugging.md), 3 non-finite loss (last good checkpoint kept), 75 checkpointed and stopped
+docs/debugging.md), 3 non-finite loss (last good checkpoint kept), 4 stall (a rank stopped
+answering: hpcdl/debug/stall.py), 75 checkpointed and stopped
 by SIGUSR1/SIGTERM (resume with --resume auto). See docs/training.md.
 
 Every check that may come out differently on different ranks is agreed by all of them before
 the next collective (hpcdl.errors.agreed), so a bad input ends every rank with exit code 2 and
 rank 0 prints the line; an error found by one rank mid-run (a shard that fails to read) aborts
-the job with code 2. A command rejected before training starts leaves no directory it
-created: the --out it made (and any parent it made) is removed again; one that existed stays.
+the job with code 2, and any other error of one rank prints its traceback (rank and host)
+and aborts the job with code 1 before any teardown that would wait for the others. A command
+rejected before training starts leaves no directory it created: the --out it made (and any
+parent it made) is removed again; one that existed stays.
 """
 from __future__ import annotations
 
@@ -114,19 +117,20 @@ def _recipe_value_error(recipe: str, exc: Exception) -> BadInputError:
     return BadInputError(f"{recipe}: {exc}")
 
 
-def _train_or_abort(train, world):
-    """Run ``train()``; bad input found mid-run by some ranks only (a shard unreadable on
-    one node) aborts the job with exit code 2 at once, since the other ranks may be in a
-    collective. Errors every rank raised together (a checkpoint the disk had no room for) go
-    up to hpcdl/cli/main.py, which prints them once."""
+def _abort_unless_shared(exc: BaseException, world) -> None:
+    """An error this rank may have alone ends the job here, before any teardown that needs
+    the peers (a shared window freed, a barrier, a library finalized): they wait for this rank
+    in the step's collective. Bad input prints its one line and exits 2 (a shard unreadable
+    on one node), anything else its traceback, once, with rank and host, and exits 1. Errors
+    every rank raised together (a checkpoint the disk had no room for) return, for the caller
+    to re-raise up to hpcdl/cli/main.py, which prints them once."""
     from hpcdl.cli.main import report_bad_input
+    from hpcdl.debug.faults import abort_on_unshared_error
 
-    try:
-        return train()
-    except BadInputError as exc:
-        if not exc.agreed and world.Get_size() > 1:
-            report_bad_input(COMMAND, exc)  # MPI_Abort: does not return
-        raise
+    if isinstance(exc, BadInputError) and not exc.agreed and world.Get_size() > 1:
+        report_bad_input(COMMAND, exc)  # MPI_Abort ...
+        os._exit(EXIT_BAD_INPUT)  # ... which MPICH returns from once its launcher knows
+    abort_on_unshared_error(exc)
 
 
 @dataclass
@@ -197,7 +201,7 @@ def _resume_and_train(runner, resume: str, world, run_dir: RunDirectory,
         runner.resume(resume)
     run_dir.training = True
     try:
-        return _train_or_abort(runner.train, world)
+        return runner.train()
     except NonFiniteLossError as exc:
         log.error("%s", exc)
         if abort:
@@ -215,14 +219,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mpi4py import MPI
-
+    from hpcdl.debug.startup import import_mpi_within_bound
     from hpcdl.errors import agreed
     from hpcdl.train.config import load_recipe
     from hpcdl.train.launch import check_output_dir
     from hpcdl.train.trainer import require_ipex
 
-    world = MPI.COMM_WORLD
+    world = import_mpi_within_bound().COMM_WORLD  # MPI_Init, bounded (HPCDL_STARTUP_TIMEOUT_S)
     # Rank 0 looks before any rank can create --out: the others wait in this broadcast.
     run_dir = RunDirectory(world.bcast(first_missing_directory(args.out)
                                        if world.Get_rank() == 0 else None, root=0), args.out)
@@ -246,6 +249,7 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
     """``hpcdl train`` with one data-parallel trainer over every rank."""
     import hpcdl.comm
     from hpcdl.debug import Timeline, watch_collectives
+    from hpcdl.debug.stragglers import StragglerReport
     from hpcdl.errors import agreed
     from hpcdl.train.checkpoint import resume_layout
     from hpcdl.train.launch import setup_run_process
@@ -278,6 +282,9 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
                         f"--resume {args.resume}: the checkpoint in {args.out} was written by "
                         f"{layout.get('world_size')} ranks: {exc}") from exc
                 raise _recipe_value_error(args.recipe, exc) from exc
+        # each log interval, the rank the others waited for (two tiny allreduces)
+        trainer.after_step_hooks.append(
+            StragglerReport(comm, config.train.log_every_steps))
         summary = _resume_and_train(trainer, args.resume, world, run_dir)
         if isinstance(summary, int):
             return summary
@@ -286,7 +293,10 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
                      summary["stopped"], summary["steps"], summary["total_steps"],
                      summary["top1"], summary["wall_s"], summary["params_sha256"][:16])
         return exit_code(summary)
-    finally:
+    except BaseException as exc:
+        _abort_unless_shared(exc, world)
+        raise
+    finally:  # reached with an error only when every rank raised it
         if timeline is not None:
             timeline.save()
         if trainer is not None:
@@ -343,7 +353,10 @@ def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> 
                      ltfb.trainers, summary["top1"], summary["wall_s"],
                      summary["params_sha256"][:16])
         return exit_code(summary)
-    finally:
+    except BaseException as exc:
+        _abort_unless_shared(exc, world)
+        raise
+    finally:  # reached with an error only when every rank raised it
         if timeline is not None:
             timeline.save()
         runner.close()

@@ -3,15 +3,17 @@
     comm = hpcdl.comm.init("auto")          # or "mpi", "ring", "shm", "gloo", "ccl"
     comm.allreduce_(grads)                  # averaged in place, fused into flat buckets
 
-``init`` also installs fail-fast (hpcdl/debug/faults.py) unless ``fail_fast=False``: an uncaught
-exception on one rank prints that rank's traceback and aborts the whole job, instead of leaving
-the other ranks blocked in their next allreduce until the scheduler's time limit. And it installs
-the stall watchdog (hpcdl/debug/stall.py) unless ``watchdog=False``: a collective that waits
-``HPCDL_STALL_WARN_S`` (60 s) gets a report naming the ranks and hosts not heard from, one that
-waits ``HPCDL_STALL_ABORT_S`` (600 s) ends the job, and a rank whose MPI_Abort reaches no one
-ends itself ``HPCDL_STALL_EXIT_GRACE_S`` (10 s) later. The defaults are the trainer's: long
-enough for a checkpoint on a slow shared file system, short beside an allocation's hours; every
-entry point built on ``init`` (a user's own loop, the demo, LTFB, the benches) has it.
+``init`` runs under the start-up bound (hpcdl/debug/startup.py, ``HPCDL_STARTUP_TIMEOUT_S``, 300
+s), and so does MPI_Init when importing this package starts MPI. It also installs fail-fast
+(hpcdl/debug/faults.py) unless ``fail_fast=False``: an uncaught exception on one rank prints
+that rank's traceback and aborts the whole job, instead of leaving the other ranks blocked in
+their next allreduce until the scheduler's time limit. And it installs the stall watchdog
+(hpcdl/debug/stall.py) unless ``watchdog=False``: a collective that waits ``HPCDL_STALL_WARN_S``
+(60 s) gets a report naming the ranks and hosts not heard from, one that waits
+``HPCDL_STALL_ABORT_S`` (600 s) ends the job, and a rank whose MPI_Abort reaches no one ends
+itself ``HPCDL_STALL_EXIT_GRACE_S`` (10 s) later. The defaults are the trainer's: long enough
+for a checkpoint on a slow shared file system, short beside an allocation's hours; every entry
+point built on ``init`` (a user's own loop, the demo, LTFB, the benches) has it.
 
 Backends (one algorithm each): ``mpi`` (MPI_Allreduce), ``ring`` (bandwidth-optimal ring,
 Patarasuk & Yuan 2009), ``shm`` (hierarchical: node-shared-memory reduce-scatter, then
@@ -21,18 +23,27 @@ through ctypes).
 from __future__ import annotations
 
 import importlib
+import time
 
 import torch
-from mpi4py import MPI
 
-from hpcdl.comm.base import (
+from hpcdl.debug import import_mpi_within_bound
+
+MPI = import_mpi_within_bound()  # MPI_Init under the start-up bound (HPCDL_STARTUP_TIMEOUT_S)
+
+from hpcdl.comm.base import (  # noqa: E402 - after MPI_Init, which they need
     DEFAULT_BUCKET_BYTES,
     CollectiveMismatchError,
     Communicator,
 )
-from hpcdl.debug import install_fail_fast, watch_collectives
-from hpcdl.errors import BadInputError
-from hpcdl.topology import split_nodes
+from hpcdl.debug import (  # noqa: E402
+    injected_pause,
+    install_fail_fast,
+    startup_bound,
+    watch_collectives,
+)
+from hpcdl.errors import BadInputError  # noqa: E402
+from hpcdl.topology import split_nodes  # noqa: E402
 
 __all__ = ["BACKENDS", "BackendError", "CollectiveMismatchError", "Communicator",
            "auto_backend", "init"]
@@ -89,6 +100,19 @@ def init(backend: str = "auto", world: MPI.Intracomm | None = None,
     raises its own :class:`~hpcdl.errors.BadInputError` saying how to get it.
     """
     world = world if world is not None else MPI.COMM_WORLD
+    # Until the communicator exists (a shared window, oneCCL's or gloo's rendezvous, the
+    # stall watchdog's own allgather) nothing else watches this rank: bounded here.
+    with startup_bound(f"creating the {backend!r} communicator (hpcdl.comm.init)"):
+        return _init(backend, world, bucket_bytes, wire_dtype, ranks_per_node, fail_fast,
+                     watchdog)
+
+
+def _init(backend: str, world: MPI.Intracomm, bucket_bytes: int,
+          wire_dtype: torch.dtype | str | None, ranks_per_node: int | None, fail_fast: bool,
+          watchdog: bool) -> Communicator:
+    _, hold_s = injected_pause(MPI.COMM_WORLD.Get_rank(), "startup")
+    if hold_s:  # HPCDL_INJECT=RANK:startup:sleep=S: a rank held at start-up (tests)
+        time.sleep(hold_s)
     if fail_fast and MPI.COMM_WORLD.Get_size() > 1:
         # COMM_WORLD, not ``world``: a sub-communicator's abort must still end every rank.
         install_fail_fast(MPI.COMM_WORLD)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl.debug import NULL_MONITOR
+from hpcdl.debug import NULL_MONITOR, abort_on_unshared_error
 from hpcdl.env import env_flag, env_tristate
 from hpcdl.topology import ranks_per_node_from_env, split_nodes
 
@@ -420,9 +420,14 @@ class Communicator:
         return torch.empty(int(numel), dtype=dtype)
 
     def close(self) -> None:
-        """Free the duplicated communicators (idempotent). Collective over the world."""
+        """Free the duplicated communicators (idempotent). Collective over the world.
+
+        Called while this rank unwinds an error the others do not share, it prints the
+        traceback and aborts the job instead (the peers wait in a collective for this rank,
+        not in close)."""
         if self._closed:
             return
+        abort_on_unshared_error()
         self._closed = True
         self._staging.clear()
         try:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hpcdl.comm.base import yield_waits_in_this_thread
+from hpcdl.debug import abort_on_unshared_error
 
 __all__ = ["GradientReducer", "Bucket", "layout_buckets", "pack_gradient", "unpack_gradient",
            "DEFAULT_LAST_BUCKET_BYTES"]
@@ -343,7 +344,10 @@ class GradientReducer:
 
     def close(self) -> None:
         """Remove the hooks, stop the communication thread, and give each gradient that
-        views a bucket its own memory (idempotent)."""
+        views a bucket its own memory (idempotent). Unwinding an error the other ranks do
+        not share, it aborts the job first: the thread may wait in a collective for them."""
+        if self._thread is not None:
+            abort_on_unshared_error()
         for bucket in self.buckets:
             if bucket.buffer is not None:
                 for p in bucket.params:

@@ -5,6 +5,14 @@ until Slurm's time limit: hours of allocation for nothing. ``install_fail_fast``
 uncaught exception, in the main thread or the communication thread, print its traceback with
 the rank and then ``MPI_Abort`` the whole job with a non-zero code.
 
+A rank that raises inside a ``try``/``finally`` (or a ``with`` block) would run its teardown
+before the hook: freeing a shared-memory window, a barrier, finalizing a library -- each needs
+the peers, who wait in the step's collective for this rank, so the job hung to the stall abort
+and the traceback was never printed. Every teardown that needs peers therefore starts with
+``abort_on_unshared_error()``: a rank unwinding an error its peers do not share prints the
+traceback there, once, naming rank and host, and aborts the world; only an agreed end (success,
+or an error every rank raised together) goes on to the collective teardown.
+
 ``install_stack_dump`` lets a person look inside a hang without a debugger: ``SIGUSR2`` makes a
 rank write every thread's Python stack to its log (``faulthandler``), and ``HPCDL_DUMP=1`` at
 start makes every rank do so every ``HPCDL_DUMP_EVERY_S`` seconds (default 60) for launchers that
@@ -14,6 +22,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import socket
 import sys
@@ -25,9 +34,12 @@ from typing import Any, TextIO
 
 from hpcdl.debug.log import LOGGER_NAME, current_log_file, rank_prefix
 from hpcdl.env import env_flag, env_seconds
+from hpcdl.errors import BadInputError
 
 ABORT_EXIT_CODE = 1
 _dump_file: TextIO | None = None
+#: COMM_WORLD once fail-fast is installed (None: a caller that handles a dead rank itself)
+_abort_world: Any = None
 
 
 def format_rank_traceback(
@@ -80,11 +92,45 @@ def _report_and_abort(mpi_comm: Any, text: str, plain: str) -> None:
             pass
     sys.stderr.write(text)
     abort_after_output(mpi_comm, ABORT_EXIT_CODE)
+    os._exit(ABORT_EXIT_CODE)  # MPI_Abort returned (cut off from the launcher): end this rank
+
+
+def is_shared_error(exc: BaseException) -> bool:
+    """Whether every rank raises ``exc`` together, so the collective teardown may run:
+    ``SystemExit`` (a command's own exit, decided the same on every rank) and errors marked
+    ``agreed`` (:func:`hpcdl.errors.agree_on`, a non-finite loss agreed in the step)."""
+    return isinstance(exc, SystemExit) or bool(getattr(exc, "agreed", False))
+
+
+def abort_on_unshared_error(exc: BaseException | None = None) -> None:
+    """Called first by every teardown that needs peers. When this rank is unwinding an error
+    its peers do not share (``exc``, default the one being handled), print its traceback with
+    rank and host and abort the whole job: does not return. Otherwise (no error, an agreed
+    one, one rank, fail-fast not installed) return at once."""
+    world = _abort_world
+    if exc is None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, BadInputError):
+            # Bad input is checked alike on every rank, and a constructor that tears down
+            # on it (LTFB, oneCCL) runs inside the caller's ``agreed`` block, which agrees
+            # on it after the teardown; an entry point passes ``exc`` to decide itself.
+            return
+    if exc is None or world is None or is_shared_error(exc):
+        return
+    rank, size = world.Get_rank(), world.Get_size()
+    thread = threading.current_thread().name
+    info = (type(exc), exc, exc.__traceback__)
+    _report_and_abort(world, format_rank_traceback(rank, size, *info, thread),
+                      format_rank_traceback(rank, size, *info, thread, prefix_lines=False))
 
 
 def install_fail_fast(mpi_comm: Any) -> None:
-    """Abort the whole MPI job when any thread of this rank dies of an uncaught exception."""
+    """Abort the whole MPI job when any thread of this rank dies of an uncaught exception,
+    or reaches a teardown that needs peers while unwinding one (``abort_on_unshared_error``)."""
+    global _abort_world
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    if size > 1:
+        _abort_world = mpi_comm
 
     def on_main_exception(exc_type: type[BaseException], exc: BaseException,
                           tb: TracebackType | None) -> None:

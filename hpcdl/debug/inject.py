@@ -3,8 +3,10 @@
 ``RANK:SEQ:raise`` / ``RANK:SEQ:sleep=S`` act before a collective (hpcdl.debug.monitor);
 ``RANK:POINTN:sleep=S`` pauses rank RANK at a named point of its run, the N-th time it gets
 there (N defaults to 1): ``checkpoint`` (inside a checkpoint write, after the data and before
-the rename; hpcdl/train/checkpoint.py) and ``exit`` (before MPI_Finalize;
-hpcdl.debug.stall.guard_mpi_finalize). How the fault tests land a fault in those phases.
+the rename; hpcdl/train/checkpoint.py), ``exit`` (before MPI_Finalize;
+hpcdl.debug.stall.guard_mpi_finalize) and ``startup`` (inside ``hpcdl.comm.init``, before the
+communicator is created: a hold at start-up, hpcdl/debug/startup.py). How the fault tests
+land a fault in those phases.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from hpcdl.debug.log import LOGGER_NAME
 from hpcdl.env import env_text
 
 #: the named points a pause can be injected at
-NAMED_POINTS = ("checkpoint", "exit")
+NAMED_POINTS = ("checkpoint", "exit", "startup")
 _NAMED = re.compile(r"(\d+):([a-z]+)(\d*):sleep=([0-9.]+)")
 
 

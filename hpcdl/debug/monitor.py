@@ -27,6 +27,7 @@ from typing import Any
 from hpcdl.debug.inject import announce_injection, is_named_point
 from hpcdl.debug.log import COLLECTIVES_LOGGER, debug_enabled
 from hpcdl.debug.stall import (
+    IO_WAIT_S,
     StallWatchdog,
     default_heartbeat_dir,
     end_process,
@@ -110,6 +111,7 @@ class _Watch:
                  tb: object) -> bool:
         m = self.monitor
         dt = time.perf_counter() - self.t0
+        m.wait_s += dt  # (hpcdl/debug/stragglers.py: who the others waited for)
         m.state = (self.seq, self.name, self.meta, time.time(), False)
         if m.timeline is not None:
             bucket = self.meta.get("bucket")
@@ -131,6 +133,8 @@ class CollectiveMonitor:
                  injection: str = "") -> None:
         self.rank, self.size = rank, size
         self.seq = 0
+        self.wait_s = 0.0  # seconds spent inside watched collectives, summed
+        self.hosts: list[str] = []  # every rank's host (watch_collectives)
         now = time.time()
         self.state: tuple[int, str, dict, float, bool] = (0, "", {}, now, False)
         self.activity: tuple[str, float] = ("", now)
@@ -172,6 +176,7 @@ class CollectiveMonitor:
             time.sleep(seconds)
             self.note("")
             return
+        self.injection = None  # one fault: the teardown's own collectives must not raise again
         raise InjectedFault(f"HPCDL_INJECT: rank {self.rank} raises before collective #{seq} "
                             f"{name}")
 
@@ -179,7 +184,10 @@ class CollectiveMonitor:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog.join()
-            if self.owns_heartbeat_dir:  # a clean end leaves no temporary heartbeat behind
+            published = self.watchdog.wait_published(IO_WAIT_S)
+            # a clean end leaves no temporary heartbeat behind (a write still hanging might
+            # recreate it: then the folder stays)
+            if self.owns_heartbeat_dir and published:
                 _remove_quietly(self.watchdog.heartbeat_dir, self.rank)
             self.watchdog = None
 
@@ -218,6 +226,7 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
     monitor = CollectiveMonitor(comm.rank, comm.size,
                                 record=debug_enabled() if record is None else record,
                                 timeline=timeline, injection=env_text("HPCDL_INJECT"))
+    monitor.hosts = [host for host, _ in peers]
     from mpi4py import MPI
 
     announce_injection(MPI.COMM_WORLD.Get_rank())  # parsed above: a bad value raised there

@@ -7,8 +7,9 @@ them), and the rank we most need to hear from is exactly the one that is *not* c
 sleeping, decoding JPEGs or stuck in Python). A heartbeat file is written by that rank's own
 watchdog thread, which keeps running while the main thread sleeps; it survives the job's abort,
 so a person can ``cat`` it afterwards. To keep the file system quiet, a rank writes its file only
-when its state has been unchanged for ``quiet_s`` (a healthy rank never does) -- every rank of a
-stalled job is quiet, so every one has published by the time the warning fires.
+when its state has been unchanged for ``quiet_s`` (a healthy rank never does), and at most once
+per ``beat_s`` (10 s by default) however often it goes quiet -- every rank of a stalled job is
+quiet, so every one has published by the time the warning fires.
 
 While a rank is quiet (in a collective, or busy outside one) its watchdog rewrites the file every
 ``beat_s`` with the time of writing (``beat``). That is how a waiting rank tells, without a
@@ -25,6 +26,13 @@ thread's stack) next to its heartbeat, calls ``MPI_Abort`` on a thread, and if i
 alive ``exit_grace_s`` later -- MPICH's MPI_Abort returns once it has told the local launcher
 proxy, and a proxy that is frozen or cut off from ``mpiexec`` never kills anyone -- it kills its
 own child processes and calls ``os._exit`` with the same code. Nothing outlives the job.
+
+The watchdog decides from memory: its clock, the monitor's state tuple, and the peers' hosts
+from start-up. Everything that touches a file system -- writing the heartbeat, reading the
+peers', the dump, a log line to ``RUN_DIR/logs`` -- runs on a short-lived thread of its own
+that the deciding thread waits for at most ``IO_WAIT_S`` (a heartbeat write: not at all). A run
+directory whose file system stops answering (a Lustre hang: ``open()`` blocks, nothing fails)
+then costs the report its peers' heartbeats and the dump, never the abort.
 
 The fast path (``hpcdl.debug.monitor``) only stores a tuple per collective; this module's thread
 does the rest. The report logic is pure functions over heartbeat dicts (unit-testable).
@@ -53,8 +61,30 @@ DEFAULT_WARN_S = float(VARIABLES["HPCDL_STALL_WARN_S"].default)
 DEFAULT_ABORT_S = float(VARIABLES["HPCDL_STALL_ABORT_S"].default)
 #: Seconds MPI_Abort gets to end this rank before it ends itself (HPCDL_STALL_EXIT_GRACE_S).
 DEFAULT_EXIT_GRACE_S = float(VARIABLES["HPCDL_STALL_EXIT_GRACE_S"].default)
-#: MPI_Abort error code of a stall abort (an uncaught exception aborts with 1).
-STALL_EXIT_CODE = 3
+#: MPI_Abort error code of a stall abort: an uncaught exception aborts with 1, bad input 2, a
+#: non-finite loss 3 (hpcdl/train/trainer.py), a signal's checkpoint-and-stop 75.
+STALL_EXIT_CODE = 4
+#: Seconds the deciding thread waits for a file-system step (reading heartbeats, a dump, a log
+#: line) before it goes on without it: a hung file system must not hold the abort.
+IO_WAIT_S = 2.0
+
+
+def run_bounded(work: Any, timeout_s: float, name: str = "hpcdl-watchdog-io") -> bool:
+    """Run ``work()`` on a daemon thread and wait at most ``timeout_s``; True when it finished
+    (its exceptions are swallowed: best effort). A thread stuck in a hung file system stays
+    behind, blocked, until the process ends."""
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - best effort: the caller goes on without it
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return done.wait(timeout_s) if timeout_s > 0 else False
 
 
 @dataclass(frozen=True)
@@ -180,7 +210,7 @@ def describe_rank_state(beat: Mapping[str, Any] | None, now: float) -> str:
         where += f" (bucket {beat['bucket']})"
     text = f"{where} {now - float(beat['since']):.1f} s ago"
     if beat.get("blocked_in") and not beat.get("in_collective"):
-        text += f"; now blocked in MPI {beat['blocked_in']}"
+        text += f"; now blocked in {blocked_label(beat['blocked_in'])}"
     if beat.get("activity"):
         text += f"; then: {beat['activity']} ({now - float(beat['activity_since']):.1f} s ago)"
     return f"{text} [host {beat.get('host', '?')} pid {beat.get('pid', '?')}]"
@@ -258,7 +288,7 @@ def classify_peers(rank: int, size: int, seq: int | None,
             kinds["gone" if visible and now - since > stale_s else "unheard"].append(r)
         elif now - max(last_heard(beat), since) > stale_s:
             kinds["gone"].append(r)
-        elif beat.get("in_collective") or beat.get("blocked_in") or \
+        elif beat.get("in_collective") or _in_mpi(beat) or \
                 (seq is not None and int(beat["seq"]) >= seq):
             # Alive and inside a collective -- ours, an earlier one, or a later one it reached
             # because its share of ours left it (an eager send into a dead link completes on
@@ -269,6 +299,12 @@ def classify_peers(rank: int, size: int, seq: int | None,
         else:
             kinds["busy"].append(r)
     return kinds
+
+
+def _in_mpi(beat: Mapping[str, Any]) -> bool:
+    """Blocked in a raw MPI call (not in a file-system one: that rank is stuck, not waiting)."""
+    what = beat.get("blocked_in")
+    return bool(what) and not str(what).startswith(FILE_PREFIX)
 
 
 def _ranks_on_hosts(ranks: Sequence[int], hosts: Sequence[str], max_hosts: int = 8) -> str:
@@ -332,11 +368,25 @@ BLOCKING_CALLS = frozenset({
     "Wait", "Waitall", "waitall", "Waitany", "Dup", "Split", "Split_type", "Create",
     "all_reduce", "all_gather", "broadcast", "monitored_barrier",
 })
+#: File-system calls a thread hangs in when its file system stops answering (a Lustre hang:
+#: nothing fails, ``open``/``write`` never return): a log line, metrics, a checkpoint, a
+#: heartbeat. Past the thresholds they are reported and end the job like a blocked MPI call.
+FILE_CALLS = frozenset({
+    "open", "write", "writelines", "flush", "fsync", "fdatasync", "replace", "rename",
+    "makedirs", "mkdir", "unlink", "remove", "rmdir", "truncate", "stat", "listdir", "scandir",
+})
+FILE_PREFIX = "file system: "
+
+
+def blocked_label(what: str) -> str:
+    """How a report names a blocked call: ``MPI bcast at ...`` or ``file system: write at``."""
+    return what if what.startswith(FILE_PREFIX) else f"MPI {what}"
 
 
 def blocked_call(frame: Any) -> str | None:
     """``"bcast at hpcdl/train/trainer.py:681"`` when ``frame`` -- a thread's newest Python
-    frame -- is inside a C call named in :data:`BLOCKING_CALLS`, else None.
+    frame -- is inside a C call named in :data:`BLOCKING_CALLS` (``"file system: write at
+    ..."`` for one in :data:`FILE_CALLS`), else None.
 
     A call into C code opens no Python frame, so the instruction the frame stopped at *is* the
     call; its source span (``co_positions``, Python >= 3.11) names the callee."""
@@ -349,12 +399,12 @@ def blocked_call(frame: Any) -> str | None:
         return None
     text = linecache.getline(code.co_filename, line)[col:]
     name = text.split("(", 1)[0].rsplit(".", 1)[-1].strip()
-    if name not in BLOCKING_CALLS:
+    if name not in BLOCKING_CALLS and name not in FILE_CALLS:
         return None
     path = code.co_filename
     short = path[path.rfind("hpcdl" + os.sep):] if ("hpcdl" + os.sep) in path else \
         os.path.basename(path)
-    return f"{name} at {short}:{line}"
+    return f"{FILE_PREFIX if name in FILE_CALLS else ''}{name} at {short}:{line}"
 
 
 def kill_child_processes() -> list[int]:
@@ -445,7 +495,8 @@ class StallWatchdog(threading.Thread):
         self.hosts = list(hosts) if hosts else [self.host if r == monitor.rank else "?"
                                                 for r in range(monitor.size)]
         self._stop_event = threading.Event()
-        self._published: tuple | None = None
+        self._writer: threading.Thread | None = None
+        self._unanswered = False  # the heartbeat directory did not answer a read in time
         self._written_at = 0.0
         self._warned: tuple[int, str, float] | None = None  # (seq, name, since) of the warning
         self._warned_seq = -1
@@ -465,6 +516,11 @@ class StallWatchdog(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
+        # One beat at start: the directory then holds every live rank of every host it can
+        # see, so a rank frozen before it was ever quiet reads as "gone" (its beat went
+        # stale), not "not heard from" (which says: another host's directory).
+        if self.heartbeat_dir:
+            self._publish(self.heartbeat())
         while not self._stop_event.wait(self.poll_s):
             try:
                 self.tick(time.time())
@@ -483,13 +539,15 @@ class StallWatchdog(threading.Thread):
 
     def tick(self, now: float) -> None:
         m = self.monitor
-        state = (m.state, m.activity, self._blocked_what)
         last_change = max(m.state[3], m.activity[1])
         quiet = now - last_change >= self.quiet_s
-        if self.heartbeat_dir and quiet and (state != self._published
-                                             or now - self._written_at >= self.beat_s):
-            write_heartbeat(self.heartbeat_dir, self.heartbeat(now))
-            self._published, self._written_at = state, now
+        # At most one write per beat_s per rank, changed or not: a step with a collective-free
+        # gap (a slow batch, an evaluation) would otherwise have every rank create and rename
+        # a file in one directory -- 2,048 per such step. A stall is reported after warn_s
+        # >= quiet_s + beat_s, by when the file holds the stalled state.
+        if self.heartbeat_dir and quiet and now - self._written_at >= self.beat_s:
+            self._publish(self.heartbeat(now))
+            self._written_at = now
         seq, name, _, since, in_collective = m.state
         self._note_stall_over(seq, in_collective, since, now)
         if not in_collective:
@@ -508,6 +566,38 @@ class StallWatchdog(threading.Thread):
             self._aborting = True
             text = self._report(seq, name, waited, now, logging.CRITICAL)
             self._end_job(f"#{seq} {name}", seq, waited, since, now, text)
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        """Write the heartbeat on a thread of its own; none while the last one still hangs
+        (a file system that stopped answering: the peers then see this rank's beat go stale)."""
+        if self._writer is not None and self._writer.is_alive():
+            return
+        self._writer = threading.Thread(target=self._write_quietly, args=(record,),
+                                        name="hpcdl-heartbeat-write", daemon=True)
+        self._writer.start()
+
+    def wait_published(self, timeout_s: float | None = None) -> bool:
+        """Wait for the heartbeat write in flight (a clean stop, tests); True when none is."""
+        writer = self._writer
+        if writer is not None:
+            writer.join(timeout_s)
+        return writer is None or not writer.is_alive()
+
+    def _write_quietly(self, record: dict[str, Any]) -> None:
+        try:
+            write_heartbeat(self.heartbeat_dir, record)
+        except OSError:  # a full or gone file system: the next beat tries again
+            pass
+
+    def _unanswered_note(self) -> str:
+        return (f"\n  (the heartbeat directory {self.heartbeat_dir} did not answer within "
+                f"{IO_WAIT_S:g} s: a hung file system? decided without the peers' heartbeats)"
+                if self._unanswered else "")
+
+    def _log(self, level: int, text: str) -> None:
+        """Log ``text`` (terminal first, then this rank's file), waiting at most IO_WAIT_S:
+        a log file on a hung file system blocks its writer, not the watchdog."""
+        run_bounded(lambda: logging.getLogger(LOGGER_NAME).log(level, "%s", text), IO_WAIT_S)
 
     def _watch_main_thread(self, now: float) -> None:
         """Outside the communicator's collectives: is the main thread blocked in a raw MPI
@@ -535,14 +625,14 @@ class StallWatchdog(threading.Thread):
         if t.abort_s and waited >= t.abort_s and not self._aborting:
             self._aborting = True
             text = self._report_blocked(what, waited, now, logging.CRITICAL)
-            self._end_job(f"MPI {what}", None, waited, self._blocked_since, now, text)
+            self._end_job(blocked_label(what), None, waited, self._blocked_since, now, text)
 
     def _note_blocked_over(self, ended: float) -> None:
         """A warned raw MPI call that returned after all: slow, not dead."""
         if self._blocked_warned:
-            logging.getLogger(LOGGER_NAME).warning(
-                "stall over: MPI %s completed after %.1f s (slow, not dead)",
-                self._blocked_what, ended - self._blocked_since)
+            self._log(logging.WARNING, f"stall over: {blocked_label(self._blocked_what)} "
+                                       f"completed after "
+                                       f"{ended - self._blocked_since:.1f} s (slow, not dead)")
 
     def _note_stall_over(self, seq: int, in_collective: bool, since: float, now: float) -> None:
         """A warned collective that completed after all: slow is not dead -- say so."""
@@ -551,13 +641,20 @@ class StallWatchdog(threading.Thread):
         wseq, wname, wsince = self._warned
         self._warned = None
         ended = since if seq == wseq else now  # the monitor stamps the end of each collective
-        logging.getLogger(LOGGER_NAME).warning(
-            "stall over: collective #%d %s completed after %.1f s (slow, not dead)",
-            wseq, wname, ended - wsince)
+        self._log(logging.WARNING, f"stall over: collective #{wseq} {wname} completed after "
+                                   f"{ended - wsince:.1f} s (slow, not dead)")
 
     def _beats(self, now: float) -> dict[int, dict[str, Any]]:
+        """Every rank's heartbeat as far as the directory answers within IO_WAIT_S (else
+        only this rank's own, from memory)."""
         m = self.monitor
-        beats = read_heartbeats(self.heartbeat_dir, m.size, self.job) if self.heartbeat_dir else {}
+        found: dict[int, dict[str, Any]] = {}
+        if self.heartbeat_dir and not run_bounded(
+                lambda: found.update(read_heartbeats(self.heartbeat_dir, m.size, self.job)),
+                IO_WAIT_S, "hpcdl-heartbeat-read"):
+            found = {}
+            self._unanswered = True
+        beats = dict(found)
         beats[m.rank] = self.heartbeat(now)  # our own state is always current
         return beats
 
@@ -570,12 +667,13 @@ class StallWatchdog(threading.Thread):
         line = (f"stall: aborting the job (MPI_Abort {code}) after {waited:.1f} s > "
                 f"HPCDL_STALL_ABORT_S={self.thresholds.abort_s:g} in {where} on rank "
                 f"{m.rank} ({self.host}); {verdict}")
-        self._write_dump(line, report)
-        # In the rank's log file as well: MPI_Abort may kill the launcher before it has
-        # forwarded the last lines of stderr, and the file is what stays.
-        logging.getLogger(LOGGER_NAME).critical("%s", line)
-        if m.rank != 0:  # (rank 0's logger already prints to the terminal)
+        if m.rank != 0:  # (rank 0's logger prints to the terminal)
             self._say(line)
+        # In the dump and the rank's log file as well: MPI_Abort may kill the launcher before
+        # it has forwarded the last lines of stderr, and the files are what stays -- when
+        # their file system answers within IO_WAIT_S.
+        run_bounded(lambda: self._write_dump(line, report), IO_WAIT_S, "hpcdl-stall-dump")
+        self._log(logging.CRITICAL, line)
         self.reports.append(report)
         if self.exit_process is None:
             self.abort(code)
@@ -589,9 +687,9 @@ class StallWatchdog(threading.Thread):
         last = (f"stall: MPI_Abort did not end rank {m.rank} ({self.host}) within "
                 f"HPCDL_STALL_EXIT_GRACE_S={self.thresholds.exit_grace_s:g} s (its launcher is "
                 f"frozen or out of reach); the rank ends itself with exit {code}")
-        self._write_dump(line, report, last)
-        logging.getLogger(LOGGER_NAME).critical("%s", last)
         self._say(last)
+        run_bounded(lambda: self._write_dump(line, report, last), IO_WAIT_S, "hpcdl-stall-dump")
+        self._log(logging.CRITICAL, last)
         self.exit_process(code)
 
     def _say(self, line: str) -> None:
@@ -631,7 +729,8 @@ class StallWatchdog(threading.Thread):
             text = format_stall_report(m.rank, m.size, seq, name, waited, beats, now)
             text += "\n  verdict: " + stall_verdict(m.rank, m.size, seq, beats, self.hosts, now,
                                                    self.stale_s, m.state[3])
-        logging.getLogger(LOGGER_NAME).log(level, "%s", text)
+            text += self._unanswered_note()
+        self._log(level, text)
         # Every waiting rank logs the report to its file; only the lowest waiting rank puts it
         # on the terminal, so 2,047 copies do not bury it.
         # (rank 0's logger already prints to the terminal.)
@@ -646,16 +745,16 @@ class StallWatchdog(threading.Thread):
         m = self.monitor
         beats = self._beats(now)
         others = [r for r in range(m.size) if r != m.rank]
-        lines = [f"stall: rank {m.rank} has waited {waited:.1f} s in MPI {what} (outside the "
-                 f"communicator's collectives)"]
+        lines = [f"stall: rank {m.rank} has waited {waited:.1f} s in {blocked_label(what)} "
+                 f"(outside the communicator's collectives)"]
         lines += [f"  rank {r}: {describe_rank_state(beats.get(r), now)}"
                   for r in others[:max_listed]]
         if len(others) > max_listed:
             lines.append(f"  ... and {len(others) - max_listed} more (see the heartbeats)")
         lines.append("  verdict: " + stall_verdict(m.rank, m.size, None, beats, self.hosts,
                                                    now, self.stale_s, self._blocked_since))
-        text = "\n".join(lines)
-        logging.getLogger(LOGGER_NAME).log(level, "%s", text)
+        text = "\n".join(lines) + self._unanswered_note()
+        self._log(level, text)
         blocked = [r for r, b in beats.items() if b.get("blocked_in") or b.get("in_collective")]
         if m.rank != 0 and m.rank == min(blocked, default=m.rank):
             self._say(text)

@@ -142,6 +142,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 
     import hpcdl.comm
     from hpcdl.debug import (
+        abort_on_unshared_error,
         install_fail_fast,
         install_stack_dump,
         setup_rank_logging,
@@ -192,6 +193,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         summary["run_dir"] = run_dir
         return summary
     finally:
+        abort_on_unshared_error()  # an error of this rank alone: end the job, no barrier
         if trainer is not None:
             trainer.close()
         with watch_region(comm, "final barrier"):

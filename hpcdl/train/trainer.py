@@ -54,6 +54,8 @@ EXIT_STOPPED_BY_SIGNAL = 75
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf on some rank; the run stops without stepping."""
 
+    agreed = True  # raised on every rank at the same step: the collective teardown may run
+
     def __init__(self, step: int, loss: float) -> None:
         super().__init__(f"non-finite loss ({loss}) at step {step}: stopping before the optimizer "
                          f"step; the last good checkpoint is kept (lower the learning rate or "

@@ -27,6 +27,15 @@ SCRIPT = REPO / "tests" / "cluster" / "cluster.sh"
 VENVS = Path(os.environ.get("HPCDL_MPI_VENVS", REPO / ".mpi-venvs"))
 
 
+def slurm_missing() -> str | None:
+    """Why Slurm cannot run on the test cluster here (None: it can)."""
+    for binary in ("munged", "slurmctld", "slurmd", "sbatch"):
+        if shutil.which(binary) is None:
+            return (f"{binary} not found (apt-get install munge slurmctld slurmd slurm-client; "
+                    f".ci/run installs them)")
+    return None
+
+
 def cannot_make_hosts() -> str | None:
     if os.geteuid() != 0:
         return "the test cluster needs root (network, UTS and mount namespaces)"

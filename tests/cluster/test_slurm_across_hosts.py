@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from cluster_hosts import REPO, VENVS, job_field, on_controller, require_mpi
+from cluster_hosts import REPO, VENVS, job_field, on_controller, require_mpi, slurm_missing
 
 DEMO_RECIPE = REPO / "recipes" / "demo_fmnist.yaml"
 # The demo recipe scaled to tiny data: 180 images in 6 equal shards, so 1, 2 and 3 hosts each
@@ -29,10 +28,9 @@ TRAIN_ARGS = ("--deterministic", "--no-eval", "--no-progress")
 
 @pytest.fixture(scope="module")
 def slurm(cluster):
-    for binary in ("munged", "slurmctld", "slurmd", "sbatch"):
-        if shutil.which(binary) is None:
-            pytest.skip(f"{binary} not found (apt-get install munge slurmctld slurmd "
-                        "slurm-client; .ci/run installs them)")
+    missing = slurm_missing()
+    if missing:
+        pytest.skip(missing)
     cluster.script("slurm", "up", timeout=120)
     return cluster
 
