@@ -325,13 +325,7 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise read_error(name, exc) from None
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {name} is corrupt ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"checkpoint {path} is not an hpcdl checkpoint (format {found!r}, "
-                              f"expected {CHECKPOINT_FORMAT!r})")
-    missing = [k for k in _MANIFEST_REQUIRED if k not in manifest]
-    if missing:
-        raise CheckpointError(f"checkpoint {name} is incomplete: missing {missing}")
+    _check_format(manifest, CHECKPOINT_FORMAT, _MANIFEST_REQUIRED, path, name)
     if manifest["digest"] != _digest(manifest):
         raise CheckpointError(f"checkpoint {name} is corrupt: its content does not match its "
                               f"sha256 digest (flipped or torn bytes)")
@@ -391,14 +385,21 @@ def _load_legacy(path: str, mmap: bool = False) -> dict[str, Any]:
 
 def check_legacy(state: Any, path: str) -> dict[str, Any]:
     """``state`` when it is a single-file checkpoint, else a :class:`CheckpointError`."""
-    if not isinstance(state, dict) or state.get("format") != LEGACY_FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"checkpoint {path} is not an hpcdl checkpoint (format {found!r}, "
-                              f"expected {CHECKPOINT_FORMAT!r})")
-    missing = [k for k in _REQUIRED if k not in state]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete: missing {missing}")
+    _check_format(state, LEGACY_FORMAT, _REQUIRED, path, path)
     return state
+
+
+def _check_format(record: Any, expected: str, required: tuple[str, ...], path: str,
+                  name: str) -> None:
+    """``record`` (a manifest, or a single-file checkpoint) is of format ``expected`` and has
+    every ``required`` key, else a :class:`CheckpointError` naming ``path`` / ``name``."""
+    if not isinstance(record, dict) or record.get("format") != expected:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise CheckpointError(f"checkpoint {path} is not an hpcdl checkpoint (format {found!r}, "
+                              f"expected {expected!r})")
+    missing = [k for k in required if k not in record]
+    if missing:
+        raise CheckpointError(f"checkpoint {name} is incomplete: missing {missing}")
 
 
 def read_file(path: str) -> bytearray:
