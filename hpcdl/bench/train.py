@@ -278,32 +278,6 @@ def own_comm_stepper(world, config, loader, bucket_bytes: int, backend: str,
         comm.close()
 
 
-def ddp_process_group(mpi_comm):
-    """``init_process_group("gloo")`` with its rendezvous carried over MPI: rank 0 opens a
-    TCPStore on a free port and broadcasts the address (no MASTER_ADDR/PORT by hand)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from hpcdl.comm.gloo import rendezvous_host
-
-    timeout = datetime.timedelta(minutes=10)
-    if mpi_comm.rank == 0:
-        host = rendezvous_host()
-        # wait_for_workers=False: the workers learn the port only from the broadcast below.
-        store = dist.TCPStore(host, 0, mpi_comm.size, True, timeout=timeout,
-                              wait_for_workers=False)
-        address = (host, store.port)
-    else:
-        address = None
-    host, port = mpi_comm.bcast(address, root=0)
-    if mpi_comm.rank != 0:
-        store = dist.TCPStore(host, port, mpi_comm.size, False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=mpi_comm.rank,
-                            world_size=mpi_comm.size, timeout=timeout)
-    return store
-
-
 def effective_memory_format(requested: str, threads: int) -> str:
     """The layout every mode really uses: the Trainer's rule (hpcdl/train/trainer.py,
     ``_memory_format``) falls back to contiguous on one thread, and DDP must match it."""
@@ -317,11 +291,12 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from hpcdl.comm.gloo import init_process_group_over_mpi
     from hpcdl.data import normalize
     from hpcdl.models import create_model
     from hpcdl.optim import create_optimizer, create_schedule, set_learning_rate
 
-    store = ddp_process_group(mpi_comm)
+    store = init_process_group_over_mpi(mpi_comm)
     try:
         layout = effective_memory_format(
             "channels_last" if config.train.channels_last else "contiguous",
