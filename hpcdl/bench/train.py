@@ -11,7 +11,8 @@ Three modes on the same ranks, model, batch and threads, taking turns (``--round
   group (rendezvous over MPI) with the same model and LARS (``vs_ddp_gloo``, goal ≥ 1.05);
 - ``horovod`` (asked for by name): the same model and LARS under ``hvd.DistributedOptimizer``
   (``vs_horovod``), where ``horovod.torch`` imports; elsewhere the mode is dropped and the
-  JSON's ``absent_modes`` says why (Horovod is a baseline, never an hpcdl dependency);
+  JSON's ``absent_modes`` says why (Horovod is a baseline, never an hpcdl dependency; both
+  baselines live in hpcdl/bench/baselines.py);
 - ``ours@BACKEND`` (e.g. ``ours@gloo``): ``ours`` on a communicator of that backend, so
   hpcdl's overlap can be compared with DDP on the same transport;
 - ``ours_bf16`` (asked for by name): ``ours`` with bf16 gradients on the wire
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import statistics
 import sys
@@ -49,6 +49,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hpcdl.bench.baselines import (
+    Stepper,
+    ddp_stepper,
+    effective_memory_format,
+    horovod_missing,
+    horovod_stepper,
+)
 from hpcdl.cpus import bf16_supported, retain_freed_memory
 
 COMMAND = "train"
@@ -191,10 +198,8 @@ def bench_config(args: argparse.Namespace, ranks: int):
 
 
 # -- timing -------------------------------------------------------------------------------------
-# Each mode is a "stepper": a function that takes one batch, runs one optimizer step, and
-# returns the seconds it waited for communication (None where that is not separable). Every
-# mode stays built for the whole run, so the modes can take turns (see time_rounds).
-Stepper = Callable[[Any], "float | None"]
+# Each mode is a Stepper (hpcdl/bench/baselines.py). Every mode stays built for the whole
+# run, so the modes can take turns (see time_rounds).
 
 
 @contextlib.contextmanager
@@ -276,110 +281,6 @@ def own_comm_stepper(world, config, loader, bucket_bytes: int, backend: str,
                 trainer.close()
     finally:
         comm.close()
-
-
-def effective_memory_format(requested: str, threads: int) -> str:
-    """The layout every mode really uses: the Trainer's rule (hpcdl/train/trainer.py,
-    ``_memory_format``) falls back to contiguous on one thread, and DDP must match it."""
-    return "channels_last" if requested == "channels_last" and threads > 1 else "contiguous"
-
-
-@contextlib.contextmanager
-def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
-    """The same step written the way a PyTorch user would: DDP(model) on gloo, LARS."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from hpcdl.comm.gloo import init_process_group_over_mpi
-    from hpcdl.data import normalize
-    from hpcdl.models import create_model
-    from hpcdl.optim import create_optimizer, create_schedule, set_learning_rate
-
-    store = init_process_group_over_mpi(mpi_comm)
-    try:
-        layout = effective_memory_format(
-            "channels_last" if config.train.channels_last else "contiguous",
-            torch.get_num_threads())
-        memory_format = (torch.channels_last if layout == "channels_last"
-                         else torch.contiguous_format)
-        kw = {k: v for k, v in config.model.items() if k != "name"}
-        model = create_model(config.model["name"], **kw).to(memory_format=memory_format)
-        # Held in a dict so it can be dropped before its process group is destroyed.
-        held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}
-        schedule = create_schedule(config.schedule, total_steps, total_steps)
-        optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
-        criterion = torch.nn.CrossEntropyLoss()
-        steps = itertools.count()
-
-        def step(batch) -> None:
-            images, labels = batch
-            set_learning_rate(optimizer, schedule(next(steps)))
-            optimizer.zero_grad(set_to_none=True)
-            inputs = normalize(images).contiguous(memory_format=memory_format)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.train.bf16):
-                loss = criterion(held["ddp"](inputs), labels)
-            loss.backward()
-            optimizer.step()
-            # DDP waits for its allreduces inside backward(): not separable from compute.
-            return None
-
-        yield step
-        held.clear()
-    finally:
-        dist.destroy_process_group()
-        mpi_comm.Barrier()  # rank 0's store outlives every peer's last use of it
-        del store
-
-
-def horovod_missing() -> str | None:
-    """Why the ``horovod`` mode cannot run here, or None. Horovod is a baseline of the bench,
-    never a dependency of hpcdl: it is built from source into a bench environment."""
-    try:
-        import horovod.torch  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a build that fails to load
-        return (f"horovod.torch not importable ({type(exc).__name__}: {exc}); build it into a "
-                "bench venv: docs/performance.md, 'Training step across hosts'")
-    return None
-
-
-@contextlib.contextmanager
-def horovod_stepper(config, total_steps: int) -> Iterator[Stepper]:
-    """The same step the way a Horovod user writes it (Sergeev & Del Balso 2018):
-    ``hvd.DistributedOptimizer`` around LARS, Horovod's own defaults (fusion buffer, cycle
-    time, MPI underneath), parameters broadcast from rank 0."""
-    import horovod.torch as hvd
-    import torch
-
-    from hpcdl.data import normalize
-    from hpcdl.models import create_model
-    from hpcdl.optim import create_optimizer, create_schedule, set_learning_rate
-
-    hvd.init()
-    try:
-        kw = {k: v for k, v in config.model.items() if k != "name"}
-        model = create_model(config.model["name"], **kw)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        schedule = create_schedule(config.schedule, total_steps, total_steps)
-        optimizer = hvd.DistributedOptimizer(
-            create_optimizer(config.optimizer, model, lr=schedule(0)),
-            named_parameters=model.named_parameters())
-        criterion = torch.nn.CrossEntropyLoss()
-        steps = itertools.count()
-
-        def step(batch) -> None:
-            images, labels = batch
-            set_learning_rate(optimizer, schedule(next(steps)))
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.train.bf16):
-                loss = criterion(model(normalize(images)), labels)
-            loss.backward()
-            optimizer.step()   # waits for Horovod's allreduces: not separable from compute
-            return None
-
-        yield step
-    finally:
-        hvd.shutdown()
 
 
 # -- what a step costs the host, read from the operating system --------------------------------
