@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hpcdl.cpus import bf16_supported, cpu_model_name
+from hpcdl.cpus import bf16_supported, cpu_capability, cpu_model_name
 from hpcdl.io import atomic_write_text
 
 
@@ -40,7 +40,7 @@ def machine_info(ranks: int = 1) -> dict[str, Any]:
     return {
         "cpu": cpu_model(),
         # AVX2 vs AVX512 (and bf16) changes every kernel's speed and rounding: always record it.
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": cpu_capability(),
         "bf16_native": bf16_supported(),   # False: bf16 autocast is emulated (slow) here
         "cores": os.cpu_count(),
         "ranks": ranks,

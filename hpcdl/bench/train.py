@@ -56,7 +56,8 @@ from hpcdl.bench.baselines import (
     horovod_missing,
     horovod_stepper,
 )
-from hpcdl.cpus import bf16_supported, retain_freed_memory
+from hpcdl.cpus import bf16_supported, cpu_capability, retain_freed_memory
+from hpcdl.host import nic_bytes, thread_cpu_s
 
 COMMAND = "train"
 HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
@@ -284,32 +285,6 @@ def own_comm_stepper(world, config, loader, bucket_bytes: int, backend: str,
 
 
 # -- what a step costs the host, read from the operating system --------------------------------
-def nic_bytes(nic: str) -> tuple[int, int] | None:
-    """(sent, received) bytes of ``nic`` since boot, from this host's sysfs; None without it."""
-    base = f"/sys/class/net/{nic}/statistics"
-    try:
-        with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
-            return int(tx.read()), int(rx.read())
-    except (OSError, ValueError):
-        return None
-
-
-def thread_cpu_s(native_ids: list[int]) -> float:
-    """CPU seconds (user + system) the threads ``native_ids`` of this process have used:
-    fields 14 and 15 of ``/proc/self/task/TID/stat``, in clock ticks (proc(5))."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for tid in native_ids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                # the name (field 2) may hold spaces: fields are counted after its ')'
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            continue
-    return total / tick
-
-
 def comm_thread_ids() -> list[int]:
     """The reducers' communication threads (GradientReducer names them ``hpcdl-reducer``)."""
     import threading
@@ -628,14 +603,12 @@ def hosts_note(hosts: list[tuple[str, str | None]], nic: str) -> dict[str, Any]:
 
 def bf16_skip_reason() -> str | None:
     """Why ``--bf16`` cannot be measured here, or None: emulated bf16 would time the emulation."""
-    import torch
-
     from hpcdl.results import cpu_model
 
     if bf16_supported():
         return None
     return (f"hpcdl bench train --bf16: skipped: this CPU ({cpu_model()}, torch capability "
-            f"{torch.backends.cpu.get_cpu_capability()}) has no native bf16 (AVX512-BF16 or "
+            f"{cpu_capability()}) has no native bf16 (AVX512-BF16 or "
             "AMX); run it on a Cooper Lake, Sapphire Rapids or Zen 4 node")
 
 
