@@ -71,7 +71,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -325,13 +325,7 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise read_error(name, exc) from None
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {name} is corrupt ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"checkpoint {path} is not an hpcdl checkpoint (format {found!r}, "
-                              f"expected {CHECKPOINT_FORMAT!r})")
-    missing = [k for k in _MANIFEST_REQUIRED if k not in manifest]
-    if missing:
-        raise CheckpointError(f"checkpoint {name} is incomplete: missing {missing}")
+    _check_record(manifest, CHECKPOINT_FORMAT, _MANIFEST_REQUIRED, path, name)
     if manifest["digest"] != _digest(manifest):
         raise CheckpointError(f"checkpoint {name} is corrupt: its content does not match its "
                               f"sha256 digest (flipped or torn bytes)")
@@ -391,14 +385,22 @@ def _load_legacy(path: str, mmap: bool = False) -> dict[str, Any]:
 
 def check_legacy(state: Any, path: str) -> dict[str, Any]:
     """``state`` when it is a single-file checkpoint, else a :class:`CheckpointError`."""
-    if not isinstance(state, dict) or state.get("format") != LEGACY_FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    _check_record(state, LEGACY_FORMAT, _REQUIRED, path, path)
+    return state
+
+
+def _check_record(record: Any, fmt: str, required: Iterable[str], path: str,
+                  name: str) -> None:
+    """A :class:`CheckpointError` unless ``record`` is a dict of format ``fmt`` holding every
+    ``required`` key; a wrong format names ``path`` and the current format, a missing key
+    ``name``."""
+    if not isinstance(record, dict) or record.get("format") != fmt:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
         raise CheckpointError(f"checkpoint {path} is not an hpcdl checkpoint (format {found!r}, "
                               f"expected {CHECKPOINT_FORMAT!r})")
-    missing = [k for k in _REQUIRED if k not in state]
+    missing = [k for k in required if k not in record]
     if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete: missing {missing}")
-    return state
+        raise CheckpointError(f"checkpoint {name} is incomplete: missing {missing}")
 
 
 def read_file(path: str) -> bytearray:
