@@ -422,36 +422,33 @@ def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3,
 
 
 # -- summarising over ranks -----------------------------------------------------------------------
-def rank_means(samples: list[dict[str, float]]) -> dict[str, float | None]:
-    def mean(key: str) -> float | None:
-        values = [s[key] for s in samples if s[key] is not None]
-        return statistics.fmean(values) if values else None
+def mean_of(rows: list[dict[str, float | None]], key: str) -> float | None:
+    """The mean of ``key`` over the rows that hold a value for it (None: none does)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
 
-    means = {"step": mean("step"), "comm_wait": mean("comm_wait"),
-             "data_wait": mean("data_wait"),
+
+def rank_means(samples: list[dict[str, float]]) -> dict[str, float | None]:
+    means = {"step": mean_of(samples, "step"), "comm_wait": mean_of(samples, "comm_wait"),
+             "data_wait": mean_of(samples, "data_wait"),
              "step_median": statistics.median(s["step"] for s in samples)}
     for key in COUNTERS:
         if any(key in s for s in samples):
-            values = [s[key] for s in samples if s.get(key) is not None]
-            means[key] = statistics.fmean(values) if values else None
+            means[key] = mean_of(samples, key)
     return means
 
 
 def mode_record(mode: str, per_rank: list[dict[str, float | None]], batch: int,
                 train_flops_per_image: float) -> dict[str, Any]:
     """One record per mode: each quantity the mean over ranks of the per-rank mean."""
-    def across(key: str) -> float | None:
-        values = [r[key] for r in per_rank if r[key] is not None]
-        return statistics.fmean(values) if values else None
-
-    step = across("step")
-    comm_wait = across("comm_wait")
-    data_wait = across("data_wait")
+    step = mean_of(per_rank, "step")
+    comm_wait = mean_of(per_rank, "comm_wait")
+    data_wait = mean_of(per_rank, "data_wait")
     compute = step - (comm_wait or 0.0) - (data_wait or 0.0)
     record = {
         "mode": mode, "ranks": len(per_rank), "batch_per_rank": batch,
         "step_time_s": step,
-        "step_time_median_s": across("step_median"),
+        "step_time_median_s": mean_of(per_rank, "step_median"),
         "step_time_max_rank_s": max(r["step"] for r in per_rank),
         "images_per_s_per_rank": batch / step,
         "compute_s": compute, "comm_wait_s": comm_wait, "data_wait_s": data_wait,
@@ -466,12 +463,8 @@ def step_costs(per_rank: list[dict[str, float | None]], step: float) -> dict[str
     """What a step cost the hosts, per step: NIC bytes (each rank reads its host's counter,
     so the mean over ranks is the mean over hosts when every host runs as many ranks), the
     rank's CPU seconds and its communication thread's, and their shares of the step."""
-    def across(key: str) -> float | None:
-        values = [r[key] for r in per_rank if r.get(key) is not None]
-        return statistics.fmean(values) if values else None
-
-    tx, rx = across("nic_tx_bytes"), across("nic_rx_bytes")
-    cpu, comm_cpu = across("cpu_s"), across("comm_thread_cpu_s")
+    tx, rx = mean_of(per_rank, "nic_tx_bytes"), mean_of(per_rank, "nic_rx_bytes")
+    cpu, comm_cpu = mean_of(per_rank, "cpu_s"), mean_of(per_rank, "comm_thread_cpu_s")
     return {
         "nic_tx_bytes_per_step": tx, "nic_rx_bytes_per_step": rx,
         "nic_tx_MB_per_step": tx / 1e6 if tx is not None else None,
@@ -485,36 +478,26 @@ def step_costs(per_rank: list[dict[str, float | None]], step: float) -> dict[str
 def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
               train_flops_per_image: float) -> dict[str, Any]:
     ratios: dict[str, Any] = {}
+
+    def compare(prefix: str, mode: str, others: tuple[str, ...]) -> None:
+        """``prefix + other``: images/s of ``mode`` over those of each other mode run."""
+        for other in others:
+            if other in records:
+                ratios[prefix + other] = (records[mode]["images_per_s_per_rank"]
+                                          / records[other]["images_per_s_per_rank"])
+
     ours = records.get("ours")
     if ours is not None:
         ratios["images_per_s_per_rank"] = ours["images_per_s_per_rank"]
-        if "no_comm" in records:
-            ratios["vs_no_comm"] = (ours["images_per_s_per_rank"]
-                                    / records["no_comm"]["images_per_s_per_rank"])
-        if "ddp_gloo" in records:
-            ratios["vs_ddp_gloo"] = (ours["images_per_s_per_rank"]
-                                     / records["ddp_gloo"]["images_per_s_per_rank"])
-        if "horovod" in records:
-            ratios["vs_horovod"] = (ours["images_per_s_per_rank"]
-                                    / records["horovod"]["images_per_s_per_rank"])
-    for mode, record in records.items():   # ours@BACKEND: the same comparisons, by name
+        compare("vs_", "ours", ("no_comm", "ddp_gloo", "horovod"))
+    for mode in records:   # ours@BACKEND: the same comparisons, by name
         if own_backend(mode):
-            for name in ("no_comm", "ddp_gloo"):
-                if name in records:
-                    ratios[f"{mode}_vs_{name}"] = (record["images_per_s_per_rank"]
-                                                   / records[name]["images_per_s_per_rank"])
-    bf16 = records.get("ours_bf16")
-    if bf16 is not None:   # bf16 gradients on the wire
-        for name in ("no_comm", "ddp_gloo", "ours"):
-            if name in records:
-                ratios[f"bf16_wire_vs_{name}"] = (bf16["images_per_s_per_rank"]
-                                                  / records[name]["images_per_s_per_rank"])
+            compare(f"{mode}_vs_", mode, ("no_comm", "ddp_gloo"))
+    if "ours_bf16" in records:   # bf16 gradients on the wire
+        compare("bf16_wire_vs_", "ours_bf16", ("no_comm", "ddp_gloo", "ours"))
     plain = records.get("ours_allreduce")
     if plain is not None:   # --shard-update: the unsharded step of the same run
-        for name in ("no_comm", "ddp_gloo"):
-            if name in records:
-                ratios[f"allreduce_vs_{name}"] = (plain["images_per_s_per_rank"]
-                                                  / records[name]["images_per_s_per_rank"])
+        compare("allreduce_vs_", "ours_allreduce", ("no_comm", "ddp_gloo"))
         if ours is not None:
             ratios["sharded_vs_allreduce"] = (ours["images_per_s_per_rank"]
                                               / plain["images_per_s_per_rank"])
