@@ -56,7 +56,7 @@ from hpcdl.bench.baselines import (
     horovod_missing,
     horovod_stepper,
 )
-from hpcdl.cpus import bf16_supported, cpu_capability, retain_freed_memory
+from hpcdl.cpus import bf16_supported, cpu_capability, cpu_model_name, retain_freed_memory
 from hpcdl.host import nic_bytes, thread_cpu_s
 
 COMMAND = "train"
@@ -586,11 +586,9 @@ def hosts_note(hosts: list[tuple[str, str | None]], nic: str) -> dict[str, Any]:
 
 def bf16_skip_reason() -> str | None:
     """Why ``--bf16`` cannot be measured here, or None: emulated bf16 would time the emulation."""
-    from hpcdl.results import cpu_model
-
     if bf16_supported():
         return None
-    return (f"hpcdl bench train --bf16: skipped: this CPU ({cpu_model()}, torch capability "
+    return (f"hpcdl bench train --bf16: skipped: this CPU ({cpu_model_name()}, torch capability "
             f"{cpu_capability()}) has no native bf16 (AVX512-BF16 or "
             "AMX); run it on a Cooper Lake, Sapphire Rapids or Zen 4 node")
 
