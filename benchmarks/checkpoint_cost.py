@@ -206,16 +206,11 @@ def _extrapolate(phase: str, quantity: str, row: dict, model: dict, tiny_model: 
 def machine() -> dict[str, str]:
     import torch
 
-    model = ""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
-                      if ln.startswith("Model name")), "")
-    except OSError:
-        pass
+    from hpcdl.cpus import cpu_capability, cpu_model_name
+
     load = os.getloadavg()
-    return {"cpu": model, "cores": str(os.cpu_count()), "torch": torch.__version__,
-            "capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu": cpu_model_name(fallback=""), "cores": str(os.cpu_count()),
+            "torch": torch.__version__, "capability": cpu_capability(),
             "python": platform.python_version(), "load_1_5_15": " ".join(f"{x:.1f}" for x in load),
             "note": "shared development VM (2 cores, other agents' jobs running): the bytes "
                     "and message counts do not depend on load; nothing here is timed"}

@@ -21,8 +21,8 @@ import json
 import os
 import shutil
 
-from hpcdl.data.format import SPLITS, ManifestError
-from hpcdl.data_prep.shard import MANIFEST, sha256_file
+from hpcdl.data.format import SPLITS, ManifestError, shard_problem
+from hpcdl.data_prep.shard import MANIFEST
 from hpcdl.data_prep.verify import read_manifest
 from hpcdl.io import atomic_write, atomic_write_text
 
@@ -73,7 +73,8 @@ def stage_node(shard_dir: str, local_dir: str, node_index: int, num_nodes: int,
     copied, present, todo = [], [], []
     for entry in entries:
         dst = targets[entry["name"]]
-        if os.path.isfile(dst) and sha256_file(dst) == entry["sha256"]:
+        # dst is local_dir/name resolved (staging_target): its directory holds the same file
+        if shard_problem(os.path.dirname(dst), entry, verify=True) is None:
             present.append(entry["name"])
         else:
             todo.append(entry)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from hpcdl.data.format import read_manifest
-from hpcdl.data_prep.shard import sha256_file
+from hpcdl.data.format import read_manifest, shard_problem
 
 __all__ = ["read_manifest", "verify_shards", "check_shard"]
 
@@ -23,15 +22,13 @@ def shard_count(path: str) -> int:
 
 
 def check_shard(shard_dir: str, entry: dict) -> str | None:
-    """Why one manifest entry's shard is bad, or None when it is good."""
-    path = os.path.join(shard_dir, entry["name"])
-    if not os.path.isfile(path):
-        return "missing"
-    digest = sha256_file(path)
-    if digest != entry["sha256"]:
-        return f"sha256 {digest[:12]}... != manifest {entry['sha256'][:12]}..."
+    """Why one manifest entry's shard is bad, or None when it is good: its file, size and
+    sha256 (:func:`hpcdl.data.format.shard_problem`), then its sample count."""
+    problem = shard_problem(shard_dir, entry, verify=True)
+    if problem is not None:
+        return problem
     try:
-        count = shard_count(path)
+        count = shard_count(os.path.join(shard_dir, entry["name"]))
     except Exception as exc:  # noqa: BLE001 - any HDF5 failure makes the shard bad
         return f"unreadable: {exc}"
     if count != entry["num_samples"]:

@@ -1,5 +1,6 @@
-"""A node's CPUs as the kernel and Slurm write them, how many threads a rank takes, whether
-they have bf16 kernels, and the heap policy a compute process runs with.
+"""A node's CPUs as the kernel and Slurm write them, how many threads a rank takes, what the
+CPU is (model, flags, clock, torch's vector ISA), whether it has bf16 kernels, and the heap
+policy a compute process runs with. The host's other counters are in hpcdl/host.py.
 
 The ground floor under both ``hpcdl doctor`` (hpcdl/debug) and the trainer's thread set-up
 (hpcdl/train/threads.py): the doctor predicts the thread count the trainer will use, so the
@@ -11,8 +12,9 @@ import os
 import subprocess
 from collections.abc import Iterable, Sequence
 
-__all__ = ["affinity_cores", "bf16_supported", "cpu_model_name", "format_cpu_list",
-           "parse_cpu_list", "retain_freed_memory", "threads_per_rank"]
+__all__ = ["affinity_cores", "bf16_supported", "cpu_capability", "cpu_flags", "cpu_mhz",
+           "cpu_model_name", "cpuinfo_field", "format_cpu_list", "parse_cpu_list",
+           "retain_freed_memory", "threads_per_rank"]
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -63,6 +65,18 @@ def threads_per_rank(mine: frozenset[int], node_masks: Sequence[frozenset[int]],
     return threads, oversubscribed
 
 
+def cpuinfo_field(key: str) -> str | None:
+    """The value of the first /proc/cpuinfo line starting with ``key`` (None without one)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def cpu_model_name(fallback: str = "unknown") -> str:
     """``lscpu``'s model name (then /proc/cpuinfo's ``model name``), else ``fallback``: the
     name every measured number records (bench JSON, machine files)."""
@@ -73,14 +87,28 @@ def cpu_model_name(fallback: str = "unknown") -> str:
                 return line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    return cpuinfo_field("model name") or fallback
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo's ``flags``; empty where there is none)."""
+    return set((cpuinfo_field("flags") or "").split())
+
+
+def cpu_mhz() -> float | None:
+    """The first core's clock in MHz as /proc/cpuinfo gives it, or None."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return fallback
+        return float(cpuinfo_field("cpu MHz") or "")
+    except ValueError:
+        return None
+
+
+def cpu_capability() -> str:
+    """The vector ISA torch's CPU kernels dispatch to (``DEFAULT``, ``AVX2``, ``AVX512``...):
+    it changes every kernel's speed and rounding, so every measurement records it."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def bf16_supported() -> bool:

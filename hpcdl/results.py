@@ -18,13 +18,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hpcdl.cpus import bf16_supported, cpu_model_name
+from hpcdl.cpus import bf16_supported, cpu_capability, cpu_model_name
 from hpcdl.io import atomic_write_text
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``lscpu``, then /proc/cpuinfo; platform's name as a last resort)."""
-    return cpu_model_name(fallback=platform.processor() or platform.machine())
 
 
 def machine_info(ranks: int = 1) -> dict[str, Any]:
@@ -38,9 +33,9 @@ def machine_info(ranks: int = 1) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - report whatever stopped MPI from loading
         mpi = f"unavailable ({exc})"
     return {
-        "cpu": cpu_model(),
+        "cpu": cpu_model_name(fallback=platform.processor() or platform.machine()),
         # AVX2 vs AVX512 (and bf16) changes every kernel's speed and rounding: always record it.
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": cpu_capability(),
         "bf16_native": bf16_supported(),   # False: bf16 autocast is emulated (slow) here
         "cores": os.cpu_count(),
         "ranks": ranks,

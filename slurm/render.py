@@ -123,27 +123,6 @@ def parse_time(text: str) -> int:
     return (numbers[0] * 60 + numbers[1]) * 60 + numbers[2]
 
 
-def _leaf_output_elements(model, image_size: int) -> tuple[int, int]:
-    """(elements of every leaf module's output, parameters) for one image, on the meta
-    device: no arithmetic, no memory. Eval mode: the same shapes, and BatchNorm1d accepts a
-    batch of one."""
-    import torch
-
-    meta_model = model.to("meta").eval()
-    total = 0
-
-    def count(_module, _inputs, output) -> None:
-        nonlocal total
-        if isinstance(output, torch.Tensor):
-            total += output.numel()
-
-    for module in meta_model.modules():
-        if not list(module.children()):
-            module.register_forward_hook(count)
-    meta_model(torch.empty((1, 3, image_size, image_size), device="meta"))
-    return total, sum(p.numel() for p in meta_model.parameters())
-
-
 def activation_bytes_per_image(model_cfg: dict, image_size: int) -> tuple[int, int]:
     """(training memory per image, parameter count) of a recipe's model.
 
@@ -154,12 +133,17 @@ def activation_bytes_per_image(model_cfg: dict, image_size: int) -> tuple[int, i
     ignores what in-place ReLU saves and what convolution workspaces add: it is meant to catch
     a per-rank batch off by a large factor, not to predict the peak to the megabyte.
     """
+    import torch
+
     from hpcdl.models import create_model
+    from hpcdl.models.profile import profile
 
     options = {k: v for k, v in model_cfg.items() if k != "name"}
-    model = create_model(model_cfg["name"], **options)
-    elements, params = _leaf_output_elements(model, image_size)
-    return 2 * elements * 4, params
+    with torch.device("meta"):   # shapes only: no weight initialisation
+        model = create_model(model_cfg["name"], **options).to_empty(device="cpu")
+    elements = sum(op.out_elements for op in profile(model, (3, image_size, image_size))
+                   if op.module is not None)
+    return 2 * elements * 4, sum(p.numel() for p in model.parameters())
 
 
 def checkpoint_seconds(params: int) -> float:

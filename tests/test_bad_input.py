@@ -109,7 +109,7 @@ def test_truncated_shard_is_caught_at_open_by_its_size(capsys, tmp_path, shards,
     size = shard.stat().st_size
     os.truncate(shard, size // 2)
     code, err = train(capsys, tiny_recipe, shards, tmp_path / "out")
-    assert_one_line(code, err, f"shard {shard} is {size // 2} bytes, the manifest records "
+    assert_one_line(code, err, f"shard {shard}: {size // 2} bytes, the manifest records "
                                f"{size}", f"hpcdl prep verify {shards}")
     assert not (tmp_path / "out" / "checkpoints").exists()  # stopped before training
 

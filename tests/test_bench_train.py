@@ -85,6 +85,29 @@ def test_every_mode_falls_back_to_contiguous_on_one_thread():
     assert bench.effective_memory_format("contiguous", threads=4) == "contiguous"
 
 
+def test_the_baselines_plain_step_is_one_scheduled_sgd_step_of_cross_entropy():
+    """DDP's and Horovod's modes share this step: the scheduled lr, then one step of the
+    cross-entropy gradient on the normalised batch, computed here by hand."""
+    from hpcdl.bench.baselines import plain_step
+    from hpcdl.data import normalize
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 5))
+    reference = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 5))
+    reference.load_state_dict(model.state_dict())
+    images = torch.randint(0, 256, (6, 3, 4, 4), dtype=torch.uint8)
+    labels = torch.randint(0, 5, (6,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = plain_step(model, optimizer, schedule=lambda s: 0.5 / (s + 1), bf16=False,
+                      memory_format=torch.contiguous_format)
+    assert step((images, labels)) is None and optimizer.param_groups[0]["lr"] == 0.5
+    torch.nn.functional.cross_entropy(reference(normalize(images)), labels).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p, q.detach() - 0.5 * q.grad)
+    step((images, labels))
+    assert optimizer.param_groups[0]["lr"] == 0.25
+
+
 def test_modes_take_turns_in_rotated_order_after_their_warmup():
     from mpi4py import MPI
 

@@ -206,3 +206,26 @@ def test_the_planner_counts_the_caffe_alexnets(tmp_path):
 
     w = workload("alexnet_bn_nvcaffe", 227, cache_path=str(tmp_path / "flops.json"))
     assert w.forward_macs == 724_406_816 and w.parameters == 60_965_224
+
+
+def test_one_profile_gives_every_leaf_per_image_and_the_functions_between_them():
+    """The profile behind the FLOP count, the planner's layer table and the job renderer's
+    memory estimate: per image, every leaf module, and the residual sums a ResNet calls
+    outside its modules."""
+    from torch import nn
+
+    from hpcdl.models.profile import profile
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 8 * 8, 5))
+    ops = profile(model, (3, 8, 8))
+    assert [op.name for op in ops if op.module is not None] == ["0", "1", "2", "3"]
+    conv, relu, flat, fc = (op for op in ops if op.module is not None)
+    assert (conv.macs, conv.pixels, conv.params) == (4 * 8 * 8 * 3 * 9, 64, 4 * 3 * 9)
+    assert relu.in_elements == relu.out_elements == flat.out_elements == 4 * 8 * 8
+    assert (fc.macs, fc.out_elements, fc.params) == (256 * 5, 5, 256 * 5 + 5)
+    assert sum(op.macs for op in ops) == flops(model, 8)
+    resnet = create_model("resnet_small", num_classes=3)
+    adds = [op for op in profile(resnet, (3, 32, 32)) if op.function in ("add", "add_",
+                                                                          "__add__", "__iadd__")]
+    assert adds and all(op.out_elements > 0 for op in adds)

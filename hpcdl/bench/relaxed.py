@@ -157,25 +157,13 @@ def train_steps_per_epoch(comm, shard_dir: str, args, ranks: int) -> int:
 
 # -- PyTorch's anchors -----------------------------------------------------------------------
 def init_torch_distributed(world) -> None:
-    """The default gloo group, rendezvous over MPI (as hpcdl.comm.gloo does)."""
-    import datetime
-
+    """The default gloo group, rendezvous over MPI (hpcdl.comm.gloo's), once per process."""
     import torch.distributed as dist
 
-    from hpcdl.comm.gloo import rendezvous_host
+    from hpcdl.comm.gloo import init_process_group_over_mpi
 
-    if dist.is_initialized():
-        return
-    timeout = datetime.timedelta(minutes=10)
-    if world.rank == 0:
-        store = dist.TCPStore(rendezvous_host(), 0, world.size, True, timeout=timeout,
-                              wait_for_workers=False)
-        address = (rendezvous_host(), store.port)
-    address = world.bcast(address if world.rank == 0 else None, root=0)
-    if world.rank != 0:
-        store = dist.TCPStore(address[0], address[1], world.size, False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=world.rank, world_size=world.size,
-                            timeout=timeout)
+    if not dist.is_initialized():
+        init_process_group_over_mpi(world)
 
 
 def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[str, Any]:

@@ -11,7 +11,8 @@ Three modes on the same ranks, model, batch and threads, taking turns (``--round
   group (rendezvous over MPI) with the same model and LARS (``vs_ddp_gloo``, goal ≥ 1.05);
 - ``horovod`` (asked for by name): the same model and LARS under ``hvd.DistributedOptimizer``
   (``vs_horovod``), where ``horovod.torch`` imports; elsewhere the mode is dropped and the
-  JSON's ``absent_modes`` says why (Horovod is a baseline, never an hpcdl dependency);
+  JSON's ``absent_modes`` says why (Horovod is a baseline, never an hpcdl dependency; both
+  baselines live in hpcdl/bench/baselines.py);
 - ``ours@BACKEND`` (e.g. ``ours@gloo``): ``ours`` on a communicator of that backend, so
   hpcdl's overlap can be compared with DDP on the same transport;
 - ``ours_bf16`` (asked for by name): ``ours`` with bf16 gradients on the wire
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import statistics
 import sys
@@ -49,7 +49,15 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hpcdl.cpus import bf16_supported, retain_freed_memory
+from hpcdl.bench.baselines import (
+    Stepper,
+    ddp_stepper,
+    effective_memory_format,
+    horovod_missing,
+    horovod_stepper,
+)
+from hpcdl.cpus import bf16_supported, cpu_capability, cpu_model_name, retain_freed_memory
+from hpcdl.host import nic_bytes, thread_cpu_s
 
 COMMAND = "train"
 HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
@@ -191,10 +199,8 @@ def bench_config(args: argparse.Namespace, ranks: int):
 
 
 # -- timing -------------------------------------------------------------------------------------
-# Each mode is a "stepper": a function that takes one batch, runs one optimizer step, and
-# returns the seconds it waited for communication (None where that is not separable). Every
-# mode stays built for the whole run, so the modes can take turns (see time_rounds).
-Stepper = Callable[[Any], "float | None"]
+# Each mode is a Stepper (hpcdl/bench/baselines.py). Every mode stays built for the whole
+# run, so the modes can take turns (see time_rounds).
 
 
 @contextlib.contextmanager
@@ -278,162 +284,7 @@ def own_comm_stepper(world, config, loader, bucket_bytes: int, backend: str,
         comm.close()
 
 
-def ddp_process_group(mpi_comm):
-    """``init_process_group("gloo")`` with its rendezvous carried over MPI: rank 0 opens a
-    TCPStore on a free port and broadcasts the address (no MASTER_ADDR/PORT by hand)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from hpcdl.comm.gloo import rendezvous_host
-
-    timeout = datetime.timedelta(minutes=10)
-    if mpi_comm.rank == 0:
-        host = rendezvous_host()
-        # wait_for_workers=False: the workers learn the port only from the broadcast below.
-        store = dist.TCPStore(host, 0, mpi_comm.size, True, timeout=timeout,
-                              wait_for_workers=False)
-        address = (host, store.port)
-    else:
-        address = None
-    host, port = mpi_comm.bcast(address, root=0)
-    if mpi_comm.rank != 0:
-        store = dist.TCPStore(host, port, mpi_comm.size, False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=mpi_comm.rank,
-                            world_size=mpi_comm.size, timeout=timeout)
-    return store
-
-
-def effective_memory_format(requested: str, threads: int) -> str:
-    """The layout every mode really uses: the Trainer's rule (hpcdl/train/trainer.py,
-    ``_memory_format``) falls back to contiguous on one thread, and DDP must match it."""
-    return "channels_last" if requested == "channels_last" and threads > 1 else "contiguous"
-
-
-@contextlib.contextmanager
-def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
-    """The same step written the way a PyTorch user would: DDP(model) on gloo, LARS."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from hpcdl.data import normalize
-    from hpcdl.models import create_model
-    from hpcdl.optim import create_optimizer, create_schedule, set_learning_rate
-
-    store = ddp_process_group(mpi_comm)
-    try:
-        layout = effective_memory_format(
-            "channels_last" if config.train.channels_last else "contiguous",
-            torch.get_num_threads())
-        memory_format = (torch.channels_last if layout == "channels_last"
-                         else torch.contiguous_format)
-        kw = {k: v for k, v in config.model.items() if k != "name"}
-        model = create_model(config.model["name"], **kw).to(memory_format=memory_format)
-        # Held in a dict so it can be dropped before its process group is destroyed.
-        held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}
-        schedule = create_schedule(config.schedule, total_steps, total_steps)
-        optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
-        criterion = torch.nn.CrossEntropyLoss()
-        steps = itertools.count()
-
-        def step(batch) -> None:
-            images, labels = batch
-            set_learning_rate(optimizer, schedule(next(steps)))
-            optimizer.zero_grad(set_to_none=True)
-            inputs = normalize(images).contiguous(memory_format=memory_format)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.train.bf16):
-                loss = criterion(held["ddp"](inputs), labels)
-            loss.backward()
-            optimizer.step()
-            # DDP waits for its allreduces inside backward(): not separable from compute.
-            return None
-
-        yield step
-        held.clear()
-    finally:
-        dist.destroy_process_group()
-        mpi_comm.Barrier()  # rank 0's store outlives every peer's last use of it
-        del store
-
-
-def horovod_missing() -> str | None:
-    """Why the ``horovod`` mode cannot run here, or None. Horovod is a baseline of the bench,
-    never a dependency of hpcdl: it is built from source into a bench environment."""
-    try:
-        import horovod.torch  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a build that fails to load
-        return (f"horovod.torch not importable ({type(exc).__name__}: {exc}); build it into a "
-                "bench venv: docs/performance.md, 'Training step across hosts'")
-    return None
-
-
-@contextlib.contextmanager
-def horovod_stepper(config, total_steps: int) -> Iterator[Stepper]:
-    """The same step the way a Horovod user writes it (Sergeev & Del Balso 2018):
-    ``hvd.DistributedOptimizer`` around LARS, Horovod's own defaults (fusion buffer, cycle
-    time, MPI underneath), parameters broadcast from rank 0."""
-    import horovod.torch as hvd
-    import torch
-
-    from hpcdl.data import normalize
-    from hpcdl.models import create_model
-    from hpcdl.optim import create_optimizer, create_schedule, set_learning_rate
-
-    hvd.init()
-    try:
-        kw = {k: v for k, v in config.model.items() if k != "name"}
-        model = create_model(config.model["name"], **kw)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        schedule = create_schedule(config.schedule, total_steps, total_steps)
-        optimizer = hvd.DistributedOptimizer(
-            create_optimizer(config.optimizer, model, lr=schedule(0)),
-            named_parameters=model.named_parameters())
-        criterion = torch.nn.CrossEntropyLoss()
-        steps = itertools.count()
-
-        def step(batch) -> None:
-            images, labels = batch
-            set_learning_rate(optimizer, schedule(next(steps)))
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.train.bf16):
-                loss = criterion(model(normalize(images)), labels)
-            loss.backward()
-            optimizer.step()   # waits for Horovod's allreduces: not separable from compute
-            return None
-
-        yield step
-    finally:
-        hvd.shutdown()
-
-
 # -- what a step costs the host, read from the operating system --------------------------------
-def nic_bytes(nic: str) -> tuple[int, int] | None:
-    """(sent, received) bytes of ``nic`` since boot, from this host's sysfs; None without it."""
-    base = f"/sys/class/net/{nic}/statistics"
-    try:
-        with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
-            return int(tx.read()), int(rx.read())
-    except (OSError, ValueError):
-        return None
-
-
-def thread_cpu_s(native_ids: list[int]) -> float:
-    """CPU seconds (user + system) the threads ``native_ids`` of this process have used:
-    fields 14 and 15 of ``/proc/self/task/TID/stat``, in clock ticks (proc(5))."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for tid in native_ids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                # the name (field 2) may hold spaces: fields are counted after its ')'
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            continue
-    return total / tick
-
-
 def comm_thread_ids() -> list[int]:
     """The reducers' communication threads (GradientReducer names them ``hpcdl-reducer``)."""
     import threading
@@ -571,36 +422,33 @@ def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3,
 
 
 # -- summarising over ranks -----------------------------------------------------------------------
-def rank_means(samples: list[dict[str, float]]) -> dict[str, float | None]:
-    def mean(key: str) -> float | None:
-        values = [s[key] for s in samples if s[key] is not None]
-        return statistics.fmean(values) if values else None
+def mean_of(rows: list[dict[str, float | None]], key: str) -> float | None:
+    """The mean of ``key`` over the rows that hold a value for it (None: none does)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
 
-    means = {"step": mean("step"), "comm_wait": mean("comm_wait"),
-             "data_wait": mean("data_wait"),
+
+def rank_means(samples: list[dict[str, float]]) -> dict[str, float | None]:
+    means = {"step": mean_of(samples, "step"), "comm_wait": mean_of(samples, "comm_wait"),
+             "data_wait": mean_of(samples, "data_wait"),
              "step_median": statistics.median(s["step"] for s in samples)}
     for key in COUNTERS:
         if any(key in s for s in samples):
-            values = [s[key] for s in samples if s.get(key) is not None]
-            means[key] = statistics.fmean(values) if values else None
+            means[key] = mean_of(samples, key)
     return means
 
 
 def mode_record(mode: str, per_rank: list[dict[str, float | None]], batch: int,
                 train_flops_per_image: float) -> dict[str, Any]:
     """One record per mode: each quantity the mean over ranks of the per-rank mean."""
-    def across(key: str) -> float | None:
-        values = [r[key] for r in per_rank if r[key] is not None]
-        return statistics.fmean(values) if values else None
-
-    step = across("step")
-    comm_wait = across("comm_wait")
-    data_wait = across("data_wait")
+    step = mean_of(per_rank, "step")
+    comm_wait = mean_of(per_rank, "comm_wait")
+    data_wait = mean_of(per_rank, "data_wait")
     compute = step - (comm_wait or 0.0) - (data_wait or 0.0)
     record = {
         "mode": mode, "ranks": len(per_rank), "batch_per_rank": batch,
         "step_time_s": step,
-        "step_time_median_s": across("step_median"),
+        "step_time_median_s": mean_of(per_rank, "step_median"),
         "step_time_max_rank_s": max(r["step"] for r in per_rank),
         "images_per_s_per_rank": batch / step,
         "compute_s": compute, "comm_wait_s": comm_wait, "data_wait_s": data_wait,
@@ -615,12 +463,8 @@ def step_costs(per_rank: list[dict[str, float | None]], step: float) -> dict[str
     """What a step cost the hosts, per step: NIC bytes (each rank reads its host's counter,
     so the mean over ranks is the mean over hosts when every host runs as many ranks), the
     rank's CPU seconds and its communication thread's, and their shares of the step."""
-    def across(key: str) -> float | None:
-        values = [r[key] for r in per_rank if r.get(key) is not None]
-        return statistics.fmean(values) if values else None
-
-    tx, rx = across("nic_tx_bytes"), across("nic_rx_bytes")
-    cpu, comm_cpu = across("cpu_s"), across("comm_thread_cpu_s")
+    tx, rx = mean_of(per_rank, "nic_tx_bytes"), mean_of(per_rank, "nic_rx_bytes")
+    cpu, comm_cpu = mean_of(per_rank, "cpu_s"), mean_of(per_rank, "comm_thread_cpu_s")
     return {
         "nic_tx_bytes_per_step": tx, "nic_rx_bytes_per_step": rx,
         "nic_tx_MB_per_step": tx / 1e6 if tx is not None else None,
@@ -634,36 +478,26 @@ def step_costs(per_rank: list[dict[str, float | None]], step: float) -> dict[str
 def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
               train_flops_per_image: float) -> dict[str, Any]:
     ratios: dict[str, Any] = {}
+
+    def compare(prefix: str, mode: str, others: tuple[str, ...]) -> None:
+        """``prefix + other``: images/s of ``mode`` over those of each other mode run."""
+        for other in others:
+            if other in records:
+                ratios[prefix + other] = (records[mode]["images_per_s_per_rank"]
+                                          / records[other]["images_per_s_per_rank"])
+
     ours = records.get("ours")
     if ours is not None:
         ratios["images_per_s_per_rank"] = ours["images_per_s_per_rank"]
-        if "no_comm" in records:
-            ratios["vs_no_comm"] = (ours["images_per_s_per_rank"]
-                                    / records["no_comm"]["images_per_s_per_rank"])
-        if "ddp_gloo" in records:
-            ratios["vs_ddp_gloo"] = (ours["images_per_s_per_rank"]
-                                     / records["ddp_gloo"]["images_per_s_per_rank"])
-        if "horovod" in records:
-            ratios["vs_horovod"] = (ours["images_per_s_per_rank"]
-                                    / records["horovod"]["images_per_s_per_rank"])
-    for mode, record in records.items():   # ours@BACKEND: the same comparisons, by name
+        compare("vs_", "ours", ("no_comm", "ddp_gloo", "horovod"))
+    for mode in records:   # ours@BACKEND: the same comparisons, by name
         if own_backend(mode):
-            for name in ("no_comm", "ddp_gloo"):
-                if name in records:
-                    ratios[f"{mode}_vs_{name}"] = (record["images_per_s_per_rank"]
-                                                   / records[name]["images_per_s_per_rank"])
-    bf16 = records.get("ours_bf16")
-    if bf16 is not None:   # bf16 gradients on the wire
-        for name in ("no_comm", "ddp_gloo", "ours"):
-            if name in records:
-                ratios[f"bf16_wire_vs_{name}"] = (bf16["images_per_s_per_rank"]
-                                                  / records[name]["images_per_s_per_rank"])
+            compare(f"{mode}_vs_", mode, ("no_comm", "ddp_gloo"))
+    if "ours_bf16" in records:   # bf16 gradients on the wire
+        compare("bf16_wire_vs_", "ours_bf16", ("no_comm", "ddp_gloo", "ours"))
     plain = records.get("ours_allreduce")
     if plain is not None:   # --shard-update: the unsharded step of the same run
-        for name in ("no_comm", "ddp_gloo"):
-            if name in records:
-                ratios[f"allreduce_vs_{name}"] = (plain["images_per_s_per_rank"]
-                                                  / records[name]["images_per_s_per_rank"])
+        compare("allreduce_vs_", "ours_allreduce", ("no_comm", "ddp_gloo"))
         if ours is not None:
             ratios["sharded_vs_allreduce"] = (ours["images_per_s_per_rank"]
                                               / plain["images_per_s_per_rank"])
@@ -752,14 +586,10 @@ def hosts_note(hosts: list[tuple[str, str | None]], nic: str) -> dict[str, Any]:
 
 def bf16_skip_reason() -> str | None:
     """Why ``--bf16`` cannot be measured here, or None: emulated bf16 would time the emulation."""
-    import torch
-
-    from hpcdl.results import cpu_model
-
     if bf16_supported():
         return None
-    return (f"hpcdl bench train --bf16: skipped: this CPU ({cpu_model()}, torch capability "
-            f"{torch.backends.cpu.get_cpu_capability()}) has no native bf16 (AVX512-BF16 or "
+    return (f"hpcdl bench train --bf16: skipped: this CPU ({cpu_model_name()}, torch capability "
+            f"{cpu_capability()}) has no native bf16 (AVX512-BF16 or "
             "AMX); run it on a Cooper Lake, Sapphire Rapids or Zen 4 node")
 
 

@@ -29,6 +29,34 @@ def rendezvous_host() -> str:
         return name
 
 
+def mpi_tcp_store(mpi_comm, timeout: datetime.timedelta = RENDEZVOUS_TIMEOUT) -> dist.TCPStore:
+    """A TCPStore every rank of ``mpi_comm`` (an mpi4py communicator) holds: rank 0 serves it
+    on a free port the OS chooses (port 0) and broadcasts host and port over MPI. Rank 0's
+    store must outlive every peer's last use of it (a barrier before dropping it)."""
+    if mpi_comm.rank == 0:
+        host = rendezvous_host()
+        # wait_for_workers=False: the workers learn the port only from the broadcast below.
+        store = dist.TCPStore(host, 0, mpi_comm.size, True, timeout=timeout,
+                              wait_for_workers=False)
+        address = (host, store.port)
+    else:
+        address = None
+    host, port = mpi_comm.bcast(address, root=0)
+    if mpi_comm.rank != 0:
+        store = dist.TCPStore(host, port, mpi_comm.size, False, timeout=timeout)
+    return store
+
+
+def init_process_group_over_mpi(mpi_comm) -> dist.TCPStore:
+    """``init_process_group("gloo")`` (torch's default group) over :func:`mpi_tcp_store`, so
+    nobody sets MASTER_ADDR/MASTER_PORT; returns the store, which the caller keeps until every
+    rank is done with the group."""
+    store = mpi_tcp_store(mpi_comm)
+    dist.init_process_group("gloo", store=store, rank=mpi_comm.rank, world_size=mpi_comm.size,
+                            timeout=RENDEZVOUS_TIMEOUT)
+    return store
+
+
 class GlooCommunicator(Communicator):
     backend = "gloo"
 
@@ -37,17 +65,7 @@ class GlooCommunicator(Communicator):
         self._store, self._group = self._make_group(dist.ProcessGroupGloo)
 
     def _make_group(self, group_class):
-        """TCPStore on rank 0 (free port), address broadcast over MPI, then the group."""
-        if self.rank == 0:
-            host = rendezvous_host()
-            store = dist.TCPStore(host, 0, self.size, True, timeout=RENDEZVOUS_TIMEOUT,
-                                  wait_for_workers=False)  # they learn the port below
-            address = (host, store.port)
-        else:
-            address = None
-        host, port = self._comm.bcast(address, root=0)
-        if self.rank != 0:
-            store = dist.TCPStore(host, port, self.size, False, timeout=RENDEZVOUS_TIMEOUT)
+        store = mpi_tcp_store(self._comm)
         return store, group_class(store, self.rank, self.size, RENDEZVOUS_TIMEOUT)
 
     def _allreduce(self, buffer: torch.Tensor, average: bool) -> None:

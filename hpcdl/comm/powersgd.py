@@ -28,15 +28,14 @@ fewer bytes the exposed allreduce is what it saves (docs/comm.md). Same surface 
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hpcdl.comm.reducer import layout_buckets, pack_gradient, unpack_gradient
+from hpcdl.comm.reducer import GradientReducer, layout_buckets, pack_gradient, unpack_gradient
 
 __all__ = ["PowerSGDReducer", "compressed_bytes", "matrix_shape"]
 
@@ -169,14 +168,8 @@ class PowerSGDReducer:
         self.total_comm_wait_s += self.comm_wait_s
         self.steps += 1
 
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """Within, nothing is communicated and each rank keeps its own gradients."""
-        enabled, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = enabled
+    #: Within, nothing is communicated and each rank keeps its own gradients.
+    suspended = GradientReducer.suspended
 
     def close(self) -> None:
         """Nothing to release (no hooks, no thread); here for the reducer's surface."""

@@ -18,7 +18,7 @@ from hpcdl.io import sha256_file
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "SPLITS", "ManifestError", "ShardError",
            "check_num_classes", "check_shard_files", "read_manifest", "shard_name",
-           "split_shards"]
+           "shard_problem", "split_shards"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -150,24 +150,31 @@ def split_shards(manifest: dict, split: str) -> list[dict]:
     return entries
 
 
+def shard_problem(shard_dir: str, entry: dict, verify: bool = False) -> str | None:
+    """Why the file of one manifest entry is not the shard the manifest records, or None:
+    missing (or unreadable), another size, and with ``verify`` another sha256 (reads every
+    byte). The one check behind ``hpcdl train`` (at open) and ``hpcdl prep verify``."""
+    path = os.path.join(shard_dir, entry["name"])
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if size != entry["bytes"]:
+        return f"{size} bytes, the manifest records {entry['bytes']}: truncated or replaced"
+    if verify:
+        digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            return (f"sha256 {digest[:12]}... differs from the manifest's "
+                    f"{entry['sha256'][:12]}... (corrupted)")
+    return None
+
+
 def check_shard_files(shard_dir: str, entries: Iterable[dict], verify: bool = False) -> None:
-    """Raise :class:`ShardError` naming the first of ``entries`` whose file is missing or has
-    another size than the manifest records; with ``verify`` also another sha256 (reads every
-    byte: ``--verify-shards``)."""
+    """Raise :class:`ShardError` naming the first of ``entries`` with a :func:`shard_problem`."""
     for entry in entries:
-        path = os.path.join(shard_dir, entry["name"])
-        try:
-            size = os.path.getsize(path)
-        except OSError as exc:
-            raise ShardError(f"shard {path}: {exc.strerror or exc}; stage or copy it again, or "
-                             f"check the directory with `hpcdl prep verify {shard_dir}`") from None
-        if size != entry["bytes"]:
-            raise ShardError(f"shard {path} is {size} bytes, the manifest records "
-                             f"{entry['bytes']}: truncated or replaced; copy it again and run "
+        if (problem := shard_problem(shard_dir, entry, verify)) is not None:
+            raise ShardError(f"shard {os.path.join(shard_dir, entry['name'])}: {problem}; "
+                             f"stage or copy it again, and check the directory with "
                              f"`hpcdl prep verify {shard_dir}`")
-        if verify:
-            digest = sha256_file(path)
-            if digest != entry["sha256"]:
-                raise ShardError(f"shard {path}: sha256 {digest[:12]}... differs from the "
-                                 f"manifest's {entry['sha256'][:12]}... (corrupted); copy it "
-                                 f"again and run `hpcdl prep verify {shard_dir}`")

@@ -3,7 +3,7 @@ for 28–64 px images (tests, the demo). ``create_model(name)``, ``list_models()
 ``flops(model, input_size)``."""
 from hpcdl.models import alexnet as _alexnet  # noqa: F401  (registers its models)
 from hpcdl.models import resnet as _resnet  # noqa: F401
-from hpcdl.models.flops import flops
+from hpcdl.models.profile import flops
 from hpcdl.models.registry import create_model, list_models, register_model
 
 __all__ = ["create_model", "list_models", "register_model", "flops"]

@@ -67,24 +67,15 @@ from typing import Any
 
 import yaml
 
+from hpcdl.cpus import cpu_flags, cpu_mhz
+from hpcdl.host import interface_bytes
 from hpcdl.io import atomic_write_text
-from hpcdl.plan.cpu import cpu_flags, cpu_identity
+from hpcdl.plan.cpu import cpu_identity
 from hpcdl.plan.machine import parse_machine, user_machines_dir
 
 ALLREDUCE_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 #: Across hosts: 1 KB (latency-bound) to 64 MB (bandwidth-bound; 0.5 s at 1 Gbit/s).
 NETWORK_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
-
-
-def cpu_mhz() -> float | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("cpu MHz"):
-                    return float(line.split(":", 1)[1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def flops_per_cycle(flags: set[str]) -> tuple[int, str]:
@@ -234,22 +225,6 @@ def launched_world_size() -> int:
         if value.isdigit():
             return int(value)
     return 1
-
-
-def interface_bytes() -> dict[str, tuple[int, int]]:
-    """(sent, received) bytes of every interface but loopback, from this host's sysfs."""
-    counts = {}
-    base = "/sys/class/net"
-    for nic in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        if nic == "lo":
-            continue
-        try:
-            with open(f"{base}/{nic}/statistics/tx_bytes") as tx, \
-                    open(f"{base}/{nic}/statistics/rx_bytes") as rx:
-                counts[nic] = (int(tx.read()), int(rx.read()))
-        except (OSError, ValueError):
-            continue
-    return counts
 
 
 def sleeping_barrier(comm, poll_s: float = 0.05) -> None:

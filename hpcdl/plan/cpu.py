@@ -13,32 +13,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hpcdl.cpus import cpu_model_name
+from hpcdl.cpus import cpu_capability, cpu_flags, cpu_model_name
 
 #: CPU flags that change the rates a calibration measures.
 RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
                   "amx_tile")
 
 
-def cpu_flags() -> set[str]:
-    """The flags line of /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def cpu_identity() -> dict[str, Any]:
     """This CPU as a machine file records it."""
-    import torch
-
     flags = cpu_flags()
-    return {"model_name": cpu_model_name(),
-            "capability": str(torch.backends.cpu.get_cpu_capability()),
+    return {"model_name": cpu_model_name(), "capability": cpu_capability(),
             "flags": [f for f in RELEVANT_FLAGS if f in flags]}
 
 

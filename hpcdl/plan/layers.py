@@ -26,16 +26,14 @@ convolution its output positions, the rows of its GEMMs per image: a convolution
 follows its rows (batch × positions), not its FLOPs alone (ResNet-50's 4×4 layer4 at 112 px,
 128 rows at batch 8, runs at 0.65-0.8 of what its FLOPs predicted; issue 18, 4th pass).
 
-The table comes from one eval-mode forward of a zero image at the real size with autograd on
-(so ``requires_grad`` tells which inputs need a gradient), with forward hooks on the leaf
-modules and a ``TorchFunctionMode`` that catches the operators a model calls outside any
-leaf module (ResNet's ``out + identity``, a functional ``F.relu``). Results are cached per
-(model, image size) in ``~/.cache/hpcdl/layers-v2.json`` by hpcdl.plan.cache, beside the flops
-cache of hpcdl.plan.workload.
+The table is read from the model's profile (:func:`hpcdl.models.profile.profile`: one
+eval-mode forward with autograd on, hooks on the costed leaf modules, and the operators a
+model calls outside them, such as ResNet's ``out + identity`` or a functional ``F.relu``).
+Results are cached per (model, image size) in ``~/.cache/hpcdl/layers-v2.json`` by
+hpcdl.plan.cache, beside the flops cache of hpcdl.plan.workload.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -141,96 +139,29 @@ FUNCTION_CLASSES = {"add": "add", "add_": "add", "__add__": "add", "__iadd__": "
                     "dropout": "dropout"}
 
 
-def _per_image(t: Any) -> int:
-    """Elements of one image's slice of a batched tensor (the batch may be empty)."""
-    return math.prod(t.shape[1:]) if hasattr(t, "shape") and t.dim() > 0 else 0
-
-
-def _macs(module: Any, output: Any) -> float:
-    from torch import nn
-
-    if isinstance(module, nn.modules.conv._ConvNd):
-        kernel = math.prod(module.kernel_size)
-        return float(_per_image(output) * (module.in_channels // module.groups) * kernel)
-    if isinstance(module, nn.Linear):
-        return float(_per_image(output) * module.in_features)
-    return 0.0
-
-
-def _pixels(module: Any, output: Any) -> float:
-    """Output positions per image of a convolution (its GEMM rows per image), else 0."""
-    from torch import nn
-
-    if isinstance(module, nn.modules.conv._ConvNd) and hasattr(output, "shape"):
-        return float(math.prod(output.shape[2:]))
-    return 0.0
-
-
-def _nbytes(t: Any) -> float:
-    return float(_per_image(t) * BYTES_PER_ELEMENT)
-
-
 def count_layers(model: Any, image_size: int, input_shape: Sequence[int] | None = None,
                  input_requires_grad: bool = False) -> list[Layer]:
     """The layer table of ``model`` on one ``image_size`` image (module docstring), or on one
     input of ``input_shape`` (C, H, W) or (features,) -- calibration's single layers."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    layers: list[Layer] = []
-    depth = [0]   # > 0 while inside a costed leaf module: its internal calls are its own
-
-    class Outside(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            name = getattr(func, "__name__", "")
-            op_class = FUNCTION_CLASSES.get(name)
-            if depth[0] == 0 and op_class and isinstance(out, torch.Tensor):
-                first = args[0] if args else None
-                layers.append(Layer(f"{name}#{len(layers)}", op_class,
-                                    in_bytes=_nbytes(first), out_bytes=_nbytes(out)))
-            return out
-
-    names = {m: n for n, m in model.named_modules()}
-
-    def enter(module: Any, _inputs: tuple) -> None:
-        depth[0] += 1
-
-    def leave(module: Any, inputs: tuple, output: Any) -> None:
-        depth[0] -= 1
-        first = inputs[0] if inputs else None
-        params = sum(p.numel() for p in module.parameters(recurse=False)) * BYTES_PER_ELEMENT
-        layers.append(Layer(names.get(module, type(module).__name__), module_class(module),
-                            macs=_macs(module, output), in_bytes=_nbytes(first),
-                            out_bytes=_nbytes(output), param_bytes=float(params),
-                            input_grad=bool(getattr(first, "requires_grad", False)),
-                            pixels=_pixels(module, output)))
+    from hpcdl.models.profile import profile
 
     shape = tuple(input_shape) if input_shape else (3, image_size, image_size)
-    hooks = []
-    for module in model.modules():
-        if next(module.children(), None) is None and module_class(module) is not None:
-            hooks.append(module.register_forward_pre_hook(enter))
-            hooks.append(module.register_forward_hook(leave))
-    was_training = model.training
-    try:
-        model.eval()   # BN and dropout shapes are the same; BN statistics stay untouched
-        # An empty batch carries every shape and costs no arithmetic (ResNet-50 at 224 px:
-        # milliseconds instead of seconds); one image where an operator rejects it.
-        for batch in (0, 1):
-            layers.clear()
-            depth[0] = 0
-            try:
-                with torch.enable_grad(), Outside():
-                    model(torch.zeros(batch, *shape, requires_grad=input_requires_grad))
-                break
-            except RuntimeError:
-                if batch:
-                    raise
-    finally:
-        model.train(was_training)
-        for hook in hooks:
-            hook.remove()
+    layers: list[Layer] = []
+    costed = profile(model, shape, input_requires_grad,
+                     leaves=lambda m: module_class(m) is not None)
+    for op in costed:
+        if op.module is None:
+            if op.function in FUNCTION_CLASSES:
+                layers.append(Layer(f"{op.function}#{len(layers)}",
+                                    FUNCTION_CLASSES[op.function],
+                                    in_bytes=float(op.in_elements * BYTES_PER_ELEMENT),
+                                    out_bytes=float(op.out_elements * BYTES_PER_ELEMENT)))
+            continue
+        layers.append(Layer(op.name, module_class(op.module), macs=float(op.macs),
+                            in_bytes=float(op.in_elements * BYTES_PER_ELEMENT),
+                            out_bytes=float(op.out_elements * BYTES_PER_ELEMENT),
+                            param_bytes=float(op.params * BYTES_PER_ELEMENT),
+                            input_grad=op.input_grad, pixels=float(op.pixels)))
     return layers
 
 

@@ -190,7 +190,8 @@ def median_measurement(runs: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 def bf16_skip_reason(flags: set[str] | None = None) -> str:
     """Why the bf16 rows are not run here (the planner has no bf16 rates yet)."""
-    from hpcdl.plan.cpu import cpu_flags, cpu_identity
+    from hpcdl.cpus import cpu_flags
+    from hpcdl.plan.cpu import cpu_identity
 
     flags = cpu_flags() if flags is None else flags
     if not flags & {"avx512_bf16", "amx_bf16"}:

@@ -71,7 +71,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -325,7 +325,7 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise read_error(name, exc) from None
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {name} is corrupt ({exc})") from None
-    _check_format(manifest, CHECKPOINT_FORMAT, _MANIFEST_REQUIRED, path, name)
+    _check_record(manifest, CHECKPOINT_FORMAT, _MANIFEST_REQUIRED, path, name)
     if manifest["digest"] != _digest(manifest):
         raise CheckpointError(f"checkpoint {name} is corrupt: its content does not match its "
                               f"sha256 digest (flipped or torn bytes)")
@@ -385,18 +385,19 @@ def _load_legacy(path: str, mmap: bool = False) -> dict[str, Any]:
 
 def check_legacy(state: Any, path: str) -> dict[str, Any]:
     """``state`` when it is a single-file checkpoint, else a :class:`CheckpointError`."""
-    _check_format(state, LEGACY_FORMAT, _REQUIRED, path, path)
+    _check_record(state, LEGACY_FORMAT, _REQUIRED, path, path)
     return state
 
 
-def _check_format(record: Any, expected: str, required: tuple[str, ...], path: str,
+def _check_record(record: Any, fmt: str, required: Iterable[str], path: str,
                   name: str) -> None:
-    """``record`` (a manifest, or a single-file checkpoint) is of format ``expected`` and has
-    every ``required`` key, else a :class:`CheckpointError` naming ``path`` / ``name``."""
-    if not isinstance(record, dict) or record.get("format") != expected:
+    """A :class:`CheckpointError` unless ``record`` is a dict of format ``fmt`` holding every
+    ``required`` key; a wrong format names ``path`` and the current format, a missing key
+    ``name``."""
+    if not isinstance(record, dict) or record.get("format") != fmt:
         found = record.get("format") if isinstance(record, dict) else type(record).__name__
         raise CheckpointError(f"checkpoint {path} is not an hpcdl checkpoint (format {found!r}, "
-                              f"expected {expected!r})")
+                              f"expected {CHECKPOINT_FORMAT!r})")
     missing = [k for k in required if k not in record]
     if missing:
         raise CheckpointError(f"checkpoint {name} is incomplete: missing {missing}")

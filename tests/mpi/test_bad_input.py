@@ -64,7 +64,7 @@ def test_a_truncated_shard_only_one_node_reads_stops_every_rank(world, shared_tm
         shutil.copytree(one_shard_per_rank, data)
         os.truncate(os.path.join(data, bad), 100)
     world.Barrier()
-    with pytest.raises(BadInputError, match=f"shard .*{bad} is 100 bytes") as info:
+    with pytest.raises(BadInputError, match=f"shard .*{bad}: 100 bytes") as info:
         with agreed(world):
             ShardedImageNet(data, node_index=world.rank, num_nodes=world.size, batch_size=1,
                             image_size=16, workers=0).close()

@@ -1,0 +1,126 @@
+"""The baselines ``hpcdl bench train`` times hpcdl's step against: the same model, LARS and
+schedule written the way a PyTorch user would (``DistributedDataParallel`` on gloo) and the
+way a Horovod user would (``hvd.DistributedOptimizer``), both around one plain torch step.
+
+Each baseline is a "stepper" (:data:`Stepper`): a function that takes one batch, runs one
+optimizer step, and returns the seconds it waited for communication, or None where that wait
+happens inside ``backward()``/``step()`` and cannot be told apart from compute (DDP and
+Horovod both). Horovod is a baseline, never a dependency of hpcdl.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+#: One optimizer step on one batch -> seconds waited for communication (None: not separable).
+Stepper = Callable[[Any], "float | None"]
+
+
+def effective_memory_format(requested: str, threads: int) -> str:
+    """The layout every mode really uses: the Trainer's rule (hpcdl/train/trainer.py,
+    ``_memory_format``) falls back to contiguous on one thread, and DDP must match it."""
+    return "channels_last" if requested == "channels_last" and threads > 1 else "contiguous"
+
+
+def recipe_model(config):
+    """The recipe's model (``config.model``: its name and keyword arguments)."""
+    from hpcdl.models import create_model
+
+    kw = {k: v for k, v in config.model.items() if k != "name"}
+    return create_model(config.model["name"], **kw)
+
+
+def plain_step(forward: Callable, optimizer, schedule, bf16: bool,
+               memory_format=None) -> Stepper:
+    """One torch step as its user writes it: the scheduled learning rate, zeroed gradients,
+    ``forward`` on the normalised batch (in ``memory_format`` when given) under bf16 autocast
+    when ``bf16``, cross-entropy, backward, ``optimizer.step()``. Returns None: a wrapper's
+    allreduces (DDP's inside backward, Horovod's inside step) are not separable from compute."""
+    import torch
+
+    from hpcdl.data import normalize
+    from hpcdl.optim import set_learning_rate
+
+    criterion = torch.nn.CrossEntropyLoss()
+    steps = itertools.count()
+
+    def step(batch) -> None:
+        images, labels = batch
+        set_learning_rate(optimizer, schedule(next(steps)))
+        optimizer.zero_grad(set_to_none=True)
+        inputs = normalize(images)
+        if memory_format is not None:
+            inputs = inputs.contiguous(memory_format=memory_format)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = criterion(forward(inputs), labels)
+        loss.backward()
+        optimizer.step()
+        return None
+
+    return step
+
+
+@contextlib.contextmanager
+def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
+    """The same step written the way a PyTorch user would: DDP(model) on gloo, LARS."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hpcdl.comm.gloo import init_process_group_over_mpi
+    from hpcdl.optim import create_optimizer, create_schedule
+
+    store = init_process_group_over_mpi(mpi_comm)
+    try:
+        layout = effective_memory_format(
+            "channels_last" if config.train.channels_last else "contiguous",
+            torch.get_num_threads())
+        memory_format = (torch.channels_last if layout == "channels_last"
+                         else torch.contiguous_format)
+        model = recipe_model(config).to(memory_format=memory_format)
+        # Held in a dict so it can be dropped before its process group is destroyed.
+        held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}
+        schedule = create_schedule(config.schedule, total_steps, total_steps)
+        optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
+        yield plain_step(lambda inputs: held["ddp"](inputs), optimizer, schedule,
+                         config.train.bf16, memory_format)
+        held.clear()
+    finally:
+        dist.destroy_process_group()
+        mpi_comm.Barrier()  # rank 0's store outlives every peer's last use of it
+        del store
+
+
+def horovod_missing() -> str | None:
+    """Why the ``horovod`` mode cannot run here, or None. Horovod is a baseline of the bench,
+    never a dependency of hpcdl: it is built from source into a bench environment."""
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a build that fails to load
+        return (f"horovod.torch not importable ({type(exc).__name__}: {exc}); build it into a "
+                "bench venv: docs/performance.md, 'Training step across hosts'")
+    return None
+
+
+@contextlib.contextmanager
+def horovod_stepper(config, total_steps: int) -> Iterator[Stepper]:
+    """The same step the way a Horovod user writes it (Sergeev & Del Balso 2018):
+    ``hvd.DistributedOptimizer`` around LARS, Horovod's own defaults (fusion buffer, cycle
+    time, MPI underneath), parameters broadcast from rank 0."""
+    import horovod.torch as hvd
+
+    from hpcdl.optim import create_optimizer, create_schedule
+
+    hvd.init()
+    try:
+        model = recipe_model(config)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        schedule = create_schedule(config.schedule, total_steps, total_steps)
+        optimizer = hvd.DistributedOptimizer(
+            create_optimizer(config.optimizer, model, lr=schedule(0)),
+            named_parameters=model.named_parameters())
+        yield plain_step(model, optimizer, schedule, config.train.bf16)
+    finally:
+        hvd.shutdown()

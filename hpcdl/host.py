@@ -1,0 +1,46 @@
+"""What the operating system counts for this host and process: the bytes each network
+interface sent and received (``/sys/class/net/NIC/statistics``) and the CPU seconds of given
+threads (``/proc/self/task/TID/stat``). Read before and after a measured piece of work, their
+differences are what the work really cost, whatever a formula predicts. The CPU itself is
+described in hpcdl/cpus.py.
+"""
+from __future__ import annotations
+
+import os
+
+NET = "/sys/class/net"
+
+
+def nic_bytes(nic: str) -> tuple[int, int] | None:
+    """(sent, received) bytes of ``nic`` since boot, from this host's sysfs; None without it."""
+    base = f"{NET}/{nic}/statistics"
+    try:
+        with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
+            return int(tx.read()), int(rx.read())
+    except (OSError, ValueError):
+        return None
+
+
+def interface_bytes() -> dict[str, tuple[int, int]]:
+    """(sent, received) bytes of every interface but loopback, from this host's sysfs."""
+    counts = {}
+    for nic in sorted(os.listdir(NET)) if os.path.isdir(NET) else []:
+        if nic != "lo" and (sent_received := nic_bytes(nic)) is not None:
+            counts[nic] = sent_received
+    return counts
+
+
+def thread_cpu_s(native_ids: list[int]) -> float:
+    """CPU seconds (user + system) the threads ``native_ids`` of this process have used:
+    fields 14 and 15 of ``/proc/self/task/TID/stat``, in clock ticks (proc(5))."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for tid in native_ids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                # the name (field 2) may hold spaces: fields are counted after its ')'
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / tick
