@@ -1,4 +1,5 @@
-"""Issue 16 part 1, lever "fewer passes over memory": the shm allgather into the bucket then
+"""Lever "fewer passes over memory" (measured: docs/results/notebook-training-step-2026.md):
+the shm allgather into the bucket then
 an unpack into the parameters, against one sync and a copy straight from the peers' window
 regions (``publish_flat_``, what ShardedOptimizer does now). One AlexNet-BN-sized bucket
 (61.1 M floats), the two variants interleaved:

@@ -1,7 +1,7 @@
 """Atomic writes: temporary name in the same directory, fsync, rename, fsync the directory.
 
 A crash or a Slurm time-limit kill then leaves either the old file or the new one, never half
-of one (DESIGN.md: every write that matters is atomic).
+of one.
 """
 from __future__ import annotations
 

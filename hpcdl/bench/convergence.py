@@ -17,7 +17,7 @@ run             global batch  optimizer and schedule
 ==============  ============  =====================================================
 
 1,536 ≈ 60,000 / 40. Goal: ``lars_minus_baseline_top1`` ≥ −1 point. ``--runs lars,lars_bf16`` is
-issue 16's bf16 check: the same recipe, seed and data order, so the difference
+the bf16 check: the same recipe, seed and data order, so the difference
 ``lars_bf16_minus_lars_top1`` (goal ≥ −0.3 points) is bf16's rounding alone. On a CPU without
 AVX512-BF16/AMX the run sets ``train.bf16_emulated`` (the trainer would otherwise fall back to
 float32 and the check would compare fp32 with itself): slower, with the same rounding. Which

@@ -5,7 +5,7 @@ one thread, loader ``workers=0``). Both sides end in the same normalised float32
 the loader's uint8 batch goes through ``hpcdl.data.normalize`` as in the trainer. Images per
 core is images per CPU second of the process.
 
-Fair baselines (issue 16): sites that care pre-resize ImageNet too, so the same run also times
+Fair baselines: sites that care pre-resize ImageNet too, so the same run also times
 ImageFolder over the *same pre-resized JPEGs* the shards hold (exported byte for byte to a
 tree) and WebDataset (tar shards of those JPEGs, its own ``decode("pil")`` pipeline, then the
 same transform), each ending in the same normalised float32 batch, one core. simplejpeg's own

@@ -1,4 +1,4 @@
-"""How replicas stay consistent: the policy between the reducer and the optimizer (DESIGN.md).
+"""How replicas stay consistent: the policy between the reducer and the optimizer.
 
 Ben-Nun & Hoefler ("Demystifying Parallel and Distributed Deep Learning", ACM CSUR 2019, §6)
 name the levers past synchronous data parallelism: relax model consistency, or compress what

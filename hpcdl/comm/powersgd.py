@@ -18,7 +18,7 @@ has rank ≤ r the result is exact: ``P̂`` spans its columns, so ``P̂ P̂ᵀ m
 
 ``Q`` starts from one seeded Gaussian draw, identical on every rank (it must be: ``P`` is
 averaged, which is only meaningful for a common ``Q``). LARS runs after decompression, on
-``G`` (DESIGN.md: LARS after the allreduce).
+``G``: its trust ratio needs the norm of the averaged gradient.
 
 This reducer is synchronous: it compresses after backward (compression needs the whole
 gradient of a tensor, and the error buffer), so nothing overlaps backward. At 4× to 100×

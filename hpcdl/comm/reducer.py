@@ -10,7 +10,7 @@ Choices that keep every rank in step:
   gradients for a sequential model), so the layout is the same on every rank.
 - Buckets are launched strictly in bucket order: a bucket that fills early waits until all
   buckets before it are launched, so every rank issues the same collectives in the same order
-  whatever the timing of autograd (DESIGN.md: who calls MPI).
+  whatever the timing of autograd (collectives issued in different orders deadlock).
 - One communication thread issues every collective the reducer makes; the main thread only
   enqueues and, in :meth:`GradientReducer.synchronize`, waits.
 - A parameter that got no gradient this step (unused branch) contributes zeros when

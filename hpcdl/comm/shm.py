@@ -197,9 +197,8 @@ class SharedMemoryCommunicator(Communicator):
     def publish_flat_(self, buffer: torch.Tensor,
                       bucket: int | None = None) -> list[torch.Tensor]:
         """One node, a window buffer: one sync, then every peer's region is read in place
-        (the allgather's copy into this rank's region is skipped: measured on AlexNet-BN's
-        61 M floats at P = 2, 0.19 s against 0.28 s with the copy and the unpack, under
-        load; docs/performance.md, issue 16 part 1)."""
+        (the allgather's copy into this rank's region is skipped: one pass over memory
+        fewer; measured: docs/results/notebook-training-step-2026.md)."""
         one_node = self._one_node_views(buffer)
         if one_node is None:
             return super().publish_flat_(buffer, bucket)

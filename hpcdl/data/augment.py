@@ -2,7 +2,8 @@
 
 Randomness is a pure function of (seed, epoch, global sample index): a counter-based hash
 (SplitMix64) gives each sample its own uniform draws, so the augmentation of a sample does
-not depend on which worker thread decoded it or when (DESIGN.md: determinism is a mode).
+not depend on which worker thread decoded it or when: a run's augmentation is a function of
+its seed.
 
 Train: RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3, the Inception / torchvision recipe)
 and a horizontal flip with probability 1/2. Val: resize the short side to

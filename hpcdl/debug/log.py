@@ -2,8 +2,9 @@
 
 Under ``mpiexec -n 2048`` a bare "loss is nan" is useless; ``[rank 17/2048 node042]`` is not.
 Rank 0 prints to the terminal (other ranks only errors, so a traceback is never lost), and every
-rank writes its whole log to ``RUN_DIR/logs/rank-XXXX.log`` (DESIGN.md: the run directory is the
-record). ``HPCDL_DEBUG=1`` raises every rank to DEBUG whatever ``--log-level`` said.
+rank writes its whole log to ``RUN_DIR/logs/rank-XXXX.log``, in the run directory with the rest
+of the run (docs/architecture.md, "The run directory"). ``HPCDL_DEBUG=1`` raises every rank to
+DEBUG whatever ``--log-level`` said.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ frozen, killed, or its host cut off from the shared directory). The side channel
 says "not heard from", never more than it knows. Every rank's host comes from one allgather at
 ``watch_collectives``, so a report names hosts even without heartbeats.
 
-Ending the job is local and bounded (DESIGN.md "Decisions for many hosts"): a rank past
+Ending the job is local and bounded, because a watcher must not depend on what can fail: a rank past
 ``abort_s`` writes its dump (``rank-XXXX.stall.txt``: the one-line verdict, the report, every
 thread's stack) next to its heartbeat, calls ``MPI_Abort`` on a thread, and if it is still
 alive ``exit_grace_s`` later -- MPICH's MPI_Abort returns once it has told the local launcher

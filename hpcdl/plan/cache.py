@@ -2,9 +2,9 @@
 
 Counting a model (forward MACs, the layer table) costs seconds at 224 px, so the planner keeps
 each count per ``MODEL@SIZE`` key in a JSON file under ``~/.cache/hpcdl`` (``$XDG_CACHE_HOME``):
-``flops.json`` (hpcdl.plan.workload) and ``layers-v2.json`` (hpcdl.plan.layers). Both used to carry
-their own copy of these functions (issue 18); a cache is a convenience, so a missing, corrupt
-or read-only one is recounted, never fatal.
+``flops.json`` (hpcdl.plan.workload) and ``layers-v2.json`` (hpcdl.plan.layers), both through
+these functions. A cache is a convenience, so a missing, corrupt or read-only one is
+recounted, never fatal.
 """
 from __future__ import annotations
 

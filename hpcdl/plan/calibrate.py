@@ -420,7 +420,8 @@ def measure(quick: bool = False, batch: int = 8,
     m["class_rates"] = fit_rates(samples, m["layer_overhead_s"])
     m["class_curves"] = rate_curves(samples, m["layer_overhead_s"])
     if cores > 1:
-        # The same layers as one rank's `cores` threads: np = 1 on this node (issue 18).
+        # The same layers as one rank's `cores` threads (np = 1 on this node): each class's
+        # thread speedup is measured, not assumed.
         log(f"per-class rates on {cores} threads of one rank ...")
         samples_t = measure_samples(batch, reps, threads=cores, log=log)
         m["class_threads"] = cores

@@ -57,13 +57,14 @@ REPRESENTATIVE: tuple[tuple[str, str, tuple, tuple, bool], ...] = (
     ("conv_3x3", "conv", (64, 64, 3, 1, 1, 1), (64, 28, 28), True),
     ("conv_3x3", "conv", (128, 128, 3, 1, 1, 1), (128, 14, 14), True),
     ("conv_3x3", "conv", (256, 256, 3, 1, 1, 1), (256, 7, 7), True),
-    # Larger GEMMs run nearer the peak (a 1×1 convolution: 45-60 GFLOP/s at 0.6 GFLOP per
-    # call, 66-92 at 2.5-5, issue 18, 3rd pass): one sample per class at 224 px-like sizes, so
+    # Larger GEMMs run nearer the peak (measured for a 1×1 convolution:
+    # docs/results/notebook-planner-2026.md): one sample per class at 224 px-like sizes, so
     # that RATE_CURVE_CLASSES' curves span both regimes.
     ("conv_1x1", "conv", (96, 384, 1, 1, 0, 1), (96, 40, 40), True),
     ("conv_3x3", "conv", (96, 96, 3, 1, 1, 1), (96, 40, 40), True),
     # And at 4x4 positions (128 GEMM rows at batch 8), where a convolution runs furthest
-    # below its FLOP rate: the last stage of a 112 px ResNet (issue 18, 4th pass).
+    # below its FLOP rate: the last stage of a 112 px ResNet (measured:
+    # docs/results/notebook-planner-2026.md).
     ("conv_1x1", "conv", (768, 192, 1, 1, 0, 1), (768, 4, 4), True),
     ("conv_3x3", "conv", (320, 320, 3, 1, 1, 1), (320, 4, 4), True),
     ("conv_grouped", "conv", (96, 128, 5, 1, 2, 2), (96, 14, 14), True),
@@ -108,8 +109,8 @@ def curve_axis(op_class: str) -> str:
 
 
 # Calls discarded before timing a layer: a new shape's first calls grow the (retained) heap
-# and fault its pages in; a step in a running job does not (issue 18, 3rd pass: a 25 MB batch
-# norm took 494, 33, 33, 34, 26 ms on its first five calls, 21-29 ms after).
+# and fault its pages in; a step in a running job does not (measured on a 25 MB batch norm's
+# first calls: docs/results/notebook-planner-2026.md).
 LAYER_WARMUP = 3
 # Linear layers are timed at this many rows (images) so that they measure the matmul rate,
 # not the weight traffic that the model adds as a separate floor at small batch.
@@ -192,7 +193,7 @@ def time_layer(module: Any, shape: Sequence[int], rows: int, input_grad: bool,
     accumulate into ``x.grad`` and every parameter's ``.grad`` from the second call on (an
     extra read-read-write pass over the input, which a model's step never makes: its input
     gradient flows on to the layer before), and a ``ones_like`` inside the timed call would
-    add a write of the output. Both inflated the memory-bound passes (issue 18, 2nd pass)."""
+    add a write of the output. Both would inflate the memory-bound passes."""
     x = torch.randn(rows, *shape, requires_grad=input_grad)
     module.train()
     inputs = ([x] if input_grad else []) + [p for p in module.parameters() if p.requires_grad]
@@ -317,8 +318,8 @@ def corun_samples(batch: int, repeats: int, ranks: int,
 def contention(rates_alone: Mapping[str, float],
                rates_corun: Mapping[str, float]) -> dict[str, float]:
     """Per class: one rank's rate while every core runs a rank ÷ its rate alone, in (0.1, 1]:
-    the node's shared caches and memory, which a rank alone does not meet (issue 18, 3rd
-    pass: predicted ÷ measured fell from 0.92-1.0 at one rank to 0.78-0.85 at four)."""
+    the node's shared caches and memory, which a rank alone does not meet (without it,
+    predicted ÷ measured falls as ranks are added to a node)."""
     return {c: min(1.0, max(0.1, rates_corun[c] / rates_alone[c]))
             for c in rates_alone if c in rates_corun}
 
@@ -384,9 +385,9 @@ def thread_speedups(rates_1: Mapping[str, float], rates_t: Mapping[str, float],
 
     Measured, not assumed: intra-op threading splits a convolution's GEMM well, but a batch
     norm or a small pooling layer much less (and on a loaded machine a multi-threaded rank
-    waits at every parallel region for a descheduled sibling, issue 18's 0.09 row). A
-    speedup is floored at a tenth: below that the timing measured the scheduler; and capped
-    at T: T threads do at most T cores' work, and the super-linear 2.6-4.4 measured for 2
-    threads (issue 18, 3rd pass) was the one-thread pass paying the heap's first growth."""
+    waits at every parallel region for a descheduled sibling; measured:
+    docs/results/notebook-planner-2026.md). A speedup is floored at a tenth: below that the
+    timing measured the scheduler; and capped at T: T threads do at most T cores' work, and
+    a super-linear speedup measured the one-thread pass paying the heap's first growth."""
     cap = float(threads) if threads else math.inf
     return {c: min(cap, max(0.1, rates_t[c] / rates_1[c])) for c in rates_1 if c in rates_t}

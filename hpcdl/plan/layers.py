@@ -24,7 +24,8 @@ parameter bytes, whether backward must compute a gradient for the input (not for
 first layer, whose input is the image: its backward is the weight gradient alone), and for a
 convolution its output positions, the rows of its GEMMs per image: a convolution's rate
 follows its rows (batch × positions), not its FLOPs alone (ResNet-50's 4×4 layer4 at 112 px,
-128 rows at batch 8, runs at 0.65-0.8 of what its FLOPs predicted; issue 18, 4th pass).
+128 rows at batch 8, runs well below what its FLOPs predict; measured:
+docs/results/notebook-planner-2026.md).
 
 The table is read from the model's profile (:func:`hpcdl.models.profile.profile`: one
 eval-mode forward with autograd on, hooks on the costed leaf modules, and the operators a
@@ -69,13 +70,14 @@ LINEAR_WEIGHT_PASSES = 3.0
 # stream, calibrated on linear layers of 50-134 MB at a few rows), not the stream rate: a
 # weight gradient above glibc's 32 MiB mmap ceiling is a fresh mapping every step, so its
 # write pays first-touch page faults, and a GEMM with 8 rows streams its weight at a fraction
-# of ``a += b``'s rate. Measured (issue 18, 3rd pass): AlexNet-BN's fc6 (151 MB) forward +
-# backward at batch 8 takes ~200 ms on one core, 10x its three passes at the stream rate.
+# of ``a += b``'s rate: AlexNet-BN's fc6 (151 MB) forward + backward at batch 8 on one core
+# takes many times its three passes at the stream rate (measured:
+# docs/results/notebook-planner-2026.md).
 LINEAR_WEIGHTS = "linear_weights"
 # The LARS update after the allreduce (You et al. ICPP'18, Alg. 1), memory-bound: ||w||, ||g||
 # read w, g (8 B); the update reads g, w, m (12 B), writes m, w (8 B); the final w -= m re-reads
 # them (4 B): ~32 nominal bytes per fp32 parameter, moved at ``compute.optimizer`` (a fraction
-# of the stream, calibrated on hpcdl's LARS: issue 18, 3rd pass measured ~40-47 bytes' worth).
+# of the stream, calibrated on hpcdl's LARS, which moves more than these nominal bytes).
 OPTIMIZER = "optimizer"
 OPTIMIZER_BYTES_PER_PARAMETER = 32.0
 

@@ -14,7 +14,7 @@ An iteration on ``p`` ranks with global batch ``B`` (per-rank batch ``b = B / p`
   (forward, input gradient, weight gradient; × 2 for the first layer, whose input needs no
   gradient). A rank has cores ÷ ranks of its node as threads: its rate for a class is the
   one-core rate × that class's *measured* thread speedup (``thread_scaling`` of the machine
-  file, issue 18: a 2-thread rank is not twice a 1-thread one); more ranks than cores slow
+  file: a 2-thread rank is not twice a 1-thread one); more ranks than cores slow
   each rank proportionally (they time-share the cores). A
   legacy machine file without per-class rates uses b × 6 × MACs ÷ (peak × its one
   ``sustained_fraction``).
@@ -294,9 +294,8 @@ def pass_rate_Bps(machine: Machine, fraction: float, cores: float,
     """Bytes/s of a memory-bound pass on one rank: its calibrated ``fraction`` of one core's
     stream × the rank's ``cores`` (a measured thread speedup ÷ core sharing), capped by the
     rank's share of the node's bandwidth. A roofline: alone the pass runs at its own rate and
-    no faster than its share of the node. (Scaling the *capped* stream by the fraction counted
-    the contention twice: a pass measured at 3.2 GB/s on one core was costed at 1.9 GB/s for
-    two ranks of a 42 GB/s node, issue 18, 3rd pass.)"""
+    no faster than its share of the node. (Scaling the *capped* stream by the fraction would
+    count the contention twice.)"""
     return min(fraction * machine["node.core_stream_Bps"] * cores,
                machine["node.memory_bandwidth_Bps"] / procs_per_node)
 

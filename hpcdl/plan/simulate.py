@@ -32,7 +32,7 @@ Design choices, each with its reason:
   differ from each other and are all simulated. Cost: ~30 µs of CPU per simulated message.
 * **One driver, flows between hosts.** A SimGrid host is a *node*; one driver actor issues
   ``Comm.sendto_async(src, dst, bytes)`` for every message of a step and waits for all (per-
-  rank Python actors are ~2.5× slower, issue 26). Ranks of one node talk over the node's
+  rank Python actors are slower). Ranks of one node talk over the node's
   loopback link: ``intra_node.bandwidth_Bps`` per message, not shared (FATPIPE), as the
   formula's per-rank copy rate.
 * **The fluid model, factors stated.** CM02 (max-min fair sharing of each link's bandwidth,
@@ -40,7 +40,7 @@ Design choices, each with its reason:
   bandwidth factor 1 and no TCP window bound: a lone message takes exactly
   latency + bytes ÷ bandwidth, the α-β formula's point-to-point term. SimGrid's default
   (LV08) multiplies latencies by 13.01 and bandwidths by 0.97, calibrated for TCP on
-  Ethernet; it changes the answer 2–7× here (issue 26), and an MPI over Omni-Path is not TCP.
+  Ethernet; it changes the answer several-fold here, and an MPI over Omni-Path is not TCP.
 * **Latency is split over the route.** Each node's link carries α/2 (``network.latency_s``
   ÷ 2), so two nodes on one leaf are α apart as in the formula; a route through the core adds
   ``fabric.switch_latency_s`` per leaf-core link (two of them).
@@ -57,7 +57,7 @@ The fabric is the machine file's optional ``fabric:`` section (:func:`load_fabri
 figure ``{value, source}``; a file without one is costed on a single switch (the flat network
 of a small test cluster). Where SimGrid comes from: ``import simgrid`` (PyPI ``simgrid``, a
 source build), else Debian's ``python3-simgrid`` extension when its ABI matches this Python
-(Debian 12: CPython 3.11); versions 3.32 and 4.1 give identical times (issue 26).
+(Debian 12: CPython 3.11); versions 3.32 and 4.1 give identical times (docs/planner.md).
 """
 from __future__ import annotations
 

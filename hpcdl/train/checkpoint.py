@@ -55,7 +55,7 @@ earlier format (``ckpt-STEP.pt`` a file, every rank's state inside) still loads.
 
 A checkpoint records the run, not the layout: resuming on another rank count is allowed, but
 one of another recipe, model or global batch is refused by :func:`check_compatible`, naming
-what differs (each is bad input: exit 2, DESIGN.md).
+what differs (each is bad input: exit 2).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Recipes: YAML files validated into dataclasses, with ``key=value`` overrides.
 
-A recipe names the model, optimizer, schedule, batch, epochs and data options (DESIGN.md:
-recipes are data); the trainer never branches on a recipe's name. The schema is the one in
+A recipe names the model, optimizer, schedule, batch, epochs and data options as data; the
+trainer never branches on a recipe's name. The schema is the one in
 docs/architecture.md. Unknown and missing keys are reported by their dotted name with the
 file, so a typo such as ``batch.per_rnak`` fails before any rank touches data.
 

@@ -21,10 +21,10 @@ optimizer step. What differs, and why:
   user's optimizer and shares its ``param_groups`` and ``state``; it is still a
   ``torch.optim.Optimizer``, so torch's LR schedulers accept it.
 - **The reducer is hpcdl's** (:class:`hpcdl.comm.reducer.GradientReducer`): fusion buckets in
-  reverse registration order, launched in bucket order on one communication thread (DESIGN.md:
-  who calls MPI), averaged gradients written back as views of the buckets. LARS needs exactly
-  this: its trust ratio is computed on the averaged gradient (DESIGN.md: LARS after the
-  allreduce; You et al., ICPP'18).
+  reverse registration order, launched in bucket order on one communication thread (so every
+  rank issues the same collectives in the same order), averaged gradients written back as views
+  of the buckets. LARS needs exactly this: its trust ratio is computed on the averaged gradient,
+  so it runs after the allreduce (You et al., ICPP'18).
 - **Accumulation is DDP's** ``no_sync()`` (Li et al., VLDB 2020, §3.2.4): backward passes inside
   it only accumulate locally; the next backward outside it reduces the sum once. A second
   backward outside ``no_sync`` before ``step()`` raises instead of racing the communication

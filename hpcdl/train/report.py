@@ -2,8 +2,8 @@
 rate and the throughput breakdown (compute vs data wait vs communication wait), the figures
 a reader of You et al. (ICPP'18) looks at to judge a large-batch run.
 
-Reads only ``metrics.jsonl`` and ``summary.json`` (DESIGN.md: the run directory is the record),
-so it runs on a login node after the job, without MPI.
+Reads only ``metrics.jsonl`` and ``summary.json`` of the run directory (docs/architecture.md,
+"The run directory"), so it runs on a login node after the job, without MPI.
 """
 from __future__ import annotations
 

@@ -84,8 +84,8 @@ class TrainOptions:
 
 
 def derive_seed(seed: int, epoch: int, rank: int) -> int:
-    """A seed from (seed, epoch, rank) (DESIGN.md: determinism is a mode): distinct streams
-    per rank and epoch, reproducible from the recipe alone."""
+    """A seed from (seed, epoch, rank): distinct streams per rank and epoch, reproducible
+    from the recipe alone."""
     mixed = np.random.SeedSequence([seed, epoch, rank]).generate_state(1, dtype=np.uint64)[0]
     return int(mixed & 0x7FFF_FFFF_FFFF_FFFF)
 
@@ -106,7 +106,7 @@ def seed_everything(seed: int) -> None:
 
 
 def require_ipex() -> Any:
-    """Import IPEX or say exactly what is missing (DESIGN.md: detected, never faked)."""
+    """Import IPEX or say exactly what is missing: IPEX asked for is never silently skipped."""
     try:
         import intel_extension_for_pytorch as ipex  # noqa: PLC0415
     except ImportError as exc:
