@@ -46,7 +46,7 @@ def test_two_rank_demo_learns_well_above_chance(tmp_path):
     # a fraction of its budget. A gentle LARS step (lr·η = 0.002, half a warm-up epoch) keeps
     # the result off the CPU's rounding: top-1 59.1% with AVX2 kernels and 58.8% with torch's
     # scalar ones (ATEN_CPU_CAPABILITY=default); the earlier lr·η = 0.004 gave 68.4%, 55.8%
-    # and 47.0% (AVX-512) on three numeric paths (docs/performance.md, issue 15).
+    # and 47.0% (AVX-512) on three numeric paths (docs/results/notebook-demo-2026.md).
     cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "demo",
            "--out", str(out), "--epochs", "2", "--no-progress", "batch.global=128",
            "batch.per_rank=64", "schedule.warmup_epochs=0.5", "schedule.base_lr=1",

@@ -1,4 +1,4 @@
-"""The planner's per-operator-class compute term (issue 18): the layer table of a model, the
+"""The planner's per-operator-class compute term: the layer table of a model, the
 class of each operator, the cost of each class, the calibration fit, and the CPU check of a
 calibrated machine file. Models here are a few layers at 16-32 px (no real ResNet-50)."""
 import json

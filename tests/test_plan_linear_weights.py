@@ -1,4 +1,4 @@
-"""Issue 18, third pass: a linear layer at small batch is bound by its weight traffic at a
+"""A linear layer at small batch is bound by its weight traffic at a
 calibrated rate of its own (``compute.linear_weights``), not at the stream rate. Arithmetic on
 synthetic rates; no timing asserted."""
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 18, third and fourth passes: a class's rate as a curve (larger GEMMs run nearer the
+"""A class's rate as a curve (larger GEMMs run nearer the
 peak), calibrated from representative layers of several sizes: a convolution's over the GEMM
 rows of one call, a memory pass's over its bytes. Arithmetic on synthetic rates; no timing
 asserted."""

@@ -1,4 +1,4 @@
-"""Issue 18, second pass: the measured thread speedup of each operator class, the robust
+"""The measured thread speedup of each operator class, the robust
 calibration timing (median after warm-up, no gradient accumulation), the one planner cache,
 and the median step of ``--validate``. Arithmetic on synthetic rates only: no timing asserted."""
 import importlib

@@ -10,5 +10,5 @@ def test_ranks_form_one_world(world):
 
 
 def test_thread_level_allows_a_communication_thread():
-    # The reducer calls MPI from its own thread (DESIGN.md: who calls MPI).
+    # The reducer calls MPI from its own thread (one communication thread owns its collectives).
     assert MPI.Query_thread() >= MPI.THREAD_SERIALIZED

@@ -1,5 +1,6 @@
 """Several nodes on one machine: HPCDL_RANKS_PER_NODE=k makes consecutive ranks act as nodes
-of k, and every part that asks "which node am I on" gives the same answer (DESIGN.md).
+of k, and every part that asks "which node am I on" gives the same answer
+(docs/architecture.md).
 
 Size-adaptive with k=2: 2 ranks = 1 node; 3 ranks = 2 + 1 (non-uniform); 4 ranks = 2 x 2.
 At 4 ranks k=3 adds the non-uniform 3 + 1. Tiny synthetic shards, written once by rank 0."""

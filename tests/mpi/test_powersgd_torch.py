@@ -1,4 +1,4 @@
-"""hpcdl's PowerSGD against PyTorch's ``powerSGD_hook``, side by side (issue 17, second pass).
+"""hpcdl's PowerSGD against PyTorch's ``powerSGD_hook``, side by side.
 
 Both are fed the same gradients on every rank for many steps (a module whose gradient is its
 input: ``loss = Σ_p <p, G_p>``), PyTorch's through DDP + gloo, ours through
