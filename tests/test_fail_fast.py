@@ -173,10 +173,11 @@ def test_hpcdl_train_ends_on_one_ranks_error_before_its_teardown(
 
 
 @pytest.fixture(scope="module")
-def shards_with_one_bad_label(tmp_path_factory):
+def shards_with_one_more_class(tmp_path_factory):
     """Shards of 3 classes x 8 images plus ONE image of a 4th class: under a 3-class model its
-    label is out of range, so the one rank that draws it raises in its forward pass while the
-    other waits in the step's allreduce (a user's data bug, as it really happens)."""
+    label would be out of range in one rank's forward pass while the other waits in the step's
+    allreduce (a user's data bug, as it really happens). The loader's class check now finds it
+    before step 1, on every rank alike."""
     from hpcdl.data_prep.shard import shard_tree
     from hpcdl.data_prep.synthetic import make_imagenet_tree
 
@@ -191,18 +192,16 @@ def shards_with_one_bad_label(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_hpcdl_train_ends_on_one_ranks_data_error_printing_it_once(
-        tmp_path, shards_with_one_bad_label, tiny_recipe, backend):
+def test_hpcdl_train_ends_on_a_data_error_before_step_1_printing_it_once(
+        tmp_path, shards_with_one_more_class, tiny_recipe, backend):
     env = backend_environment(backend)
     program = [sys.executable, "-m", "hpcdl.cli.main", "train", "--recipe", tiny_recipe,
-               "--data", shards_with_one_bad_label, "--out", str(tmp_path / "run"),
+               "--data", shards_with_one_more_class, "--out", str(tmp_path / "run"),
                "--backend", backend, "--no-eval", "epochs=4"]
     job = run_job(tmp_path, 2, env=env, bound_s=ERROR_BOUND_S, program=program)
     assert job.returncode is not None, f"the job hung (killed after {ERROR_BOUND_S} s):\n" \
                                        f"{job.stdout}"
-    assert job.returncode == 1, job.stdout
-    lines = [line for line in job.stdout.splitlines() if "IndexError: Target 3 is out of bounds"
-             in line]
+    assert job.returncode == 2, job.stdout  # agreed bad input: every rank exits 2, no abort
+    lines = [line for line in job.stdout.splitlines() if "has 4 classes, the recipe's "
+             "model.num_classes is 3" in line]
     assert len(lines) == 1, job.stdout
-    assert lines[0].startswith(("[rank 0/2 ", "[rank 1/2 ")), job.stdout
-    assert f" {socket.gethostname()}]" in lines[0], job.stdout
