@@ -12,9 +12,10 @@ default backend (``auto``: shared memory inside a host, since every host runs se
   P ranks on a host cost beyond the shared library pages) is measured mid-training.
 
 Ranks: 4 hosts x HPCDL_SCALE_PER_HOST (default 2: 8 ranks, the CI size); the documented large
-run (docs/scaling.md, "Scale rehearsal") sets HPCDL_SCALE_PER_HOST=8 (32 ranks) and
-HPCDL_SCALE_RESULT=docs/results/scale-rehearsal-32.json. The hosts are made again as 4 for this
-module and as the session's 3 afterwards.
+run (docs/scaling.md, "Scale rehearsal: many ranks across hosts") sets
+HPCDL_SCALE_PER_HOST=8 (32 ranks) and
+HPCDL_SCALE_RESULT=docs/results/scale-rehearsal-32-2026-12-02.json. The hosts are made again
+as 4 for this module and as the session's 3 afterwards.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ SKEW_S = 2.0          # each rank's delivery: the first one's moment + uniform(0
 LAUNCH_LIMIT_S = 300 + 20 * RANKS
 RAISING = RANKS - 1   # the last rank: on the last host, away from rank 0's
 RAISE_AT = 20         # its 20th collective: inside training (the parameters' broadcast is #2)
+#: what the tests saw, written to HPCDL_SCALE_RESULT (a JSON file) by the last one
+RESULT: dict = {}
 
 RECIPE = """
 name: tiny-scale
@@ -162,6 +165,12 @@ def private_kib(pid: int) -> int | None:
     return int(fields["Private_Clean:"]) + int(fields["Private_Dirty:"])
 
 
+def mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        return round(next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:"))
+                     / 2**20, 1)
+
+
 def send_skewed(pids: list[int], rng: random.Random) -> list[float]:
     """SIGUSR1 to each rank, the first at a random moment, each other one uniform(0, SKEW_S)
     after it; a rank that has already exited is skipped."""
@@ -196,6 +205,8 @@ def test_one_rank_raising_ends_the_job_printing_its_error_once_naming_rank_and_h
     assert lines[0].startswith(f"[rank {RAISING}/{RANKS} {cluster.hosts[-1]}]"), lines[0]
     assert "stall: aborting" not in out, out[-3000:]  # fail-fast ended it, not the watchdog
     assert_no_rank_left(cluster)
+    RESULT["raise"] = {"exit": code, "launch_s": round(time.monotonic() - started, 1),
+                       "line": lines[0].strip()}
 
 
 def test_skewed_signals_stop_every_rank_at_one_step_and_resume_exactly(setup):
@@ -203,7 +214,8 @@ def test_skewed_signals_stop_every_rank_at_one_step_and_resume_exactly(setup):
     seed = int(os.environ.get("HPCDL_TEST_SEED", time.time_ns() % 2**32))
     rng = random.Random(seed)
     run_dir, record = root / "run", {"ranks": RANKS, "hosts": HOSTS, "per_host": PER_HOST,
-                                     "seed": seed}
+                                     "seed": seed, "cores": os.cpu_count(),
+                                     "mem_available_gib": mem_available_gib()}
 
     # the uninterrupted reference; each rank's private memory measured mid-training
     reference, _ = launch(cluster, root, "ref", "--resume", "none")
@@ -244,7 +256,8 @@ def test_skewed_signals_stop_every_rank_at_one_step_and_resume_exactly(setup):
     assert resumed["params_sha256"] == ref["params_sha256"], record
     record.update(stopped_at=stop, exit_codes=[EXIT_STOPPED_BY_SIGNAL, 0],
                   params_equal=True, backend=ref["backend"])
-    print(f"\n{json.dumps(record)}")
+    RESULT["signals"] = record
+    print(f"\n{json.dumps(RESULT)}")
     result = os.environ.get("HPCDL_SCALE_RESULT")
     if result:
-        Path(result).write_text(json.dumps(record, indent=1) + "\n")
+        Path(result).write_text(json.dumps(RESULT, indent=1) + "\n")
