@@ -30,6 +30,8 @@ import pytest
 from cluster_hosts import REPO, SCRIPT, job_field, launcher_env, on_controller, slurm_missing
 from test_slurm_across_hosts import DEMO_RECIPE, OVERRIDES, render, shards, wait_until
 
+from hpcdl.debug.stall import STALL_EXIT_CODE
+
 __all__ = ["shards"]  # a module fixture, used by name
 
 STALL = {"HPCDL_STALL_WARN_S": "2", "HPCDL_STALL_ABORT_S": "10", "HPCDL_STALL_EXIT_GRACE_S": "2"}
@@ -434,7 +436,7 @@ def test_every_entry_point_ends_a_job_whose_host_is_cut_off(hosts, entry):
         # rank 0's line, from its output or (when MPI_Abort cut that short) its log and dump
         text = "\n".join([job.output(), *(p.read_text(errors="replace") for p in
                                           (*out.rglob("rank-*.log"), *out.rglob("*.stall.txt")))])
-        assert rc == 3, text[-4000:]
+        assert rc == STALL_EXIT_CODE, text[-4000:]
         line = stall_line("\n".join(ln for ln in text.splitlines() if "(h1)" in ln))
         assert "on rank 0 (h1)" in line and "h2" in line, line
         assert_no_rank_left(hosts)
