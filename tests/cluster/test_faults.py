@@ -342,7 +342,9 @@ def test_a_link_that_comes_back_after_20_s_is_slow_not_dead(hosts):
     finally:
         hosts.script("link", "h2", "up")
         print(f"link up at {time.strftime('%H:%M:%S')} step {job.steps()}")
-    rc = job.wait(timeout=300)
+    # the rest of the 1,400 steps: ~35 s on a quiet machine; seen taking over 300 s on the
+    # shared 2-core machine under load (the job healthy, at step 1,345 when it was killed)
+    rc = job.wait(timeout=900)
     text = job.output()
     assert rc == 0, text[-4000:]
     # The warning's verdict is on the line after it (the first pass at this test searched one
