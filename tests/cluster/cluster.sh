@@ -24,7 +24,8 @@
 # is added to the root namespace's links, and traffic only ever goes to 10.99.0.0/24 here.
 #
 # State: $HPCDL_CLUSTER_DIR (default /var/tmp/hpcdl-cluster; not under /tmp, which every host
-# replaces with its own). Needs root, iproute2 (ip, tc), util-linux (unshare, nsenter).
+# replaces with its own). A checkout or interpreter under /tmp stays visible on every host, at
+# its own path (bind-mounted into the host's /tmp). Needs root, iproute2 (ip, tc), util-linux (unshare, nsenter).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 dir=${HPCDL_CLUSTER_DIR:-/var/tmp/hpcdl-cluster}
@@ -77,15 +78,37 @@ write_etc_hosts() {
     } >"$dir/etc-hosts"
 }
 
+kept_under_tmp() {  # the checkout and the interpreter, where they lie under /tmp (one a line)
+    # Every host replaces /tmp; a clone or a virtual environment there is common, and a host
+    # that cannot `cd` into the checkout or run its python fails every job.
+    local p kept=()
+    for p in "$here/../.." $(python3 -c 'import sys; print(sys.prefix, sys.base_prefix)' 2>/dev/null); do
+        p=$(realpath -e "$p" 2>/dev/null) || continue
+        [[ $p == /tmp/* ]] && kept+=("$p")
+    done
+    [ ${#kept[@]} -gt 0 ] || return 0
+    # a path inside another one comes with it
+    printf '%s\n' "${kept[@]}" | sort -u | awk 'prev == "" || index($0, prev "/") != 1 { print; prev = $0 }'
+}
+
 mount_host_files() {  # mount_host_files HOST: node-local /tmp, /dev/shm, /etc/hosts, sysfs, boot id
-    local h=$1 hd=$dir/hosts/$1
+    local h=$1 hd=$dir/hosts/$1 p binds=""
     mkdir -p "$hd/tmp" "$hd/cgroup" && chmod 1777 "$hd/tmp"
     cat /proc/sys/kernel/random/uuid >"$hd/boot_id"
     echo "$h" >"$hd/hostname"
+    # The checkout and the interpreter stay visible at their own paths inside the host's /tmp
+    # (bind mounts in the host's private mount namespace: the root namespace sees empty
+    # directories under $hd/tmp, which `down` removes without touching what they stood for).
+    while IFS= read -r p; do
+        [ -n "$p" ] || continue
+        mkdir -p "$hd/tmp/${p#/tmp/}"
+        binds+="mount --bind '$p' '$hd/tmp/${p#/tmp/}'"$'\n'
+    done < <(kept_under_tmp)
     in_host "$h" sh -ec "
         hostname $h
         mount --make-rprivate /
-        mount --bind '$hd/tmp' /tmp
+        $binds
+        mount --rbind '$hd/tmp' /tmp
         mount -t tmpfs -o size=1g,mode=1777 shm /dev/shm
         mount --bind '$dir/etc-hosts' /etc/hosts
         mount --bind '$hd/hostname' /etc/hostname

@@ -3,7 +3,13 @@ apart differs on each (hostname, boot id, /tmp, /dev/shm, eth0), and the shared 
 the same on all of them."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
+
+import pytest
+from cluster_hosts import SCRIPT, cannot_make_hosts
 
 
 def test_every_host_has_its_own_name_boot_id_and_address(cluster):
@@ -71,3 +77,38 @@ def test_a_shaped_link_holds_packets_back(cluster):
         assert overlimits > 0, stats
     finally:
         cluster.script("shape", "h1", "off")
+
+
+def test_a_checkout_and_interpreter_under_tmp_are_visible_on_every_host(tmp_path):
+    """A clone under /tmp (here: cluster.sh copied into one) and a virtual environment under
+    /tmp on PATH: every host of a cluster that clone brings up sees both at their own paths,
+    and its /tmp stays its own otherwise. (The session's cluster covers a checkout elsewhere.)"""
+    reason = cannot_make_hosts()
+    if reason:
+        pytest.skip(reason)
+    clone, venv = tmp_path / "clone", tmp_path / "venv"
+    (clone / "tests" / "cluster").mkdir(parents=True)
+    shutil.copy2(SCRIPT, clone / "tests" / "cluster" / "cluster.sh")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(venv)], check=True, timeout=120)
+    (tmp_path / "only-in-the-root-namespace").touch()
+    script = clone / "tests" / "cluster" / "cluster.sh"
+    env = {**os.environ, "HPCDL_CLUSTER_DIR": f"/var/tmp/hpcdl-clone-test-{os.getpid()}",
+           "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+
+    def call(*args: str) -> str:
+        done = subprocess.run([str(script), *args], capture_output=True, text=True, env=env,
+                              timeout=120)
+        assert done.returncode == 0, f"cluster.sh {' '.join(args)}: {done.stdout}{done.stderr}"
+        return done.stdout
+
+    try:
+        call("up", "2")
+        for host in ("h1", "h2"):
+            seen = call("exec", host, "bash", "-c",
+                        f"cd {clone} && ls tests/cluster && python3 -c 'import sys; "
+                        f"print(sys.prefix)' && ls {tmp_path}")
+            assert seen.split() == ["cluster.sh", str(venv), "clone", "venv"], seen
+    finally:
+        call("down")
+        shutil.rmtree(env["HPCDL_CLUSTER_DIR"], ignore_errors=True)
