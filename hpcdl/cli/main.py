@@ -96,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli() -> None:
     """The ``hpcdl`` executable: :func:`main`, then the process ends (MPI_Finalize guarded:
     a peer cut off at that moment would otherwise hold this rank forever)."""
+    from hpcdl.train import signals
+
+    signals.own_process()  # a late stop signal is discarded, not fatal, while this rank ends
     code = main()
     from hpcdl.debug.stall import guard_mpi_finalize
 

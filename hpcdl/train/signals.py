@@ -27,13 +27,14 @@ import signal
 import threading
 from collections.abc import Iterator
 
-__all__ = ["STOP_SIGNALS", "install", "ignore", "until_exit", "as_flag", "pending", "consume",
-           "name"]
+__all__ = ["STOP_SIGNALS", "install", "ignore", "own_process", "until_exit", "as_flag",
+           "pending", "consume", "name"]
 
 #: Signals Slurm sends before the time limit (``--signal=USR1@300``) and at it (SIGTERM).
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 _pending: int | None = None  # the first stop signal since the last stop acted on
+_process_owned = False  # set by the hpcdl executable: the process ends with its command
 
 
 def _record(signum: int, frame: object = None) -> None:
@@ -77,19 +78,35 @@ def ignore() -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
+def own_process() -> None:
+    """Declare that this process ends when its command returns (the ``hpcdl`` executable):
+    :func:`until_exit` then discards the stop signals afterwards instead of restoring them."""
+    global _process_owned
+    _process_owned = True
+
+
 @contextlib.contextmanager
 def until_exit() -> Iterator[None]:
-    """A command's whole life: the flag from the start (:func:`install`); once the command has
-    decided its outcome, the signals are discarded (:func:`ignore`) until the process ends.
-    Not restored to their default action: the interpreter's shutdown and MPI_Finalize still
-    follow, and a late signal -- srun's skewed deliveries reach some ranks after the others
-    have stopped -- would kill the rank there (seen: exit by SIGUSR1, and a segfault, on a
-    rank still finalizing), turning a checkpointed stop or a finished run into a failure."""
+    """A command's whole life: the flag from the start (:func:`install`). Once the command has
+    decided its outcome, in the ``hpcdl`` executable (:func:`own_process`) the signals are
+    discarded (:func:`ignore`) until the process ends: not restored to their default action,
+    since the interpreter's shutdown and MPI_Finalize still follow, and a late signal --
+    srun's skewed deliveries reach some ranks after the others have stopped -- would kill the
+    rank there (seen: exit by SIGUSR1, and a segfault, on a rank still finalizing), turning a
+    checkpointed stop or a finished run into a failure. Called in-process (``main()`` from
+    Python), the handlers before are restored: an ignored disposition would outlive the
+    command and pass to every child the caller starts (a shell cannot trap a signal ignored
+    at its start)."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if _on_main_thread() else {}
     install()
     try:
         yield
     finally:
-        ignore()
+        if _process_owned:
+            ignore()
+        else:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
