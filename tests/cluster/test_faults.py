@@ -27,7 +27,15 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_hosts import REPO, SCRIPT, job_field, launcher_env, on_controller, slurm_missing
+from cluster_hosts import (
+    REPO,
+    SCRIPT,
+    job_field,
+    launcher_env,
+    make_the_hosts_again,
+    on_controller,
+    slurm_missing,
+)
 from test_slurm_across_hosts import DEMO_RECIPE, OVERRIDES, render, shards, wait_until
 
 from hpcdl.debug.stall import STALL_EXIT_CODE
@@ -123,20 +131,6 @@ class Job:
     def dump(self, rank: int) -> str:
         path = self.out / "logs" / "heartbeat" / f"rank-{rank:04d}.stall.txt"
         return path.read_text(errors="replace") if path.exists() else ""
-
-
-def make_the_hosts_again(cluster) -> None:
-    """Tear the hosts down and make them again, as a site reboots nodes a fault went through.
-    Measured without it (2026-12-01, the whole cluster stage): every MPICH job under `srun
-    --mpi=pmi2` after this module's faults failed in MPI_Init (garbled PMI-2 requests, UCX
-    "Destination is unreachable") on all three hosts, while each passed on fresh hosts, and
-    Intel MPI's and Open MPI's passed either way. What state the faults leave (killed ranks'
-    shared memory, half-closed connections) is not pinned down; what is left in /dev/shm is
-    printed for the record."""
-    left = {h: cluster.listing(h, "/dev/shm") for h in cluster.hosts}
-    print(f"\n/dev/shm after the faults: {left}")
-    cluster.script("down")
-    cluster.script("up", str(len(cluster.hosts)))
 
 
 @pytest.fixture(scope="module", autouse=True)

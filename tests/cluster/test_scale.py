@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_hosts import REPO, SCRIPT, launcher_env
+from cluster_hosts import REPO, SCRIPT, launcher_env, make_the_hosts_again
 from test_faults import assert_no_rank_left, is_rank, processes
 
 from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
@@ -66,9 +66,8 @@ def four_hosts(cluster):
     cluster.hosts = cluster.script("hosts").split()
     try:
         yield cluster
-    finally:
-        cluster.script("up", "3")
-        cluster.hosts = cluster.script("hosts").split()
+    finally:  # fresh hosts for the next module: aborted MPICH jobs leave state that breaks
+        make_the_hosts_again(cluster, 3)  # the next srun --mpi=pmi2 start (cluster_hosts.py)
 
 
 @pytest.fixture(scope="module")
