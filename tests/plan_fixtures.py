@@ -21,3 +21,11 @@ def calibration_measurements(cpu=None):
             "decode_images_per_s_1_thread": 400.0,
             "allreduce": {"alpha_s": 2e-6, "beta_s_per_byte": 2e-10, "intercept_s": 4e-6,
                           "slope_s_per_byte": 2.5e-10, "points": 6}}
+
+
+def parameter_elements(model_name):
+    """Each trainable parameter's elements of a registered model, from its shapes alone."""
+    from hpcdl.plan.layers import meta_model
+    from hpcdl.plan.workload import trainable_elements
+
+    return trainable_elements(meta_model(model_name))

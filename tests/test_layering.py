@@ -7,7 +7,8 @@ The floors, lowest first, as the code uses them (docs/architecture.md draws the 
     ``hpcdl.io``, ``hpcdl.cpus`` (CPU lists, bf16 kernels, heap policy), ``hpcdl.mpi_library``,
     ``hpcdl.topology`` (which node a rank is on), ``hpcdl.results`` (the measured-results JSON
     that bench writes and plan reads), ``hpcdl.data.format`` (the shard format: data_prep
-    writes it, the loader reads it);
+    writes it, the loader reads it), ``hpcdl.buckets`` (the fusion-bucket layout the reducer
+    fills and the planner costs);
  1. ``data_prep``;  2. ``data``;  3. ``models``;
  4. ``debug``'s watch-and-fail core (logs, fail-fast, stall watchdog, collective monitor,
     timeline): below comm because ``hpcdl.comm.init`` installs fail-fast and the watchdog by
@@ -43,6 +44,7 @@ PACKAGES = {"hpcdl": "hpcdl", "data_prep": "hpcdl.data_prep", "slurm": "hpcdl.sl
 FLOORS = {
     "hpcdl": 0, "hpcdl.errors": 0, "hpcdl.io": 0, "hpcdl.cpus": 0, "hpcdl.mpi_library": 0,
     "hpcdl.topology": 0, "hpcdl.results": 0, "hpcdl.data.format": 0, "hpcdl.recipes": 0,
+    "hpcdl.buckets": 0,
     "hpcdl.data_prep": 1,
     "hpcdl.data": 2,
     "hpcdl.models": 3,

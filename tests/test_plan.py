@@ -5,6 +5,7 @@ import math
 import os
 
 import pytest
+from plan_fixtures import parameter_elements
 
 from hpcdl.plan.calibrate import fit_alpha_beta, machine_document, write_machine
 from hpcdl.plan.layers import Layer
@@ -17,8 +18,8 @@ from hpcdl.plan.machine import (
 )
 from hpcdl.plan.model import (
     PlanInputs,
-    bucket_sizes,
     default_sweep,
+    gradient_buckets,
     hierarchical_allreduce_s,
     plan,
     rabenseifner_allreduce_s,
@@ -42,7 +43,8 @@ RESNET50_LAYERS = (
     Layer("add", "add", in_bytes=802_816, out_bytes=802_816),
     Layer("fc", "linear", macs=2_048_744, in_bytes=8192, out_bytes=4000, param_bytes=8_196_000),
 )
-RESNET50 = Workload("resnet50", 224, 4_089_184_256, 25_557_032, "test", RESNET50_LAYERS)
+RESNET50 = Workload("resnet50", 224, 4_089_184_256, 25_557_032, "test", RESNET50_LAYERS,
+                    parameter_elements=parameter_elements("resnet50"))
 ALPHA, BETA, GAMMA = 1e-6, 1e-9, 2e-10
 N = 1e6
 
@@ -107,9 +109,14 @@ def test_one_rank_communicates_nothing(cost):
     assert cost() == 0.0
 
 
-def test_buckets_are_full_then_the_remainder():
-    assert bucket_sizes(102e6, 25e6) == [25e6, 25e6, 25e6, 25e6, pytest.approx(2e6)]
-    assert bucket_sizes(10e6, 25e6) == [10e6]
+def test_buckets_fill_in_reverse_order_up_to_the_mib_size_with_a_last_mib_of_first_layers():
+    # registration order: a 0.25 MiB stem, a 0.5 MiB layer, then three of 3 MiB (fp32 bytes)
+    mib = 2**20 // 4
+    work = Workload("hand", 32, 1e6, 0, "test", parameter_elements=(
+        mib // 4, mib // 2, 3 * mib, 3 * mib, 3 * mib))
+    assert gradient_buckets(work, 4, 8) == [6 * 2**20, 3 * 2**20, 0.75 * 2**20]
+    assert gradient_buckets(work, 2, 8) == [4.5 * 2**20, 0.375 * 2**20]   # bf16: 2 B each
+    assert gradient_buckets(Workload("one", 32, 1e6, 10, "test"), 4, 25) == [40]
 
 
 # --------------------------------------------------------------------------- the iteration

@@ -6,6 +6,8 @@ import pytest
 from hpcdl.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("isolated_plan_dirs")
+#: what every recipe names besides the planner's keys (hpcdl.train.config's required keys)
+RECIPE_HEAD = "name: r\noptimizer: {name: lars}\nschedule: {name: poly}\n"
 
 
 def test_plan_prints_the_breakdown_and_a_sweep_table(capsys):
@@ -44,8 +46,8 @@ def test_plan_writes_a_png(tmp_path):
 
 def test_recipe_supplies_model_batch_and_epochs_and_flags_override(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model: {name: alexnet_bn}\nbatch: {global: 16384}\nepochs: 100\n"
-                      "comm: {bucket_mb: 50}\n")
+    recipe.write_text(RECIPE_HEAD + "model: {name: alexnet_bn}\nbatch: {global: 16384}\n"
+                      "epochs: 100\ncomm: {bucket_mb: 50}\n")
     path = tmp_path / "plan.json"
     assert main(["plan", "--recipe", str(recipe), "--machine", "skx", "--procs", "512",
                  "--epochs", "10", "--json", str(path)]) == 0
@@ -60,8 +62,8 @@ def test_a_recipe_s_total_steps_set_the_epochs_planned(tmp_path):
     """train.total_steps (a solver's max_iter: NVCaffe's 32K AlexNet-BN runs 4,000 steps)
     is what the planner costs, unless --epochs says otherwise."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model: {name: alexnet_bn}\nbatch: {global: 32768}\nepochs: 100\n"
-                      "train: {total_steps: 4000}\n")
+    recipe.write_text(RECIPE_HEAD + "model: {name: alexnet_bn}\nbatch: {global: 32768}\n"
+                      "epochs: 100\ntrain: {total_steps: 4000}\n")
     path = tmp_path / "plan.json"
     assert main(["plan", "--recipe", str(recipe), "--machine", "skx", "--procs", "512",
                  "--json", str(path)]) == 0
@@ -70,6 +72,24 @@ def test_a_recipe_s_total_steps_set_the_epochs_planned(tmp_path):
     assert main(["plan", "--recipe", str(recipe), "--machine", "skx", "--procs", "512",
                  "--epochs", "100", "--json", str(path)]) == 0
     assert json.loads(path.read_text())["inputs"]["epochs"] == 100
+
+
+def test_a_bad_recipe_is_one_line_naming_the_file_and_the_key(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE_HEAD + "model: {name: alexnet_bn}\nbatch: {global: 16384}\n"
+                      "epochs: 100\ncomm: {bucket_mbb: 50}\n")
+    assert main(["plan", "--recipe", str(recipe), "--machine", "skx"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(recipe) in err[0] and "comm.bucket_mbb" in err[0]
+
+
+def test_without_a_recipe_the_shipped_resnet50_run_is_planned(tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--sweep", "2048", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert (doc["machine"]["name"], doc["workload"]["model"], doc["inputs"]["procs"],
+            doc["inputs"]["global_batch"], doc["inputs"]["epochs"],
+            doc["inputs"]["bucket_mb"]) == ("knl", "resnet50", 2048, 32768, 90, 25)
 
 
 def test_unknown_machine_is_a_clear_error(capsys):

@@ -135,15 +135,16 @@ def test_missing_simgrid_says_what_to_install(monkeypatch):
 
 # --------------------------------------------------------------------------- simulations
 def _inputs(procs: int, ppn: int, algorithm: str) -> PlanInputs:
-    # 16 MB of gradients (4 M fp32) in 8 MB buckets: ~ms steps, so the precision-derived
-    # tolerance below stays small.
+    # 16 MB of gradients (two tensors of 2 M fp32) in 8 MiB buckets: ~ms steps, so the
+    # precision-derived tolerance below stays small.
     return PlanInputs(global_batch=procs * 4, procs=procs, procs_per_node=ppn,
                       allreduce=algorithm, bucket_mb=8.0, synthetic_data=True)
 
 
 def _simulate(procs, ppn, algorithm, overrides, placement="contiguous", steps=2):
     machine = load_machine("skx")
-    work = replace(workload("resnet50", 224), parameters=4_000_000)
+    work = replace(workload("resnet50", 224), parameters=4_000_000,
+                   parameter_elements=(2_000_000, 2_000_000))
     inp = _inputs(procs, ppn, algorithm)
     p = plan(machine, work, inp)
     fabric = replace(load_fabric(machine, overrides), switch_latency_s=0.0)

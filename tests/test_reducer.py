@@ -202,3 +202,30 @@ def test_model_without_trainable_parameters_is_an_error(comm):
     frozen = torch.nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter"):
         GradientReducer(comm, frozen.named_parameters(), 64)
+
+
+@pytest.mark.parametrize("model_name, on_meta, bucket_mb, wire_dtype", [
+    ("resnet_small", False, 0.1, None), ("resnet_small", False, 0.05, torch.bfloat16),
+    ("alexnet_bn", True, 25, None), ("alexnet_bn", True, 4, torch.bfloat16)])
+def test_the_planner_costs_the_buckets_the_reducer_fills(comm, tmp_path, model_name, on_meta,
+                                                         bucket_mb, wire_dtype):
+    """hpcdl plan lays out the gradient of a model's parameter list as the reducer lays out
+    the model's real parameters: the same boundaries, hence the same bucket bytes."""
+    from hpcdl.buckets import bucket_bytes
+    from hpcdl.models import create_model
+    from hpcdl.plan.model import gradient_buckets
+    from hpcdl.plan.workload import workload
+
+    with torch.device("meta" if on_meta else "cpu"):
+        model = create_model(model_name)
+    reducer = GradientReducer(comm, model.named_parameters(), bucket_bytes(bucket_mb),
+                              wire_dtype=wire_dtype, enabled=not on_meta)
+    try:
+        wire = 2 if wire_dtype is torch.bfloat16 else 4
+        filled = [b.numel * wire for b in reducer.buckets]
+    finally:
+        reducer.close()
+    size = 224 if on_meta else 32   # (AlexNet's pooling needs an image of its size)
+    work = workload(model_name, size, cache_path=str(tmp_path / "flops.json"))
+    assert len(filled) > 2
+    assert gradient_buckets(work, wire, bucket_mb) == filled

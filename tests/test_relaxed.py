@@ -2,14 +2,16 @@
 local-SGD and compression terms (hpcdl/comm/policy.py, hpcdl/comm/powersgd.py,
 hpcdl/plan/model.py). The collectives themselves are tested in tests/mpi/test_consistency.py."""
 import pytest
+from plan_fixtures import parameter_elements
 
 from hpcdl.errors import BadInputError
 from hpcdl.plan.machine import load_machine
-from hpcdl.plan.model import Placement, PlanInputs, allreduce_s, bucket_sizes, plan
+from hpcdl.plan.model import Placement, PlanInputs, allreduce_s, gradient_buckets, plan
 from hpcdl.plan.workload import Workload
 from hpcdl.train.config import CONSISTENCY_ALGORITHMS, RecipeError, config_from_dict
 
-RESNET50 = Workload("resnet50", 224, 4_089_184_256, 25_557_032, "test")
+RESNET50 = Workload("resnet50", 224, 4_089_184_256, 25_557_032, "test",
+                    parameter_elements=parameter_elements("resnet50"))
 
 pytestmark = pytest.mark.usefixtures("isolated_plan_dirs")
 
@@ -60,7 +62,7 @@ def test_local_sgd_replaces_the_gradient_allreduce_by_a_model_average_every_h():
     sync = plan(skx, RESNET50, inputs)
     local = plan(skx, RESNET50, PlanInputs(32768, 2048, 2, synthetic_data=True, local_steps=8))
     average = sum(allreduce_s("ring", skx, Placement(2048, 2), n)
-                  for n in bucket_sizes(RESNET50.parameters * 4.0, 25e6))
+                  for n in gradient_buckets(RESNET50, 4.0, 25))
     assert local.comm_s == pytest.approx(average / 8)
     assert local.comm_exposed_s == pytest.approx(average / 8)  # after the step: not hidden
     assert local.comm_s < sync.comm_s / 4  # (hidden or not: ResNet-50 hides most of it)
@@ -73,7 +75,7 @@ def test_hierarchical_local_sgd_adds_one_nodes_gradient_allreduce():
     hier = plan(skx, RESNET50, PlanInputs(32768, 2048, 2, local_steps=8,
                                           hierarchical_local=True))
     node = sum(allreduce_s("ring", skx, Placement(2, 2), n)
-               for n in bucket_sizes(RESNET50.parameters * 4.0, 25e6))
+               for n in gradient_buckets(RESNET50, 4.0, 25))
     assert hier.comm_s == pytest.approx(flat.comm_s + node)
 
 
@@ -154,7 +156,7 @@ def write_recipe(tmp_path, **comm):
 
 
 def test_plan_reads_the_recipes_comm_keys_as_the_flags_do(tmp_path):
-    from hpcdl.cli.plan import resolve
+    from hpcdl.plan.predict import resolve
     from hpcdl.plan.workload import powersgd_compression_ratio
 
     local = write_recipe(tmp_path, algorithm="hierarchical_local_sgd", local_steps=8,
@@ -185,7 +187,7 @@ def test_plan_reads_the_recipes_comm_keys_as_the_flags_do(tmp_path):
 
 
 def test_plan_names_a_bad_comm_key_of_the_recipe(tmp_path):
-    from hpcdl.cli.plan import resolve
+    from hpcdl.plan.predict import resolve
 
     path = write_recipe(tmp_path, algorithm="local_sgd", local_steps=0)
     with pytest.raises(BadInputError, match=r"relaxed.yaml: comm.local_steps=0"):

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hpcdl.buckets import LAST_BUCKET_BYTES, bucket_bounds, tail_start
 from hpcdl.comm.base import yield_waits_in_this_thread
 from hpcdl.debug import abort_on_unshared_error
 
@@ -52,7 +53,7 @@ __all__ = ["GradientReducer", "Bucket", "layout_buckets", "pack_gradient", "unpa
            "DEFAULT_LAST_BUCKET_BYTES"]
 
 #: The bucket reduced after backward has finished: small, since nothing hides its reduction.
-DEFAULT_LAST_BUCKET_BYTES = 2**20
+DEFAULT_LAST_BUCKET_BYTES = LAST_BUCKET_BYTES
 
 
 @dataclass
@@ -78,13 +79,23 @@ def layout_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: i
     ``bucket_bytes`` on the wire; a parameter larger than a bucket gets one of its own.
     A change of dtype starts a new bucket (a buffer has one dtype). With
     ``last_bucket_bytes``, the parameters at the end of the order (the first layers, whose
-    gradients come last) that fit in that many bytes form the last bucket on their own."""
-    head, tail = split_tail(named_params, last_bucket_bytes, wire_dtype)
-    buckets = _layout(head, bucket_bytes, wire_dtype)
-    for bucket in _layout(tail, bucket_bytes, wire_dtype):
-        bucket.index = len(buckets)
-        buckets.append(bucket)
-    return buckets
+    gradients come last) that fit in that many bytes form the last bucket on their own.
+    The boundaries are :func:`hpcdl.buckets.bucket_bounds`', which ``hpcdl plan`` costs."""
+    sizes = [_wire_bytes(p, wire_dtype) for _, p in named_params]
+    bounds = bucket_bounds(sizes, bucket_bytes, last_bucket_bytes,
+                           kinds=[p.dtype for _, p in named_params])
+    return [_bucket(index, named_params[start:end], wire_dtype)
+            for index, (start, end) in enumerate(bounds)]
+
+
+def _bucket(index: int, members: list[tuple[str, torch.Tensor]],
+            wire_dtype: torch.dtype | None) -> Bucket:
+    offsets, total = [], 0
+    for _, p in members:
+        offsets.append(total)
+        total += p.numel()
+    return Bucket(index, [n for n, _ in members], [p for _, p in members], offsets, total,
+                  wire_dtype or members[0][1].dtype)
 
 
 def pack_gradient(bucket: Bucket, position: int, grad: torch.Tensor | None) -> None:
@@ -124,45 +135,8 @@ def split_tail(named_params: list[tuple[str, torch.Tensor]], tail_bytes: int | N
     """(head, tail): ``tail`` is the longest suffix of ``named_params`` of at most
     ``tail_bytes`` bytes on the wire (empty when ``tail_bytes`` is None or the whole list
     would fit: then there is nothing to split)."""
-    if not tail_bytes:
-        return named_params, []
-    size, cut = 0, len(named_params)
-    while cut > 0:
-        size += _wire_bytes(named_params[cut - 1][1], wire_dtype)
-        if size > tail_bytes:
-            break
-        cut -= 1
-    if cut == 0:
-        return named_params, []
+    cut = tail_start([_wire_bytes(p, wire_dtype) for _, p in named_params], tail_bytes)
     return named_params[:cut], named_params[cut:]
-
-
-def _layout(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: int,
-            wire_dtype: torch.dtype | None) -> list[Bucket]:
-    buckets: list[Bucket] = []
-    current: list[tuple[str, torch.Tensor]] = []
-    filled = 0
-
-    def close() -> None:
-        if not current:
-            return
-        offsets, total = [], 0
-        for _, p in current:
-            offsets.append(total)
-            total += p.numel()
-        dtype = wire_dtype or current[0][1].dtype
-        buckets.append(Bucket(len(buckets), [n for n, _ in current], [p for _, p in current],
-                              offsets, total, dtype))
-
-    for name, p in named_params:
-        nbytes = _wire_bytes(p, wire_dtype)
-        if current and (filled + nbytes > bucket_bytes or current[0][1].dtype != p.dtype):
-            close()
-            current, filled = [], 0
-        current.append((name, p))
-        filled += nbytes
-    close()
-    return buckets
 
 
 class GradientReducer:

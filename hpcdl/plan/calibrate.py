@@ -68,6 +68,7 @@ from typing import Any
 import yaml
 
 from hpcdl.cpus import cpu_flags, cpu_mhz
+from hpcdl.errors import BadInputError
 from hpcdl.host import interface_bytes
 from hpcdl.io import atomic_write_text
 from hpcdl.plan.cpu import cpu_identity
@@ -722,8 +723,37 @@ def write_machine_or_say(doc: dict, directory: str) -> str | None:
         return None
 
 
+def check_calibrate_inputs(args: argparse.Namespace, directory: str) -> None:
+    """What ``--calibrate`` would otherwise find bad only after minutes of measuring: the batch,
+    the directory it writes (single-node runs; across hosts world rank 0 writes) and the
+    machine file it keeps figures from."""
+    if args.batch_per_rank < 1:
+        raise BadInputError(f"--calibrate: --batch-per-rank {args.batch_per_rank}: need at "
+                            f"least 1 image per rank")
+    if launched_world_size() <= 1:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError as exc:
+            raise BadInputError(f"--calibrate: cannot write {directory} ({exc}); use "
+                                f"--machines-dir DIR") from None
+    old = os.path.join(directory, "local.yaml")
+    if os.path.exists(old):
+        try:
+            with open(old, encoding="utf-8") as f:
+                kept = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as exc:
+            raise BadInputError(f"--calibrate: {old} is unreadable ({exc}); move it away to "
+                                f"measure afresh") from None
+        if not isinstance(kept, dict):
+            raise BadInputError(f"--calibrate: {old} is not a machine file (a YAML mapping); "
+                                f"move it away to measure afresh")
+
+
 def calibrate_command(args: argparse.Namespace) -> int:
     directory = args.machines_dir or user_machines_dir()
+    check_calibrate_inputs(args, directory)
     if launched_world_size() > 1:
         return calibrate_across_hosts(args, directory)
     previous = None

@@ -196,12 +196,21 @@ def layers_from_records(records: Sequence[Mapping[str, Any]]) -> tuple[Layer, ..
 _MEMO: dict[str, tuple[Layer, ...]] = {}   # one process counts a table once
 
 
-def layer_table(model: str, image_size: int, cache_file: str | None = None) -> tuple[Layer, ...]:
-    """The layer table of ``model`` at ``image_size``, from the cache or counted once."""
+def meta_model(model_name: str) -> Any:
+    """``model_name`` from hpcdl.models on PyTorch's meta device: shapes, no memory, no
+    weight initialisation."""
+    import torch
+
     from hpcdl.models import create_model, list_models
 
-    if model not in list_models():
-        raise ValueError(f"unknown model {model!r}; known: {list_models()}")
+    if model_name not in list_models():
+        raise ValueError(f"unknown model {model_name!r}; known: {list_models()}")
+    with torch.device("meta"):
+        return create_model(model_name)
+
+
+def layer_table(model: str, image_size: int, cache_file: str | None = None) -> tuple[Layer, ...]:
+    """The layer table of ``model`` at ``image_size``, from the cache or counted once."""
     path = cache_file or layers_cache_path()
     key = cache_key(model, image_size)
     if key in _MEMO:
@@ -212,11 +221,7 @@ def layer_table(model: str, image_size: int, cache_file: str | None = None) -> t
             return layers_from_records(cached)
         except TypeError:
             pass   # written by another version: recount
-    import torch
-
-    with torch.device("meta"):   # no weight initialisation: the table needs shapes only
-        net = create_model(model)
-    table = tuple(count_layers(net.to_empty(device="cpu"), image_size))
+    table = tuple(count_layers(meta_model(model).to_empty(device="cpu"), image_size))
     _MEMO[key] = table
     update_cache(path, key, [asdict(layer) for layer in table])
     return table

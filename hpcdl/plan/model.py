@@ -22,7 +22,8 @@ An iteration on ``p`` ranks with global batch ``B`` (per-rank batch ``b = B / p`
   bound, ~32 bytes moved per parameter (norms read w and g; the update reads g, w, momentum,
   writes momentum and w) at the rank's memory bandwidth (its cores' stream rate, capped by
   its share of the node's bandwidth).
-* **comm** = the gradient allreduce, one per fusion bucket, each costed with the α-β-γ model
+* **comm** = the gradient allreduce, one per fusion bucket (laid out as the reducer lays them
+  out: :func:`gradient_buckets`), each costed with the α-β-γ model
   (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in
   MPICH", IJHPCA 2005; Patarasuk & Yuan 2009 for the ring): α per message, β per byte on the
   wire, γ per byte reduced.
@@ -61,6 +62,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from hpcdl.buckets import LAST_BUCKET_BYTES, bucket_bounds, bucket_bytes
 from hpcdl.plan.layers import (
     COMPUTE_CLASSES,
     LINEAR_WEIGHT_PASSES,
@@ -72,6 +74,7 @@ from hpcdl.plan.layers import (
 )
 from hpcdl.plan.machine import Machine
 from hpcdl.plan.workload import Workload
+from hpcdl.train.config import CommConfig
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 BACKWARD_SHARE = 2.0 / 3.0   # backward = 2 of the 3 forward-equivalents of a training step
@@ -175,15 +178,15 @@ def allreduce_s(algorithm: str, machine: Machine, placement: Placement, n: float
                      f"{ALLREDUCE_ALGORITHMS}")
 
 
-def bucket_sizes(total_bytes: float, bucket_bytes: float) -> list[float]:
-    """The fusion buckets the reducer fills: full buckets, then the remainder."""
-    if total_bytes <= 0:
-        return []
-    if bucket_bytes <= 0 or bucket_bytes >= total_bytes:
-        return [total_bytes]
-    full = int(total_bytes // bucket_bytes)
-    rest = total_bytes - full * bucket_bytes
-    return [bucket_bytes] * full + ([rest] if rest > 0 else [])
+def gradient_buckets(work: Workload, bytes_per_element: float, bucket_mb: float) -> list[float]:
+    """Bytes of each fusion bucket of ``work``'s gradients at ``bytes_per_element``, in the
+    order the reducer launches them: :func:`hpcdl.buckets.bucket_bounds` over the parameters
+    in reverse registration order, ``bucket_mb`` MiB, the 1 MiB last bucket -- the boundaries
+    of hpcdl.comm.reducer.GradientReducer."""
+    elements = work.parameter_elements or (work.parameters,)
+    sizes = [n * bytes_per_element for n in reversed(elements)]
+    return [sum(sizes[start:end]) for start, end in
+            bucket_bounds(sizes, bucket_bytes(bucket_mb), LAST_BUCKET_BYTES)]
 
 
 # --------------------------------------------------------------------------- one iteration
@@ -197,7 +200,7 @@ class PlanInputs:
     epochs: float = 90
     dataset_size: int = IMAGENET_TRAIN_IMAGES
     allreduce: str = "ring"
-    bucket_mb: float = 25.0
+    bucket_mb: float = CommConfig.bucket_mb   # MiB, as the recipe's comm.bucket_mb
     wire_bytes: int = 4              # bytes per gradient element on the wire (4 fp32, 2 bf16)
     overlap: bool = True
     loader_cores_per_node: float | None = None   # None: the machine file's figure
@@ -250,6 +253,7 @@ class Plan:
     decode_images_per_s_per_node: float
     gradient_bytes: float
     buckets: int
+    bucket_bytes: list[float]        # each fusion bucket, in launch order (gradient_buckets)
     dominant: str
     notes: list[str] = field(default_factory=list)
     local_steps: int = 1
@@ -441,8 +445,8 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
                    / rank_memory_Bps(machine, inp.procs_per_node)
                    if inp.compression_ratio > 1 else 0.0)
 
-    grad_bytes = work.parameters * inp.wire_bytes / inp.compression_ratio
-    buckets = bucket_sizes(grad_bytes, inp.bucket_mb * 1e6)
+    buckets = gradient_buckets(work, inp.wire_bytes / inp.compression_ratio, inp.bucket_mb)
+    grad_bytes = sum(buckets)
     local = inp.local_steps > 1
     # Local SGD: gradients cross no network (hierarchical: one node's allreduce); the model
     # average is costed separately below.
@@ -461,7 +465,7 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
     model_average = 0.0
     if local:
         fp32_model = [allreduce_s(inp.allreduce, machine, place, n)
-                      for n in bucket_sizes(work.parameters * 4.0, inp.bucket_mb * 1e6)]
+                      for n in gradient_buckets(work, 4.0, inp.bucket_mb)]
         model_average = sum(fp32_model) / inp.local_steps
         comm += model_average
         comm_exposed += model_average  # after the optimizer step: nothing left to hide behind
@@ -506,7 +510,8 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
         images_per_s_per_rank=images_per_s / inp.procs, scaling_efficiency=efficiency,
         required_images_per_s_per_node=node_images / iteration,
         decode_images_per_s_per_node=decode_rate, gradient_bytes=float(grad_bytes),
-        buckets=len(buckets), dominant=max(terms, key=terms.__getitem__), notes=notes,
+        buckets=len(buckets), bucket_bytes=buckets,
+        dominant=max(terms, key=terms.__getitem__), notes=notes,
         local_steps=inp.local_steps, compression_ratio=inp.compression_ratio,
         model_average_s=model_average, compute_by_class=by_class, compression_s=compression,
         sync_warmup_steps=int(warmup_steps), warmup_s=warmup)

@@ -57,7 +57,7 @@ def describe(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> str:
         f"hpcdl plan: {work.model} at {work.image_size} px on {machine.name} ({machine.path})",
         f"  {p.procs} ranks on {p.nodes} node(s), {inp.procs_per_node} per node; global batch "
         f"{p.global_batch} = {p.batch_per_rank:.4g} per rank; {p.allreduce} allreduce, "
-        f"{inp.bucket_mb:g} MB buckets, overlap {'on' if inp.overlap else 'off'}",
+        f"{inp.bucket_mb:g} MiB buckets, overlap {'on' if inp.overlap else 'off'}",
         "per iteration",
         *compute_lines(p, machine, work, inp),
         f"  optimizer      {_ms(p.optimizer_s)}  LARS update: "

@@ -77,6 +77,7 @@ from typing import Any
 
 import yaml
 
+from hpcdl.buckets import MIB
 from hpcdl.errors import BadInputError
 from hpcdl.plan.machine import Machine
 from hpcdl.plan.model import (
@@ -84,7 +85,6 @@ from hpcdl.plan.model import (
     Plan,
     PlanInputs,
     allreduce_s,
-    bucket_sizes,
     exposed_comm_s,
     reduction_gamma,
 )
@@ -638,7 +638,7 @@ def simulate_plans(machine: Machine, inp: PlanInputs, plans: Sequence[Plan],
         place = Placement(p.procs, inp.procs_per_node)
         positions = node_positions(placement, place.nodes, fabric_nodes, seed)
         gamma = reduction_gamma(machine, place.local_size)
-        buckets = bucket_sizes(p.gradient_bytes, inp.bucket_mb * 1e6)
+        buckets = p.bucket_bytes
         distinct = []
         for size in sorted(set(buckets), key=buckets.index):
             phases = allreduce_phases(inp.allreduce, positions, p.procs, inp.procs_per_node,
@@ -690,9 +690,9 @@ def simulation_table(sim: Simulation) -> str:
     for r in sim.rows:
         for b in r.buckets if r.procs == sim.main_procs else ():
             ratio = b["simulated_s"] / b["formula_s"] if b["formula_s"] else 1.0
-            lines.append(f"  {r.procs} ranks, {b['count']} bucket(s) of {b['bytes'] / 1e6:.4g} "
-                         f"MB: formula {b['formula_s'] * 1e3:.2f} ms, simulated "
-                         f"{b['simulated_s'] * 1e3:.2f} ms each ({ratio:.2f}x)")
+            lines.append(f"  {r.procs} ranks, {b['count']} bucket(s) of "
+                         f"{b['bytes'] / MIB:.4g} MiB: formula {b['formula_s'] * 1e3:.2f} ms, "
+                         f"simulated {b['simulated_s'] * 1e3:.2f} ms each ({ratio:.2f}x)")
     lines.append("  ".join(cols))
     for r in sim.rows:
         cells = (f"{r.procs:5d}", f"{r.nodes:5d}", f"{r.leaves_used:6d}",

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, replace
 
 from hpcdl.plan.cache import cache_key, cache_path, read_cache, update_cache
-from hpcdl.plan.layers import LAYERS_CACHE_FILE, Layer, layer_table
+from hpcdl.plan.layers import LAYERS_CACHE_FILE, Layer, layer_table, meta_model
 
 FLOPS_PER_MAC = 2
 TRAIN_FORWARDS = 3   # forward + backward-data + backward-weights, each ≈ one forward
@@ -33,36 +33,34 @@ class Workload:
     parameters: int          # trainable parameters = gradient elements per allreduce
     source: str
     layers: tuple[Layer, ...] = ()   # the layer table (hpcdl.plan.layers); () = not counted
+    #: elements of each trainable parameter in registration order, as GradientReducer buckets
+    #: them; () (a workload made by hand): the gradient is one tensor of ``parameters``
+    parameter_elements: tuple[int, ...] = ()
 
     @property
     def train_flops_per_image(self) -> float:
         return TRAIN_FORWARDS * FLOPS_PER_MAC * self.forward_macs
-
-    def gradient_bytes(self, bytes_per_element: int = 4) -> float:
-        return float(self.parameters * bytes_per_element)
 
 
 def flops_cache_path() -> str:
     return cache_path("flops.json")
 
 
-def _count(model_name: str, image_size: int) -> tuple[float, int]:
-    """Forward MACs per image and trainable parameters, from hpcdl.models."""
-    import torch
+def trainable_elements(model) -> tuple[int, ...]:
+    return tuple(p.numel() for p in model.parameters() if p.requires_grad)
 
-    from hpcdl.models import create_model, flops, list_models
 
-    if model_name not in list_models():
-        raise ValueError(f"unknown model {model_name!r}; known: {list_models()}")
+def _count(model_name: str, image_size: int) -> tuple[float, tuple[int, ...]]:
+    """Forward MACs per image and each trainable parameter's elements, from hpcdl.models."""
+    from hpcdl.models import create_model, flops
+
+    model = meta_model(model_name)
     try:
-        with torch.device("meta"):
-            model = create_model(model_name)
         macs = flops(model, image_size)
     except Exception:  # noqa: BLE001 - flops may need real tensors; fall back to CPU memory
         model = create_model(model_name)
         macs = flops(model, image_size)
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return float(macs), int(params)
+    return float(macs), trainable_elements(model)
 
 
 def powersgd_compression_ratio(model_name: str, rank: int) -> float:
@@ -71,17 +69,11 @@ def powersgd_compression_ratio(model_name: str, rank: int) -> float:
     tensors as PyTorch's ``powerSGD_hook``): what ``hpcdl plan --compression-ratio`` takes."""
     import math
 
-    import torch
-
     from hpcdl.comm.powersgd import compressed_bytes
-    from hpcdl.models import create_model, list_models
 
-    if model_name not in list_models():
-        raise ValueError(f"unknown model {model_name!r}; known: {list_models()}")
+    model = meta_model(model_name)
     if rank < 1:
         raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
-    with torch.device("meta"):
-        model = create_model(model_name)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     return sum(math.prod(s) for s in shapes) * 4 / compressed_bytes(shapes, rank)
 
@@ -105,9 +97,16 @@ def _totals(model: str, image_size: int, cache_path: str | None) -> Workload:
     path = cache_path or flops_cache_path()
     key = cache_key(model, image_size)
     cached = read_cache(path).get(key)
-    if cached:
-        return Workload(model, image_size, float(cached["forward_macs"]),
-                        int(cached["parameters"]), f"cached in {path}")
-    macs, params = _count(model, image_size)
-    update_cache(path, key, {"forward_macs": macs, "parameters": params})
-    return Workload(model, image_size, macs, params, "hpcdl.models.flops")
+    source = f"cached in {path}"
+    if cached and "parameter_elements" not in cached:   # written before the list was kept
+        cached = {**cached, "parameter_elements": list(trainable_elements(meta_model(model)))}
+        update_cache(path, key, cached)
+    if not cached:
+        macs, elements = _count(model, image_size)
+        cached = {"forward_macs": macs, "parameters": sum(elements),
+                  "parameter_elements": list(elements)}
+        update_cache(path, key, cached)
+        source = "hpcdl.models.flops"
+    elements = tuple(int(n) for n in cached["parameter_elements"])
+    return Workload(model, image_size, float(cached["forward_macs"]), sum(elements), source,
+                    parameter_elements=elements)

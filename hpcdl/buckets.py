@@ -1,0 +1,69 @@
+"""Where gradient fusion buckets begin and end: one rule for the reducer and the planner.
+
+``hpcdl.comm.reducer.GradientReducer`` lays out its buckets with :func:`bucket_bounds` over
+its parameters' bytes on the wire, and ``hpcdl plan`` costs the allreduce of the very same
+buckets from a model's parameter sizes, so the two cannot disagree on a boundary. The rule
+(DDP's bucketing, Li et al., VLDB 2020, §3.2.3):
+
+- parameters come in the order backward produces their gradients (reverse registration);
+- a bucket holds at most ``bucket_bytes``; a parameter larger than that gets one of its own;
+- a change of ``kind`` (the dtype: a buffer has one) starts a new bucket;
+- with ``last_bucket_bytes``, the parameters at the end of the order (the first layers, whose
+  gradients come last and whose reduction nothing can hide) that fit in that many bytes form
+  the last bucket on their own, unless every parameter fits.
+
+Pure arithmetic on byte counts: no torch, no MPI, so the planner can import it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["LAST_BUCKET_BYTES", "MIB", "bucket_bounds", "bucket_bytes", "tail_start"]
+
+MIB = 2**20
+#: The bucket reduced after backward has finished: small, since nothing hides its reduction
+#: (1 MiB: ResNet-50's stem and first stage).
+LAST_BUCKET_BYTES = MIB
+
+
+def bucket_bytes(bucket_mb: float) -> int:
+    """A recipe's ``comm.bucket_mb`` (MiB) as the bytes a bucket holds."""
+    return int(bucket_mb * MIB)
+
+
+def tail_start(sizes: Sequence[float], tail_bytes: float | None) -> int:
+    """Index where the longest suffix of ``sizes`` of at most ``tail_bytes`` begins;
+    ``len(sizes)`` when there is no such suffix to split off (``tail_bytes`` None or 0, the
+    last size alone too large, or every size fitting)."""
+    if not tail_bytes:
+        return len(sizes)
+    total, cut = 0.0, len(sizes)
+    while cut > 0 and total + sizes[cut - 1] <= tail_bytes:
+        total += sizes[cut - 1]
+        cut -= 1
+    return len(sizes) if cut == 0 else cut
+
+
+def bucket_bounds(sizes: Sequence[float], bucket_bytes: float,
+                  last_bucket_bytes: float | None = None,
+                  kinds: Sequence[object] | None = None) -> list[tuple[int, int]]:
+    """The buckets over parameters of ``sizes`` bytes (in backward's order), as ``[start,
+    end)`` index ranges in bucket order (module docstring)."""
+    cut = tail_start(sizes, last_bucket_bytes)
+    return _fill(sizes, 0, cut, bucket_bytes, kinds) + _fill(sizes, cut, len(sizes),
+                                                             bucket_bytes, kinds)
+
+
+def _fill(sizes: Sequence[float], start: int, end: int, bucket_bytes: float,
+          kinds: Sequence[object] | None) -> list[tuple[int, int]]:
+    bounds: list[tuple[int, int]] = []
+    first, filled = start, 0.0
+    for i in range(start, end):
+        full = filled + sizes[i] > bucket_bytes
+        if i > first and (full or (kinds is not None and kinds[i] != kinds[first])):
+            bounds.append((first, i))
+            first, filled = i, 0.0
+        filled += sizes[i]
+    if end > first:
+        bounds.append((first, end))
+    return bounds
