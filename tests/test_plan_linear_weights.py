@@ -81,7 +81,7 @@ def test_calibration_fits_and_writes_the_weight_rate_beside_the_classes(tmp_path
     from hpcdl.plan.machine import load_machine
 
     local = load_machine("local", str(tmp_path))
-    assert local.linear_weights_fraction == pytest.approx(2e9 / 1e10)   # of the 1-thread stream
+    assert local.optional_fraction(LINEAR_WEIGHTS) == pytest.approx(2e9 / 1e10)   # of the 1-thread stream
     assert local.thread_speedup(LINEAR_WEIGHTS, 2) == pytest.approx(1.5)
 
 
@@ -89,7 +89,7 @@ def test_a_file_without_the_weight_rate_keeps_the_stream_rate(tmp_path):
     write_machine(machine_document(calibration_measurements()), str(tmp_path))
     from hpcdl.plan.machine import load_machine
 
-    assert load_machine("local", str(tmp_path)).linear_weights_fraction == 1.0
+    assert load_machine("local", str(tmp_path)).optional_fraction(LINEAR_WEIGHTS) == 1.0
 
 
 # --------------------------------------------------------------------------- the optimizer

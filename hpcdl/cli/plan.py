@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 
-from hpcdl.plan.predict import WIRE_BYTES
+from hpcdl.plan.model import ALLREDUCE_ALGORITHMS, IMAGENET_TRAIN_IMAGES
+from hpcdl.plan.predict import DEFAULT_MACHINE, DEFAULT_PROCS, DEFAULT_RECIPE, WIRE_BYTES
+from hpcdl.plan.validate import VALIDATE_WORKLOADS
 
 COMMAND = "plan"
 HELP = "predict time per iteration / epoch / run from machine figures (α-β-γ cost model)"
@@ -41,27 +43,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--validate", action="store_true",
                       help="predict `hpcdl bench train` here (--validate-workloads at "
                            "--validate-procs), then measure it")
-    run = parser.add_argument_group("the run to predict (defaults: the recipe, then ResNet-50 "
-                                    "at 32K for 90 epochs)")
+    run = parser.add_argument_group("the run to predict (defaults: the recipe, else "
+                                    f"{DEFAULT_RECIPE}; flags override)")
     run.add_argument("--recipe", help="recipes/X.yaml: take model, image size, batch, epochs, "
                                       "bucket size, wire dtype and the comm.algorithm keys "
                                       "from it (flags override)")
-    run.add_argument("--model", help="a name from hpcdl.models (default resnet50)")
-    run.add_argument("--image-size", type=int, help="training crop in pixels (default 224)")
-    run.add_argument("--global-batch", type=int, help="images per iteration, all ranks (32768)")
+    run.add_argument("--model", help="a name from hpcdl.models")
+    run.add_argument("--image-size", type=int, help="training crop in pixels")
+    run.add_argument("--global-batch", type=int, help="images per iteration, all ranks")
     run.add_argument("--procs", type=int,
-                     help="MPI ranks (default: the recipe's plan.procs, else 2048)")
+                     help=f"MPI ranks (default: the recipe's plan.procs, else {DEFAULT_PROCS})")
     run.add_argument("--procs-per-node", type=int,
                      help="ranks per node (default: the machine file's ranks_per_node)")
-    run.add_argument("--epochs", type=float, help="epochs (default 90)")
-    run.add_argument("--dataset-size", type=int, default=1_281_167,
-                     help="training images (default 1,281,167 = ImageNet-1k train)")
-    run.add_argument("--allreduce", choices=("ring", "rabenseifner", "hierarchical"),
-                     default="ring", help="gradient allreduce algorithm to cost (default ring)")
+    run.add_argument("--epochs", type=float, help="epochs (default: the recipe's)")
+    run.add_argument("--dataset-size", type=int, default=IMAGENET_TRAIN_IMAGES,
+                     help=f"training images (default {IMAGENET_TRAIN_IMAGES:,} = ImageNet-1k "
+                          "train)")
+    run.add_argument("--allreduce", choices=ALLREDUCE_ALGORITHMS, default="ring",
+                     help="gradient allreduce algorithm to cost (default ring)")
     run.add_argument("--bucket-mb", type=float,
                      help="fusion bucket size in MiB (default: the recipe's comm.bucket_mb)")
     run.add_argument("--wire-dtype", choices=sorted(WIRE_BYTES),
-                     help="gradient dtype on the wire (default float32)")
+                     help="gradient dtype on the wire (default: the recipe's comm.wire_dtype)")
     run.add_argument("--local-steps", type=int, metavar="H",
                      help="local SGD: average the model every H steps instead of the gradients "
                           "every step (default 1: synchronous; recipe: comm.local_steps)")
@@ -85,8 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("machine")
     where.add_argument("--machine",
                        help="machine name (skx, knl, local, or your own) or a YAML path "
-                            "(default: the recipe's plan.machine, else knl; local for "
-                            "--validate)")
+                            f"(default: the recipe's plan.machine, else {DEFAULT_MACHINE}; "
+                            "local for --validate)")
     where.add_argument("--machines-dir", help="look here first for NAME.yaml; --calibrate "
                                               "writes here (default ~/.config/hpcdl/machines)")
     out = parser.add_argument_group("output")
@@ -115,9 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--batch-per-rank", type=int, default=8,
                      help="images per rank per step of the measured train step (default 8)")
     cal.add_argument("--steps", type=int, default=5, help="--validate: measured steps (5)")
-    cal.add_argument("--validate-workloads", default="alexnet_bn@224,resnet50@112,resnet50@224",
-                     help="--validate: MODEL@SIZE list (default alexnet_bn@224,resnet50@112,"
-                          "resnet50@224); --model/--image-size give one instead")
+    cal.add_argument("--validate-workloads", default=VALIDATE_WORKLOADS,
+                     help=f"--validate: MODEL@SIZE list (default {VALIDATE_WORKLOADS}); "
+                          "--model/--image-size give one instead")
     cal.add_argument("--validate-procs", type=_procs_list,
                      help="--validate: rank counts (default 1,2,4)")
     cal.add_argument("--repeats", type=int, default=3,

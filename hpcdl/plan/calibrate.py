@@ -93,48 +93,22 @@ def matmul_flops(threads: int, n: int = 1024, repeats: int = 5) -> float:
     """fp32 GEMM FLOP/s (2n³ per product) with ``threads`` torch threads."""
     import torch
 
-    from hpcdl.plan.class_rates import median_time
+    from hpcdl.plan.class_rates import median_time, torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         a, b = torch.randn(n, n), torch.randn(n, n)
         return 2 * n ** 3 / median_time(lambda: torch.mm(a, b), repeats)
-    finally:
-        torch.set_num_threads(before)
 
 
 def stream_Bps(threads: int, nbytes: int = 64 << 20, repeats: int = 5) -> float:
     """Bytes/s moved by ``a += b`` (read a, read b, write a) with ``threads`` torch threads."""
     import torch
 
-    from hpcdl.plan.class_rates import median_time
+    from hpcdl.plan.class_rates import median_time, torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a = torch.ones(nbytes // 4)
-        b = torch.ones(nbytes // 4)
+    with torch_threads(threads):
+        a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
         return 3 * nbytes / median_time(lambda: a.add_(b), repeats)
-    finally:
-        torch.set_num_threads(before)
-
-
-def random_crop_boxes(rng: Any, count: int, height: int,
-                      width: int) -> list[tuple[int, int, int, int]]:
-    """(top, left, h, w) RandomResizedCrop boxes: area 8-100%, aspect 3/4-4/3 (torchvision's
-    ranges), clipped to the image; the loader's own sampler is not needed to time the work."""
-    import math
-
-    boxes = []
-    for _ in range(count):
-        area = height * width * rng.uniform(0.08, 1.0)
-        aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
-        w = max(1, min(width, int(round(math.sqrt(area * aspect)))))
-        h = max(1, min(height, int(round(math.sqrt(area / aspect)))))
-        boxes.append((int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)),
-                      h, w))
-    return boxes
 
 
 def decode_images_per_s(image_size: int = 224, images: int = 64) -> float:
@@ -143,8 +117,8 @@ def decode_images_per_s(image_size: int = 224, images: int = 64) -> float:
     import simplejpeg
     import torch
 
-    from hpcdl.data.augment import crop_resize
-    from hpcdl.plan.class_rates import median_time
+    from hpcdl.data.augment import crop_resize, random_resized_crop_boxes, sample_uniforms
+    from hpcdl.plan.class_rates import median_time, torch_threads
 
     rng = np.random.default_rng(0)
     # A smooth image with noise compresses like a photograph (pure noise would not).
@@ -152,19 +126,16 @@ def decode_images_per_s(image_size: int = 224, images: int = 64) -> float:
     base = np.stack([(xx * 0.7) % 256, (yy * 0.9) % 256, ((xx + yy) * 0.4) % 256], axis=-1)
     rgb = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
     jpeg = np.frombuffer(simplejpeg.encode_jpeg(rgb, quality=90), dtype=np.uint8)
-    boxes = random_crop_boxes(rng, images, 256, 341)
+    boxes = random_resized_crop_boxes(np.full(images, 256), np.full(images, 341),
+                                      sample_uniforms(0, 0, np.arange(images)))   # the loader's
     out = torch.empty(3, image_size, image_size, dtype=torch.uint8)   # one batch slot
 
     def work() -> None:
         for i, box in enumerate(boxes):
             crop_resize(jpeg, (256, 341, 3), "jpeg", box, image_size, i % 2 == 0, out=out)
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)   # a rate per core
-    try:
+    with torch_threads(1):   # a rate per core
         return images / median_time(work, 3)
-    finally:
-        torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------- allreduce fit
@@ -200,15 +171,10 @@ def allreduce_records(mpiexec: str = "mpiexec", timeout_s: float = 600) -> list[
     """Run ``hpcdl bench allreduce`` at 2 ranks and return its result records."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
+        # --backends mpi: the one the fit reads; the others cost time
         cmd = [mpiexec, "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "allreduce",
-               "--json", out]
-        help_text = subprocess.run(
-            [sys.executable, "-m", "hpcdl.cli.main", "bench", "allreduce", "--help"],
-            capture_output=True, text=True).stdout
-        if "--sizes" in help_text:
-            cmd += ["--sizes", ",".join(str(s) for s in ALLREDUCE_SIZES)]
-        if "--backends" in help_text:
-            cmd += ["--backends", "mpi"]   # the one the fit reads; the others cost time
+               "--json", out, "--sizes", ",".join(str(s) for s in ALLREDUCE_SIZES),
+               "--backends", "mpi"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
@@ -380,6 +346,11 @@ CORUN_MAX_RANKS = 16
 
 def _fig(value: float, source: str) -> dict[str, Any]:
     return {"value": float(value), "source": source}
+
+
+def _load_text(m: Mapping[str, Any]) -> str:
+    return (f"load average {m['load_average_before']:.1f} -> {m['load_average_after']:.1f}"
+            if "load_average_after" in m else "load average not recorded")
 
 
 def measure(quick: bool = False, batch: int = 8,
@@ -575,8 +546,7 @@ def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[
     from hpcdl.plan.layers import COMPUTE_CLASSES
 
     fractions = class_fractions(m["class_rates"], core_peak, m["stream_Bps_1_thread"])
-    load = (f"load average {m['load_average_before']:.1f} -> {m['load_average_after']:.1f}"
-            if "load_average_after" in m else "load average not recorded")
+    load = _load_text(m)
     counts: dict[str, int] = {}
     for sample in m.get("class_samples", []):
         counts[sample["op_class"]] = counts.get(sample["op_class"], 0) + 1
@@ -629,8 +599,7 @@ def thread_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
     """The ``thread_scaling`` figures: per class, the rate of one rank on ``class_threads``
     threads over its one-thread rate (hpcdl.plan.class_rates.thread_speedups)."""
     threads = m["class_threads"]
-    load = (f"load average {m['load_average_before']:.1f} -> {m['load_average_after']:.1f}"
-            if "load_average_after" in m else "load average not recorded")
+    load = _load_text(m)
     return ratio_section(
         "threads", threads, f"{stamp}: os.cpu_count() = {threads}, the threads of one rank "
         "alone on this node", m["thread_speedups"],
@@ -682,11 +651,9 @@ def calibrate_across_hosts(args: argparse.Namespace, directory: str) -> int:
                   "without mpiexec on one node, or across hosts (one rank per host) to "
                   "measure the network", file=sys.stderr)
         return 2
-    previous = None
     old = os.path.join(directory, "local.yaml")
-    if world.rank == 0 and os.path.exists(old):
-        with open(old, encoding="utf-8") as f:
-            previous = yaml.safe_load(f)
+    previous = kept_machine_doc(directory) if world.rank == 0 else None
+    if previous is not None:
         print(f"node figures kept from {old}; measuring the network", flush=True)
     previous = world.bcast(previous, root=0)
     if previous is None:
@@ -738,17 +705,25 @@ def check_calibrate_inputs(args: argparse.Namespace, directory: str) -> None:
         except OSError as exc:
             raise BadInputError(f"--calibrate: cannot write {directory} ({exc}); use "
                                 f"--machines-dir DIR") from None
+    kept_machine_doc(directory)
+
+
+def kept_machine_doc(directory: str) -> dict | None:
+    """``directory/local.yaml`` as a mapping (the figures a calibration keeps), None when
+    there is none; unreadable or not a mapping is bad input."""
     old = os.path.join(directory, "local.yaml")
-    if os.path.exists(old):
-        try:
-            with open(old, encoding="utf-8") as f:
-                kept = yaml.safe_load(f)
-        except (OSError, yaml.YAMLError) as exc:
-            raise BadInputError(f"--calibrate: {old} is unreadable ({exc}); move it away to "
-                                f"measure afresh") from None
-        if not isinstance(kept, dict):
-            raise BadInputError(f"--calibrate: {old} is not a machine file (a YAML mapping); "
-                                f"move it away to measure afresh")
+    if not os.path.exists(old):
+        return None
+    try:
+        with open(old, encoding="utf-8") as f:
+            kept = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise BadInputError(f"--calibrate: {old} is unreadable ({exc}); move it away to "
+                            f"measure afresh") from None
+    if not isinstance(kept, dict):
+        raise BadInputError(f"--calibrate: {old} is not a machine file (a YAML mapping); "
+                            f"move it away to measure afresh")
+    return kept
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
@@ -756,11 +731,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     check_calibrate_inputs(args, directory)
     if launched_world_size() > 1:
         return calibrate_across_hosts(args, directory)
-    previous = None
-    old = os.path.join(directory, "local.yaml")
-    if os.path.exists(old):
-        with open(old, encoding="utf-8") as f:
-            previous = yaml.safe_load(f)
+    previous = kept_machine_doc(directory)
     if shutil.which("mpiexec") is None:
         print("hpcdl plan --calibrate: mpiexec not found; allreduce figures are kept or assumed",
               file=sys.stderr)

@@ -22,11 +22,12 @@ calibration and prediction cannot disagree on what a FLOP or a byte is.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +168,17 @@ def layer_work(layer: Layer, rows: int, op_class: str | None = None) -> float:
     return rows * layer.memory_bytes()
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """``threads`` torch intra-op threads inside, the caller's count again after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones.
 
@@ -220,11 +232,9 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
     """Time every layer of ``layers`` (and the optimizer) with ``threads`` torch threads and
     count its work (``before_each`` is called before each is timed: co-running ranks'
     barrier)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     torch.manual_seed(0)
     samples = []
-    try:
+    with torch_threads(threads):
         for op_class, kind, args, shape, input_grad in layers:
             if before_each is not None:
                 before_each()
@@ -247,8 +257,6 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
             samples.append(optimizer_sample(repeats, threads))
             log(f"  {OPTIMIZER:<15}LARS step over {len(OPTIMIZER_SHAPES)} tensors, "
                 f"{threads} thread(s): {samples[-1].seconds * 1e3:.2f} ms")
-    finally:
-        torch.set_num_threads(before)
     return samples
 
 
@@ -264,16 +272,12 @@ def optimizer_sample(repeats: int, threads: int = 1) -> Sample:
     (OPTIMIZER_BYTES_PER_PARAMETER per parameter) and median seconds."""
     from hpcdl.optim.lars import LARS
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         params = [nn.Parameter(torch.randn(shape)) for shape in OPTIMIZER_SHAPES]
         for p in params:
             p.grad = torch.randn_like(p)
         optimizer = LARS(params, lr=0.1, momentum=0.9, weight_decay=5e-4)
         seconds = median_time(optimizer.step, repeats, warmup=LAYER_WARMUP)
-    finally:
-        torch.set_num_threads(before)
     count = sum(p.numel() for p in params)
     return Sample(OPTIMIZER, OPTIMIZER_BYTES_PER_PARAMETER * count, seconds)
 

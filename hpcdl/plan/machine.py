@@ -194,11 +194,6 @@ class Machine:
         figure = self.figures.get(f"compute.{key}")
         return figure.value if figure else 1.0
 
-    @property
-    def linear_weights_fraction(self) -> float:
-        """``compute.linear_weights`` (hpcdl.plan.layers.LINEAR_WEIGHTS), or 1."""
-        return self.optional_fraction(LINEAR_WEIGHTS)
-
     def class_fraction(self, op_class: str, work: float, rows: float = 0.0) -> float:
         """The fraction of peak (or stream) of ``op_class`` for a call of ``work`` FLOPs (or
         bytes) and, for a convolution, ``rows`` GEMM rows: from its ``rate_curves`` points
@@ -259,9 +254,6 @@ class Machine:
     @property
     def ranks_per_node(self) -> int:
         return int(self["node.ranks_per_node"])
-
-    def sources(self) -> dict[str, str]:
-        return {k: f.source for k, f in self.figures.items()}
 
 
 def parse_machine(doc: Any, path: str) -> Machine:

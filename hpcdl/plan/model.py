@@ -529,6 +529,4 @@ def default_sweep(procs: int, global_batch: int) -> list[int]:
 
 def sweep(machine: Machine, work: Workload, inp: PlanInputs, procs_list: list[int]) -> list[Plan]:
     """The same run at each process count (global batch fixed: strong scaling of the step)."""
-    from dataclasses import replace
-
     return [plan(machine, work, replace(inp, procs=p)) for p in procs_list]

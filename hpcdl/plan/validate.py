@@ -34,7 +34,6 @@ this uses no measured time).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -43,6 +42,8 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from hpcdl.train.config import CommConfig
 
 # The median step first (hpcdl bench train's ``step_time_median_s``: one slow step of a few,
 # a neighbour's burst, moves a mean but not a median), then the mean.
@@ -112,29 +113,15 @@ def measured_step(report: Mapping[str, Any], ranks: int) -> dict[str, float]:
 BENCH_TRAIN = (sys.executable, "-m", "hpcdl.cli.main", "bench", "train")
 
 
-@functools.lru_cache(maxsize=1)
-def bench_train_help() -> str:
-    """``hpcdl bench train --help``, asked once per process (each ask imports torch: ~2 s a
-    row on 2 cores, 27 times in a default validation)."""
-    return subprocess.run([*BENCH_TRAIN, "--help"], capture_output=True, text=True).stdout
-
-
 def bench_train_command(procs: int, model: str, image_size: int, batch: int, steps: int,
                         json_path: str, mpiexec: str = "mpiexec") -> list[str]:
-    help_text = bench_train_help()
-    if "--model" not in help_text:
-        raise RuntimeError("`hpcdl bench train` is not available in this installation "
-                           "(hpcdl/bench/train.py); cannot measure")
-    cmd = [mpiexec, "-n", str(procs), *BENCH_TRAIN, "--model", model, "--image-size",
-           str(image_size), "--synthetic", "--json", json_path]
+    """``hpcdl bench train`` as --validate runs it: ours only, synthetic data, no profiled
+    breakdown (it costs a step and is not read), cores ÷ ranks threads each."""
     threads = max(1, (os.cpu_count() or 1) // procs)
-    for flag, value in (("--batch", batch), ("--steps", steps), ("--warmup", 1),
-                        ("--modes", "ours"), ("--threads", threads), ("--matmul-size", 256)):
-        if flag in help_text:
-            cmd += [flag, str(value)]
-    if "--no-breakdown" in help_text:   # the profiled breakdown costs a step and is not read
-        cmd.append("--no-breakdown")
-    return cmd
+    return [mpiexec, "-n", str(procs), *BENCH_TRAIN, "--model", model, "--image-size",
+            str(image_size), "--synthetic", "--json", json_path, "--batch", str(batch),
+            "--steps", str(steps), "--warmup", "1", "--modes", "ours", "--threads",
+            str(threads), "--matmul-size", "256", "--no-breakdown"]
 
 
 def run_bench_train(procs: int, model: str, image_size: int, batch: int, steps: int,
@@ -151,8 +138,8 @@ def run_bench_train(procs: int, model: str, image_size: int, batch: int, steps: 
             return measured_step(json.load(f), procs)
 
 
-def predict_step(machine: Any, work: Any, procs: int, batch: int, allreduce: str,
-                 bucket_mb: float) -> Any:
+def predict_step(machine: Any, work: Any, procs: int, batch: int, allreduce: str = "ring",
+                 bucket_mb: float = CommConfig.bucket_mb) -> Any:
     """The planner's prediction for one bench train configuration on one node."""
     from hpcdl.plan.model import PlanInputs, plan
 
@@ -301,7 +288,7 @@ def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str 
 def predict_row(machine: Any, work: Any, procs: int, args: argparse.Namespace,
                 batch: int | None = None) -> Any:
     return predict_step(machine, work, procs, batch or args.batch_per_rank, args.allreduce,
-                        args.bucket_mb or 25.0)
+                        args.bucket_mb or CommConfig.bucket_mb)
 
 
 class ValidationRow:
