@@ -3,7 +3,6 @@ tiny shards and the tiny recipe that trains on them, the planner's isolated dire
 clean ``hpcdl`` logger for every test."""
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -77,14 +76,8 @@ def tiny_recipe(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def isolated_plan_dirs(tmp_path, monkeypatch):
-    """No user config or machine files leak into the planner; flops for the paper's models are
-    pre-cached, so no test counts a real ResNet-50 or AlexNet."""
+    """No user config, machine files or cached layer tables leak into the planner (a layer
+    table is counted once per test process: hpcdl.plan.layers keeps it in memory)."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("HPCDL_MACHINES_DIR", raising=False)
-    cache = tmp_path / "cache" / "hpcdl" / "flops.json"
-    cache.parent.mkdir(parents=True)
-    cache.write_text(json.dumps({
-        "resnet50@224": {"forward_macs": 4_089_184_256, "parameters": 25_557_032},
-        "resnet50@112": {"forward_macs": 1_077_899_264, "parameters": 25_557_032},
-        "alexnet_bn@224": {"forward_macs": 714_188_480, "parameters": 61_110_184}}))

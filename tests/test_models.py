@@ -204,7 +204,7 @@ def test_the_planner_counts_the_caffe_alexnets(tmp_path):
     """`hpcdl plan --model alexnet_bn_nvcaffe` takes its cost from the registry like any model."""
     from hpcdl.plan.workload import workload
 
-    w = workload("alexnet_bn_nvcaffe", 227, cache_path=str(tmp_path / "flops.json"))
+    w = workload("alexnet_bn_nvcaffe", 227, cache_path=str(tmp_path / "layers.json"))
     assert w.forward_macs == 724_406_816 and w.parameters == 60_965_224
 
 

@@ -237,14 +237,14 @@ def test_machines_dir_comes_first(tmp_path):
 
 
 # --------------------------------------------------------------------------- workload
-def test_workload_comes_from_the_cache_without_counting():
+def test_workload_sums_the_layer_table_to_the_models_flop_count():
     w = workload("resnet50", 224)
-    assert w.forward_macs == RESNET50.forward_macs and "cached" in w.source
+    assert w.forward_macs == RESNET50.forward_macs and w.parameters == RESNET50.parameters
     assert w.train_flops_per_image == 6 * RESNET50.forward_macs
 
 
 def test_workload_counts_with_hpcdl_models_once_then_caches(tmp_path):
-    cache = str(tmp_path / "flops.json")
+    cache = str(tmp_path / "layers.json")
     first = workload("resnet_small", 32, cache_path=cache)
     assert first.forward_macs > 0 and first.parameters > 0
     assert "cached" in workload("resnet_small", 32, cache_path=cache).source

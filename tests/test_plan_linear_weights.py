@@ -81,7 +81,8 @@ def test_calibration_fits_and_writes_the_weight_rate_beside_the_classes(tmp_path
     from hpcdl.plan.machine import load_machine
 
     local = load_machine("local", str(tmp_path))
-    assert local.optional_fraction(LINEAR_WEIGHTS) == pytest.approx(2e9 / 1e10)   # of the 1-thread stream
+    # of the 1-thread stream
+    assert local.optional_fraction(LINEAR_WEIGHTS) == pytest.approx(2e9 / 1e10)
     assert local.thread_speedup(LINEAR_WEIGHTS, 2) == pytest.approx(1.5)
 
 

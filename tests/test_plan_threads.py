@@ -172,20 +172,21 @@ def test_a_read_only_cache_only_costs_recounting(tmp_path, monkeypatch):
     assert cache.read_cache(path) == {}
 
     counted = []
-    count = workload_module._count
-    monkeypatch.setattr(workload_module, "_count",
-                        lambda model, size: counted.append((model, size)) or count(model, size))
+    count = layers_module.count_layers
+    monkeypatch.setattr(layers_module, "count_layers",
+                        lambda model, size: counted.append(size) or count(model, size))
+    monkeypatch.setattr(layers_module, "_MEMO", {})   # not counted earlier in this process
     first = workload_module.workload("resnet_small", 32, cache_path=path)
+    monkeypatch.setattr(layers_module, "_MEMO", {})   # a new process
     second = workload_module.workload("resnet_small", 32, cache_path=path)
-    assert counted == [("resnet_small", 32)] * 2   # recounted: nothing was cached
+    assert counted == [32] * 2   # recounted: nothing was cached
     assert first.forward_macs > 0 and first.parameters > 0
     assert (second.forward_macs, second.parameters) == (first.forward_macs, first.parameters)
     assert "cached" not in second.source
 
 
-def test_flops_and_layer_tables_share_one_cache_directory(tmp_path, monkeypatch):
+def test_layer_tables_are_cached_under_the_user_cache_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert workload_module.flops_cache_path() == str(tmp_path / "hpcdl" / "flops.json")
     assert layers_module.layers_cache_path() == str(tmp_path / "hpcdl" / "layers-v2.json")
     assert not hasattr(workload_module, "_read_cache") and not hasattr(layers_module,
                                                                        "_read_cache")

@@ -226,6 +226,6 @@ def test_the_planner_costs_the_buckets_the_reducer_fills(comm, tmp_path, model_n
     finally:
         reducer.close()
     size = 224 if on_meta else 32   # (AlexNet's pooling needs an image of its size)
-    work = workload(model_name, size, cache_path=str(tmp_path / "flops.json"))
+    work = workload(model_name, size, cache_path=str(tmp_path / "layers.json"))
     assert len(filled) > 2
     assert gradient_buckets(work, wire, bucket_mb) == filled

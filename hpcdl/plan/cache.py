@@ -1,10 +1,9 @@
-"""The planner's on-disk caches: one reader and one writer for every per-model count.
+"""The planner's on-disk cache: one reader and one writer for every per-model count.
 
-Counting a model (forward MACs, the layer table) costs seconds at 224 px, so the planner keeps
-each count per ``MODEL@SIZE`` key in a JSON file under ``~/.cache/hpcdl`` (``$XDG_CACHE_HOME``):
-``flops.json`` (hpcdl.plan.workload) and ``layers-v2.json`` (hpcdl.plan.layers), both through
-these functions. A cache is a convenience, so a missing, corrupt or read-only one is
-recounted, never fatal.
+Counting a model's layer table costs seconds at 224 px, so the planner keeps each per
+``MODEL@SIZE`` key in a JSON file under ``~/.cache/hpcdl`` (``$XDG_CACHE_HOME``):
+``layers-v2.json`` (hpcdl.plan.layers). A cache is a convenience, so a missing, corrupt or
+read-only one is recounted, never fatal.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ The table is read from the model's profile (:func:`hpcdl.models.profile.profile`
 eval-mode forward with autograd on, hooks on the costed leaf modules, and the operators a
 model calls outside them, such as ResNet's ``out + identity`` or a functional ``F.relu``).
 Results are cached per (model, image size) in ``~/.cache/hpcdl/layers-v2.json`` by
-hpcdl.plan.cache, beside the flops cache of hpcdl.plan.workload.
+hpcdl.plan.cache.
 """
 from __future__ import annotations
 

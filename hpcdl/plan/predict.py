@@ -94,8 +94,7 @@ def predict_command(args: argparse.Namespace) -> int:
     values = resolve(args)
     try:
         machine = load_machine(values["machine"], args.machines_dir)
-        work = workload(values["model"], int(values["image_size"]),
-                        with_layers=machine.has_class_rates)
+        work = workload(values["model"], int(values["image_size"]))
         inp = PlanInputs(
             global_batch=int(values["global_batch"]), procs=int(values["procs"]),
             procs_per_node=args.procs_per_node or machine.ranks_per_node,

@@ -228,7 +228,7 @@ def validate_command(args: argparse.Namespace) -> int:
         machine = load_machine(name, args.machines_dir)
         pairs = ([(args.model or "resnet50", args.image_size or 112)]
                  if args.model or args.image_size else parse_workloads(args.validate_workloads))
-        works = [workload(m, s, with_layers=True) for m, s in pairs]
+        works = [workload(m, s) for m, s in pairs]
     except (MachineError, ValueError) as exc:
         print(f"hpcdl plan --validate: {exc}", file=sys.stderr)
         return 2
