@@ -1,55 +1,26 @@
 """``hpcdl plan --calibrate``: measure this machine into the ``local`` machine file.
 
-What is measured, and which figure it sets (each written with ``source: measured DATE by
-hpcdl plan --calibrate`` and the number behind it):
+Each figure is written with ``source: measured DATE by hpcdl plan --calibrate`` and the
+numbers behind it (what is measured and how: docs/planner.md, "--calibrate"):
 
-* peak: cores (``os.cpu_count``) × clock (``/proc/cpuinfo``) × FLOP/cycle from the CPU flags
-  (AVX-512: 2 FMA × 16 lanes × 2 = 64; AVX2+FMA: 32; otherwise SSE 8 — a spec derivation,
-  not a measurement); fp32 matmul FLOP/s at 1 thread and on all cores is recorded beside it.
-* ``compute``: the per-operator-class rates (hpcdl.plan.class_rates): representative layers
-  of each class (stem/5×5, 1×1 and 3×3 convolutions, grouped convolutions, linear, batch
-  norm, ReLU, residual add, pooling, dropout, LRN) timed forward + backward on one thread at
-  ``--batch-per-rank`` images; each class's rate is its layers' work (FLOPs, or bytes moved)
-  over their time less the measured per-layer overhead, written as a fraction of one core's
-  peak (convolution, linear) or of one core's stream rate (memory-bound passes). The node
-  is taken as cores × that (one single-threaded rank per core, as ``hpcdl bench train``
-  runs). The same layers are timed again on all the node's cores as threads of one rank:
-  each class's rate there over its one-thread rate is its ``thread_scaling`` speedup, which
-  prices a rank given several cores (np = 1 here). Measured, not assumed linear: on a
-  shared machine threads wait at oneDNN's barriers for a descheduled sibling, so a loaded
-  calibration says so in the speedups instead of hiding it. No model's step is timed:
-  every model is predicted from its layer table, so ``--validate`` on ResNet-50 and
-  AlexNet-BN is held out.
-* ``cpu``: lscpu's model name, ``torch.backends.cpu.get_cpu_capability()`` and the vector
-  flags that move the rates (hpcdl.plan.cpu); the planner warns when the file is used on
-  another CPU. ``measured.load_average`` records how busy the machine was.
-* ``core_stream_Bps`` / ``memory_bandwidth_Bps``: ``a += b`` on 64 MB arrays at 1 thread and
-  on all cores (3 bytes moved per byte summed): γ of the α-β-γ model.
-* ``intra_node`` α and β: ``mpiexec -n 2 hpcdl bench allreduce`` (subprocess) over sizes small
-  to large; least squares of the mpi backend's time on bytes gives T(n) = c0 + c1·n; at p = 2
-  every allreduce algorithm costs 2α + nβ + (n/2)γ, so α = c0 / 2 and β = c1 − γ/2.
-* ``decode_images_per_s_per_core``: hpcdl.data.augment.crop_resize (simplejpeg decode +
-  random-resized crop + flip, the loader's per-image work) on a 256 px JPEG, one thread.
-* ``network`` α and β, when launched across hosts (``mpiexec -hosts a,b -ppn 1 -n 2 hpcdl plan
-  --calibrate``; :func:`network_calibration`): Hockney's point-to-point figures between the
-  first two hosts (one rank per host: the lowest of each node, :func:`hpcdl.topology.
-  split_nodes`), α the one-way time of 8 bytes and β from the one-way time of 64 MB (half a
-  ping-pong's round trip, median of the repeats). Point to point, not a fit to allreduce times:
-  a token-bucket shaper (tc tbf, and switch buffers on a real fabric) passes small messages
-  at line rate, so small allreduces say nothing about the sustained rate; and an MPI
-  library's allreduce adds its own CPU-bound progress on a busy node (MPICH over TCP reached
-  0.65 of the link at 2 Gbit/s on the loaded test cluster), which is the library's cost, not
-  the network's. ``MPI_Allreduce`` is still timed over sizes 1 KB to 64 MB and kept under
-  ``measured.network`` beside the fit of the planner's ring cost to its large sizes
-  (:func:`fit_network`), and every host's per-interface byte counters
-  (``/sys/class/net/*/statistics``) before and after, so the file says which interface the
-  figures came from. The node's own figures are kept from the machine file already in
-  ``--machines-dir`` (measure them first with a one-node ``hpcdl plan --calibrate``); without
-  one, the first rank measures them while the others wait asleep.
+* peak from the CPU flags (a spec derivation, not a measurement; fp32 matmul FLOP/s is
+  recorded beside it); ``core_stream_Bps`` / ``memory_bandwidth_Bps`` from ``a += b``;
+* ``compute``, ``rate_curves``, ``thread_scaling`` and ``contention``: representative layers
+  of every operator class (hpcdl.plan.class_rates), timed on one thread, on all cores as one
+  rank's threads, and as co-running single-threaded ranks. No model's step is timed, so
+  ``--validate`` on ResNet-50 and AlexNet-BN stays held out;
+* ``cpu``: the CPU the rates describe (hpcdl.plan.cpu), so a file used elsewhere warns;
+* ``intra_node`` α and β from ``mpiexec -n 2 hpcdl bench allreduce``'s JSON: at p = 2 every
+  algorithm costs 2α + nβ + (n/2)γ, so a line T(n) = c0 + c1·n gives α = c0/2, β = c1 − γ/2;
+* ``decode_images_per_s_per_core``: the loader's per-image work on a JPEG, one thread;
+* ``network`` α and β when launched across hosts (:func:`network_calibration`): Hockney's
+  point-to-point figures between two hosts (a shaper or a busy MPI progress engine distorts
+  small or fitted allreduce times); MPI_Allreduce times, their fit to the ring cost and the
+  per-interface byte counters are kept under ``measured.network``. The node's figures are
+  kept from the file already in ``--machines-dir``.
 
 The file is written atomically to ``--machines-dir`` or ``~/.config/hpcdl/machines/local.yaml``
-(the package directory may be read-only on a cluster). The repository ships a ``local.yaml``
-measured on the development VM.
+(the package directory may be read-only on a cluster).
 """
 from __future__ import annotations
 

@@ -2,11 +2,9 @@
 
 A calibrated machine file (``hpcdl plan --calibrate``) holds rates of *this* CPU: its vector
 ISA sets the convolution rates (AVX2 vs AVX-512 halves or doubles them, AMX or AVX512-BF16
-change bf16 by several times) and its memory system the memory-bound passes. The shipped
-``local.yaml`` was measured on an AVX2 AMD EPYC; used on a Zen 4 with AVX-512 it predicted a
-ResNet-50 step far too slow and said nothing. So the file records the CPU
-(``lscpu``'s model name, ``torch.backends.cpu.get_cpu_capability()`` and the flags that move
-the rates) and the planner compares it with the CPU it runs on.
+change bf16 by several times) and its memory system the memory-bound passes. So the file
+records the CPU (``lscpu``'s model name, ``torch.backends.cpu.get_cpu_capability()`` and the
+flags that move the rates) and the planner compares it with the CPU it runs on.
 """
 from __future__ import annotations
 

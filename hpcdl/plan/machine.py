@@ -1,40 +1,12 @@
 """Machine descriptions for the planner: one YAML file per machine, every figure with its source.
 
-A machine file holds figures as ``{value: ..., source: "..."}`` leaves (spec sheet, paper,
-measurement, or a stated assumption with its reasoning), grouped by what they describe::
-
-    name: knl
-    description: "..."
-    node:    {sockets, cores_per_socket, frequency_hz, flops_per_cycle_per_core,
-              memory_bandwidth_Bps, core_stream_Bps, ranks_per_node}
-    compute: {conv_large, conv_1x1, conv_3x3, conv_grouped, linear,   # fraction of peak
-              batch_norm, relu, add, pool, dropout, lrn,              # fraction of stream
-              layer_overhead_s,                                       # per layer per step
-              linear_weights,      # optional: a linear layer's weight traffic, of stream
-              optimizer}           # optional: the LARS update's 32 B/parameter, of stream
-    network: {latency_s, bandwidth_Bps}            # between nodes (alpha, 1/beta)
-    intra_node: {latency_s, bandwidth_Bps}         # between ranks of one node (shared memory)
-    data:    {decode_images_per_s_per_core, loader_cores_per_node}
-    thread_scaling: {threads,                      # optional: T threads of one rank, and per
-                     conv_large, ..., lrn}         # class the rate at T ÷ the rate at 1 thread
-    contention: {ranks, conv_large, ..., optimizer}  # optional: a 1-thread rank's rate with
-                                                   # `ranks` running at once ÷ its rate alone
-    rate_curves: {conv_1x1: {points: [[x, fraction], ...], axis, source}, ...}
-                                                   # optional: a class's fraction by the GEMM
-                                                   # rows (axis gemm_rows: convolutions) or the
-                                                   # work (axis work, the default) of one call,
-                                                   # over `compute`
-    cpu:     {model_name, capability, flags}       # the CPU the figures describe (not figures)
-    calibrated: true                               # written by --calibrate: check the CPU
-
-``compute`` holds the per-operator-class rates of hpcdl.plan.model (the classes of
-hpcdl.plan.layers). A file without it, but with the older single ``node.sustained_fraction``,
-is still read and costed with that one fraction. ``thread_scaling`` (written by
-``--calibrate``, which times every class on one thread and on the node's cores) says how a
-class's rate grows when a rank runs several intra-op threads (:meth:`Machine.thread_speedup`);
-a file without it assumes linear scaling (the paper machines' fractions are stated per core of
-a fully threaded socket, so linear is their own assumption). A file may also carry a ``measured:``
-section of raw calibration numbers (``hpcdl plan --calibrate``); the planner does not read it.
+A figure is a ``{value: ..., source: "..."}`` leaf (spec sheet, paper, measurement, or a stated
+assumption with its reasoning) in a section: ``node``, ``network``, ``intra_node`` and ``data``
+(REQUIRED_FIGURES); ``compute`` (the per-operator-class fractions of hpcdl.plan.model, or the
+older single ``node.sustained_fraction``); the optional ``thread_scaling``, ``contention`` and
+``rate_curves`` that ``--calibrate`` writes; ``cpu`` (the CPU the figures describe) and
+``measured`` (raw calibration numbers, never read). The schema: docs/planner.md, "Machine
+files".
 
 Where machine files are looked up, first match wins: ``--machines-dir DIR``, then
 ``$HPCDL_MACHINES_DIR``, then ``~/.config/hpcdl/machines`` (``$XDG_CONFIG_HOME``), then the files

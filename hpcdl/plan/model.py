@@ -381,6 +381,12 @@ def compute_s(machine: Machine, work: Workload, batch_per_rank: float,
     return sum(compute_by_class(machine, work, batch_per_rank, procs_per_node).values())
 
 
+def no_free_core(machine: Machine, place: Placement) -> bool:
+    """One node whose ranks leave no core free: the shared-memory copies and sums run on the
+    cores that compute, so no communication hides behind backward."""
+    return place.nodes == 1 and place.local_size >= machine.cores_per_node
+
+
 def exposed_comm_s(comm_total: float, last_bucket: float, compute: float,
                    overlap: bool) -> float:
     """Communication left on the critical path after hiding behind backward."""
@@ -455,9 +461,9 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
     if local and not inp.hierarchical_local:
         bucket_times = []
     comm = sum(bucket_times)
-    no_free_core = place.nodes == 1 and place.local_size >= machine.cores_per_node
-    overlap = inp.overlap and not no_free_core and inp.compression_ratio == 1
-    if inp.overlap and no_free_core and comm > 0:
+    shared_cores = no_free_core(machine, place)
+    overlap = inp.overlap and not shared_cores and inp.compression_ratio == 1
+    if inp.overlap and shared_cores and comm > 0:
         notes.append("no free core on the node and shared-memory transport: communication "
                      "is not hidden behind backward")
     comm_exposed = exposed_comm_s(comm, bucket_times[-1] if bucket_times else 0.0, compute,

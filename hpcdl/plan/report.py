@@ -128,12 +128,8 @@ def _thread_text(machine: Any, op_class: str, procs_per_node: int) -> str:
 
 
 def sweep_record(p: Plan) -> dict[str, Any]:
-    return {"procs": p.procs, "nodes": p.nodes, "batch_per_rank": p.batch_per_rank,
-            "compute_s": p.compute_s, "optimizer_s": p.optimizer_s, "comm_s": p.comm_s,
-            "comm_exposed_s": p.comm_exposed_s,
-            "data_s": p.data_s, "iteration_s": p.iteration_s, "total_s": p.total_s,
-            "total_min": p.total_s / 60, "images_per_s": p.images_per_s,
-            "scaling_efficiency": p.scaling_efficiency, "dominant": p.dominant}
+    record = {key: getattr(p, key) for key in SWEEP_COLUMNS if key != "total_min"}
+    return {**record, "total_s": p.total_s, "total_min": p.total_s / 60}
 
 
 def sweep_table(plans: Sequence[Plan]) -> str:

@@ -86,6 +86,7 @@ from hpcdl.plan.model import (
     PlanInputs,
     allreduce_s,
     exposed_comm_s,
+    no_free_core,
     reduction_gamma,
 )
 
@@ -590,11 +591,7 @@ class Simulation:
                   "cross-traffic off; bulk-synchronous steps")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"fabric": asdict(self.fabric), "fabric_text": self.fabric_text,
-                "placement": self.placement, "seed": self.seed, "allreduce": self.allreduce,
-                "simulated_steps": self.simulated_steps, "main_procs": self.main_procs,
-                "simulated_messages": self.simulated_messages, "model": self.model,
-                "rows": [r.to_dict() for r in self.rows]}
+        return {**asdict(self), "rows": [r.to_dict() for r in self.rows]}
 
 
 def _phases_seconds(phases: Sequence[Phase], pattern_s: Mapping[int, float]) -> float:
@@ -605,8 +602,7 @@ def _step_with_comm(p: Plan, inp: PlanInputs, machine: Machine, comm: float,
                     last_bucket: float) -> tuple[float, float]:
     """(exposed comm, iteration) of plan ``p`` with its allreduce replaced: the planner's
     overlap and data rules (hpcdl.plan.model.plan) on the simulated time."""
-    no_free_core = p.nodes == 1 and min(p.procs, inp.procs_per_node) >= machine.cores_per_node
-    overlap = inp.overlap and not no_free_core
+    overlap = inp.overlap and not no_free_core(machine, Placement(p.procs, inp.procs_per_node))
     exposed = exposed_comm_s(comm, last_bucket, p.compute_s, overlap)
     busy = p.compute_s + p.optimizer_s + exposed
     iteration = busy + p.compression_s + max(0.0, p.data_s - busy)

@@ -1,35 +1,16 @@
 """``hpcdl plan --validate``: predict ``hpcdl bench train`` here, then measure it.
 
-For each workload (default AlexNet-BN at 224 px, ResNet-50 at 112 and 224 px: none of them
-is timed by ``--calibrate``, which times representative layers) and np = 1, 2 and 4 on this
-one machine (the ``local`` machine file):
+For each workload (default VALIDATE_WORKLOADS: none of them timed by ``--calibrate``) and each
+rank count on this one machine (the ``local`` file): predict the step of the bench on
+synthetic data, run ``mpiexec -n NP hpcdl bench train`` ``--repeats`` times in rounds (every
+row once, then again: a validation cut short by ``--validate-budget`` still covers every row),
+and report predicted ÷ the median measurement (goal: 0.85-1.15 on every row) with the spread,
+in the bench JSON convention (docs/planner.md, "--validate"). bf16 rows are skipped with a line
+saying why; a calibrated file used on another CPU warns first (:func:`cpu_warning`).
 
-1. predict the step time of the workload, synthetic data, ``--batch-per-rank`` images per
-   rank, np ranks on one node (np = 4 on a 2-core machine: ranks share cores, and the model
-   slows compute proportionally);
-2. run ``mpiexec -n NP python -m hpcdl.cli.main bench train --model M --image-size S
-   --synthetic --json F``, adding ``--batch B --steps S --modes ours --threads T
-   --matmul-size 256 --no-breakdown`` (T = cores / np, at least 1, so ranks do not
-   oversubscribe threads as well as cores) for each flag the bench's ``--help`` lists,
-   ``--repeats`` times, in rounds (every row once, then every row again: a validation cut
-   short still covers every row); with ``--validate-budget S`` a run that would end past S
-   seconds is not started, and rows never measured are listed under ``not_measured``;
-3. report predicted ÷ the median measurement (goal: 0.85-1.15 on every row) with the
-   spread of the repeats (min, max, and the ratio against each), as ratios
-   ``MODEL@SIZE_npN`` and ``within_15_percent`` in the bench JSON.
-
-bf16 rows are skipped with a line saying why (no native bf16 on the CPU, or no bf16 rates
-in the machine file: bf16 calibration is not implemented). A calibrated file used on
-another CPU than it records warns first (:func:`cpu_warning`).
-
-Reading the bench's JSON is deliberately tolerant (:func:`measured_step`), because the train
-bench and this planner are built apart. From ``results`` it takes the record for NP ranks
-(``ranks`` field; preferring one whose ``name``/``variant``/``mode`` mentions ours, hpcdl or
-overlap), then the step time from the first of :data:`STEP_KEYS`; failing that, batch per
-rank (:data:`BATCH_KEYS`) ÷ images/s per rank (:data:`RATE_KEYS`), or ÷ (images/s ÷ ranks).
-If the bench reports a per-rank batch other than the one predicted, the prediction is redone
-for the reported batch before comparing (the model is a pure function of its inputs, so
-this uses no measured time).
+The bench's JSON is read tolerantly (:func:`measured_step`: the keys of STEP_KEYS, else batch
+per rank ÷ images/s). A bench that reports another per-rank batch than predicted gets the
+prediction redone for it (a pure function of its inputs: no measured time enters it).
 """
 from __future__ import annotations
 
