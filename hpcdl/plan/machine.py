@@ -123,6 +123,7 @@ class Machine:
     # class -> what its curve is over: "gemm_rows" (a convolution's rows per call) or "work"
     curve_axes: Mapping[str, str] = field(default_factory=dict)
     calibrated: bool = False            # measured by --calibrate: rates of cpu, not a spec
+    fabric: Any = None                  # the ``fabric`` section as read (hpcdl.plan.simulate)
 
     def __getitem__(self, dotted: str) -> float:
         return self.figures[dotted].value
@@ -259,7 +260,7 @@ def parse_machine(doc: Any, path: str) -> Machine:
     name = doc.get("name") or os.path.splitext(os.path.basename(path))[0]
     return Machine(name=str(name), description=str(doc.get("description", "")), path=path,
                    figures=figures, cpu=dict(cpu), calibrated=bool(doc.get("calibrated", False)),
-                   curves=curves, curve_axes=curve_axes)
+                   curves=curves, curve_axes=curve_axes, fabric=doc.get("fabric"))
 
 
 def _curves(block: Any, path: str) -> tuple[dict[str, tuple[tuple[float, float], ...]],

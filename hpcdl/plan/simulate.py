@@ -75,8 +75,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import yaml
-
 from hpcdl.buckets import MIB
 from hpcdl.errors import BadInputError
 from hpcdl.plan.machine import Machine
@@ -175,12 +173,7 @@ def load_fabric(machine: Machine, overrides: Mapping[str, str] | None = None) ->
     """The machine file's ``fabric:`` section (each figure ``{value, source}``), with
     ``overrides`` (``--fabric-set KEY=VALUE``) on top; missing figures default to a single
     non-blocking switch with the machine's ``network`` figures (sources say so)."""
-    path = machine.path
-    doc: Any = {}
-    if path and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f) or {}
-    block = doc.get("fabric") if isinstance(doc, Mapping) else None
+    path, block = machine.path, machine.fabric
     if block is not None and not isinstance(block, Mapping):
         raise SimulationError(f"{path}: fabric must be a mapping of {{value, source}} figures")
     values: dict[str, Any] = {}
