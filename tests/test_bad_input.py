@@ -513,7 +513,8 @@ def test_plan_with_an_unknown_recipe_exits_2_naming_it(capsys):
 
 def test_plan_with_a_bad_recipe_key_exits_2_naming_the_file(capsys, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model: {name: alexnet_bn}\nbatch: {global: 32768}\nepochs: 100\n"
+    recipe.write_text("name: r\noptimizer: {name: lars}\nschedule: {name: poly}\n"
+                      "model: {name: alexnet_bn}\nbatch: {global: 32768}\nepochs: 100\n"
                       "comm: {algorithm: telepathy}\n")
     line = command_line(capsys, "plan", "--recipe", str(recipe))
     assert str(recipe) in line and "telepathy" in line
