@@ -17,7 +17,7 @@ from hpcdl.plan.class_rates import (
     fit_rates,
     layer_work,
 )
-from hpcdl.plan.cpu import cpu_mismatch
+from hpcdl.plan.cpu import cpu_mismatch, cpu_warning
 from hpcdl.plan.layers import (
     LINEAR_WEIGHTS,
     OP_CLASSES,
@@ -30,7 +30,6 @@ from hpcdl.plan.layers import (
 )
 from hpcdl.plan.machine import MachineError, load_machine, parse_machine
 from hpcdl.plan.model import PlanInputs, compute_by_class, plan, rank_memory_Bps
-from hpcdl.plan.validate import cpu_warning
 from hpcdl.plan.workload import Workload
 
 pytestmark = pytest.mark.usefixtures("isolated_plan_dirs")

@@ -38,3 +38,17 @@ def cpu_mismatch(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str
             diffs.append("flags " + ", ".join([f"+{f}" for f in gained] + [f"-{f}" for f in lost])
                          + " here")
     return "; ".join(diffs) or None
+
+
+def cpu_warning(machine: Any) -> str | None:
+    """A warning when a calibrated machine file describes another CPU than this one."""
+    if not machine.calibrated:
+        return None
+    if not machine.cpu:
+        return (f"warning: {machine.path} records no CPU; its rates may be another machine's: "
+                "recalibrate with `hpcdl plan --calibrate`")
+    diff = cpu_mismatch(machine.cpu, cpu_identity())
+    if diff is None:
+        return None
+    return (f"warning: {machine.path} was calibrated on another CPU ({diff}); its rates "
+            "describe that CPU: recalibrate here with `hpcdl plan --calibrate`")

@@ -85,11 +85,12 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
 
 def predict_command(args: argparse.Namespace) -> int:
     """``hpcdl plan`` without --calibrate / --validate."""
+    from hpcdl.plan.cpu import cpu_warning
     from hpcdl.plan.machine import MachineError, load_machine
     from hpcdl.plan.model import PlanInputs, default_sweep, plan, sweep
-    from hpcdl.plan.report import describe, plan_json, plot_sweep, sweep_table, write_plan_json
-    from hpcdl.plan.validate import cpu_warning
+    from hpcdl.plan.report import describe, plan_json, plot_sweep, sweep_table
     from hpcdl.plan.workload import workload
+    from hpcdl.results import write_json
 
     values = resolve(args)
     try:
@@ -133,6 +134,6 @@ def predict_command(args: argparse.Namespace) -> int:
         doc = plan_json(result, rows, machine, work, inp)
         if simulated is not None:
             doc["simulation"] = simulated.to_dict()
-        write_plan_json(args.json, doc)
+        write_json(args.json, doc)
         print(f"wrote {args.json}")
     return 0

@@ -12,12 +12,10 @@ per row of the table) and adds the prediction's own keys at the top level::
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from hpcdl.io import atomic_write_text
 from hpcdl.plan.layers import COMPUTE_CLASSES, OPTIMIZER, class_totals
 from hpcdl.plan.machine import Machine
 from hpcdl.plan.model import (
@@ -160,10 +158,6 @@ def plan_json(p: Plan, plans: Sequence[Plan], machine: Machine, work: Workload,
         "results": [sweep_record(q) for q in plans],
         "notes": list(p.notes),
     }
-
-
-def write_plan_json(path: str, doc: dict[str, Any]) -> None:
-    atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
 
 
 def plot_sweep(path: str, plans: Sequence[Plan], title: str) -> None:

@@ -6,7 +6,7 @@ synthetic data, run ``mpiexec -n NP hpcdl bench train`` ``--repeats`` times in r
 row once, then again: a validation cut short by ``--validate-budget`` still covers every row),
 and report predicted ÷ the median measurement (goal: 0.85-1.15 on every row) with the spread,
 in the bench JSON convention (docs/planner.md, "--validate"). bf16 rows are skipped with a line
-saying why; a calibrated file used on another CPU warns first (:func:`cpu_warning`).
+saying why; a calibrated file used on another CPU warns first (hpcdl.plan.cpu.cpu_warning).
 
 The bench's JSON is read tolerantly (:func:`measured_step`: the keys of STEP_KEYS, else batch
 per rank ÷ images/s). A bench that reports another per-rank batch than predicted gets the
@@ -183,23 +183,8 @@ def parse_workloads(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def cpu_warning(machine: Any) -> str | None:
-    """A warning when a calibrated machine file describes another CPU than this one."""
-    from hpcdl.plan.cpu import cpu_identity, cpu_mismatch
-
-    if not machine.calibrated:
-        return None
-    if not machine.cpu:
-        return (f"warning: {machine.path} records no CPU; its rates may be another machine's: "
-                "recalibrate with `hpcdl plan --calibrate`")
-    diff = cpu_mismatch(machine.cpu, cpu_identity())
-    if diff is None:
-        return None
-    return (f"warning: {machine.path} was calibrated on another CPU ({diff}); its rates "
-            "describe that CPU: recalibrate here with `hpcdl plan --calibrate`")
-
-
 def validate_command(args: argparse.Namespace) -> int:
+    from hpcdl.plan.cpu import cpu_warning
     from hpcdl.plan.machine import MachineError, load_machine
     from hpcdl.plan.workload import workload
     from hpcdl.results import emit, write_json
