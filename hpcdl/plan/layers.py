@@ -35,7 +35,7 @@ hpcdl.plan.cache.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -189,10 +189,6 @@ def layers_cache_path() -> str:
     return cache_path(LAYERS_CACHE_FILE)
 
 
-def layers_from_records(records: Sequence[Mapping[str, Any]]) -> tuple[Layer, ...]:
-    return tuple(Layer(**dict(r)) for r in records)
-
-
 _MEMO: dict[str, tuple[Layer, ...]] = {}   # one process counts a table once
 
 
@@ -218,7 +214,7 @@ def layer_table(model: str, image_size: int, cache_file: str | None = None) -> t
     cached = read_cache(path).get(key)
     if cached:
         try:
-            return layers_from_records(cached)
+            return tuple(Layer(**dict(record)) for record in cached)
         except TypeError:
             pass   # written by another version: recount
     table = tuple(count_layers(meta_model(model).to_empty(device="cpu"), image_size))
