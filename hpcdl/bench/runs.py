@@ -114,18 +114,16 @@ def run_record(name: str, recipe: dict[str, Any], summary: dict[str, Any]) -> di
 def bench_workdir(world: Any, out: str | None, prefix: str) -> Iterator[str]:
     """The directory a multi-run bench works in, shared by every rank: ``out`` when given
     (kept, so runs resume), else a temporary one made by rank 0 and removed at the end. Also
-    makes a failing rank take the job down and gives every rank its log under it."""
-    from hpcdl.debug import abort_on_unshared_error, install_fail_fast, setup_rank_logging
+    makes a failing rank take the job down and gives every rank its log under it (a run
+    session without a communicator: each run opens its own)."""
+    from hpcdl.train.session import RunSession
 
-    if world.size > 1:
-        install_fail_fast(world)
     path = os.path.abspath(out) if out else \
         world.bcast(tempfile.mkdtemp(prefix=prefix) if world.rank == 0 else None)
-    setup_rank_logging(path, world.rank, world.size, "info")
     try:
-        yield path
+        with RunSession(world, run_dir=path, threads=None) as session:
+            session.at_close(world.Barrier)
+            yield path
     finally:
-        abort_on_unshared_error()  # an error of this rank alone: end the job, no barrier
-        world.Barrier()
         if not out and world.rank == 0:
             shutil.rmtree(path, ignore_errors=True)

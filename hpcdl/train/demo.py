@@ -140,18 +140,10 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 
     from mpi4py import MPI
 
-    import hpcdl.comm
-    from hpcdl.debug import (
-        abort_on_unshared_error,
-        install_fail_fast,
-        install_stack_dump,
-        setup_rank_logging,
-        watch_collectives,
-        watch_region,
-    )
+    from hpcdl.debug import watch_region
     from hpcdl.io import atomic_write_text
     from hpcdl.train.config import load_recipe
-    from hpcdl.train.threads import configure_threads
+    from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import Trainer, TrainOptions
 
     start = time.perf_counter()
@@ -159,46 +151,38 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     recipe = options.recipe or demo_recipe_path()
     config = load_recipe(recipe, options.all_overrides())  # every rank: a bad key fails early
     run_dir = _run_dir(world, options.out)
-    setup_rank_logging(run_dir, world.rank, world.size, options.log_level)
-    install_stack_dump()
-    if world.size > 1:
-        install_fail_fast(world)
     log = logging.getLogger("hpcdl.demo")
-    # The communicator first, so its stall watchdog covers every phase: rank 0's data
-    # preparation (the others wait at its broadcast), training, and the final barrier.
-    comm = hpcdl.comm.init(options.backend or config.comm.backend, world,
-                           bucket_bytes=int(config.comm.bucket_mb * 2 ** 20),
-                           wire_dtype=config.comm.wire_dtype)
-    trainer = None
+    # The session first, so its stall watchdog (heartbeats and stall dumps in
+    # RUN_DIR/logs/heartbeat) covers every phase: rank 0's data preparation (the others wait
+    # at its broadcast), training, and the final barrier.
     try:
-        # heartbeats and stall dumps in RUN_DIR/logs/heartbeat (HPCDL_STALL_WARN_S/_ABORT_S)
-        watch_collectives(comm, run_dir)
-        log.info("hpcdl demo: %d rank(s), run directory %s", world.size, run_dir)
-        data = _prepare_on_rank0(world, run_dir, options, comm)
-        log.info("Fashion-MNIST (%s): %s images as JPEG tree + shards in %.1f s", options.source,
-                 data["splits"], data["prepare_s"])
-        configure_threads(comm)
-        train_options = TrainOptions(max_steps=options.max_steps, progress=options.progress)
-        trainer = Trainer(config, data["shard_dir"], run_dir, comm, options=train_options)
-        trainer.resume("auto")  # --out of an interrupted demo continues it
-        summary = trainer.train()
-        summary["demo"] = {
-            "recipe": recipe, "source": options.source, "images": data["splits"],
-            "prepare_s": data["prepare_s"], "total_s": time.perf_counter() - start,
-            "goal": {"top1": TOP1_GOAL, "seconds": TIME_GOAL_S, "ranks": 2},
-        }
-        if world.rank == 0:
-            atomic_write_text(os.path.join(run_dir, "summary.json"),
-                              json.dumps(summary, indent=2) + "\n")
-        summary["run_dir"] = run_dir
-        return summary
+        with RunSession(world, config.comm, run_dir=run_dir, backend=options.backend,
+                        log_level=options.log_level) as session:
+            def final_barrier() -> None:  # every rank is done with the files before removal
+                with watch_region(session.comm, "final barrier"):
+                    world.Barrier()
+
+            session.at_close(final_barrier)
+            log.info("hpcdl demo: %d rank(s), run directory %s", world.size, run_dir)
+            data = _prepare_on_rank0(world, run_dir, options, session.comm)
+            log.info("Fashion-MNIST (%s): %s images as JPEG tree + shards in %.1f s",
+                     options.source, data["splits"], data["prepare_s"])
+            train_options = TrainOptions(max_steps=options.max_steps, progress=options.progress)
+            trainer = session.own(Trainer(config, data["shard_dir"], run_dir, session.comm,
+                                          options=train_options))
+            trainer.resume("auto")  # --out of an interrupted demo continues it
+            summary = trainer.train()
+            summary["demo"] = {
+                "recipe": recipe, "source": options.source, "images": data["splits"],
+                "prepare_s": data["prepare_s"], "total_s": time.perf_counter() - start,
+                "goal": {"top1": TOP1_GOAL, "seconds": TIME_GOAL_S, "ranks": 2},
+            }
+            if world.rank == 0:
+                atomic_write_text(os.path.join(run_dir, "summary.json"),
+                                  json.dumps(summary, indent=2) + "\n")
+            summary["run_dir"] = run_dir
+            return summary
     finally:
-        abort_on_unshared_error()  # an error of this rank alone: end the job, no barrier
-        if trainer is not None:
-            trainer.close()
-        with watch_region(comm, "final barrier"):
-            world.Barrier()  # every rank is done with the files before any is removed
-        comm.close()
         if options.out is None and world.rank == 0:
             shutil.rmtree(run_dir, ignore_errors=True)
 
