@@ -123,6 +123,7 @@ def run_data_parallel(world, args, shard_dir: str, run_dir: str) -> float:
 def run_ltfb(world, args, shard_dir: str, run_dir: str) -> tuple[float, dict[str, Any]]:
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.ltfb import LTFB, LTFBOptions
+    from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import TrainOptions
 
     trainer_size = world.size // args.trainers
@@ -134,12 +135,10 @@ def run_ltfb(world, args, shard_dir: str, run_dir: str) -> tuple[float, dict[str
                           holdout_fraction=args.tournament_holdout)
     world.Barrier()
     start = time.time()
-    runner = LTFB(config, shard_dir, run_dir, world, options,
-                  TrainOptions(max_steps=args.max_steps, progress=False), backend=args.backend)
-    try:
-        summary = runner.train()
-    finally:
-        runner.close()
+    with RunSession(world, log_level=None, threads=None) as session:  # each trainer's comm
+        summary = session.own(LTFB(config, shard_dir, run_dir, world, options,
+                                   TrainOptions(max_steps=args.max_steps, progress=False),
+                                   backend=args.backend)).train()
     return start, summary
 
 

@@ -115,22 +115,17 @@ def warmup_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
 # -- ours ----------------------------------------------------------------------------------
 def train_ours(world, args, run: str, shard_dir: str, out: str, seed: int = 0
                ) -> dict[str, Any]:
-    from hpcdl.train.config import CommConfig, config_from_dict
+    from hpcdl.bench.runs import train_run
+    from hpcdl.train.config import CommConfig
     from hpcdl.train.session import RunSession
-    from hpcdl.train.trainer import Trainer, TrainOptions
 
     per_node = args.ranks_per_node if run == "hierarchical" else None
     # the communicator's defaults; the run's reducer takes its recipe's bucket size
     with RunSession(world, CommConfig(backend="mpi"), log_level=None, threads=None,
                     ranks_per_node=per_node) as session:
         steps_per_epoch = train_steps_per_epoch(session.comm, shard_dir, args, world.size)
-        config = config_from_dict(recipe(args, run, world.size, steps_per_epoch, seed),
-                                  origin=f"hpcdl bench relaxed: {run}")
-        trainer = session.own(Trainer(config, shard_dir, os.path.join(out, run_dir(run, seed)),
-                                      session.comm, options=TrainOptions(
-                                          max_steps=args.max_steps, progress=False)))
-        trainer.resume("auto")
-        summary = trainer.train()
+        summary = train_run(session.comm, recipe(args, run, world.size, steps_per_epoch, seed),
+                            shard_dir, os.path.join(out, run_dir(run, seed)), args.max_steps)
     traffic = summary["traffic"]
     return {"run": run, "seed": seed, "top1": summary["top1"], "steps": summary["steps"],
             "bytes_per_rank": traffic["bytes_world"], "bytes_node_per_rank": traffic["bytes_node"],

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,7 +83,7 @@ def train_run(comm, recipe: dict[str, Any], shard_dir: str, run_dir: str,
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.trainer import Trainer, TrainOptions
 
-    config = config_from_dict(recipe, origin=f"hpcdl bench convergence: {recipe['name']}")
+    config = config_from_dict(recipe, origin=f"hpcdl bench: {recipe['name']}")
     options = TrainOptions(max_steps=max_steps, progress=False)
     trainer = Trainer(config, shard_dir, run_dir, comm, options=options)
     try:
@@ -116,14 +114,9 @@ def bench_workdir(world: Any, out: str | None, prefix: str) -> Iterator[str]:
     (kept, so runs resume), else a temporary one made by rank 0 and removed at the end. Also
     makes a failing rank take the job down and gives every rank its log under it (a run
     session without a communicator: each run opens its own)."""
-    from hpcdl.train.session import RunSession
+    from hpcdl.train.session import RunSession, run_directory
 
-    path = os.path.abspath(out) if out else \
-        world.bcast(tempfile.mkdtemp(prefix=prefix) if world.rank == 0 else None)
-    try:
-        with RunSession(world, run_dir=path, threads=None) as session:
-            session.at_close(world.Barrier)
-            yield path
-    finally:
-        if not out and world.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+    with run_directory(world, out or None, prefix) as path, \
+            RunSession(world, run_dir=path, threads=None) as session:
+        session.at_close(world.Barrier)
+        yield path

@@ -260,24 +260,15 @@ def own_backend(mode: str) -> str | None:
 @contextlib.contextmanager
 def own_comm_stepper(world, config, loader, backend: str,
                      wire_dtype: str = "float32") -> Iterator[Stepper]:
-    """The trainer's step on a Trainer and a communicator of its own: ``ours@BACKEND`` (the
-    same overlapped reducer on another backend) and ``ours_bf16`` (bf16 on the wire, which is
+    """``ours`` on a Trainer and a communicator of its own: ``ours@BACKEND`` (the same
+    overlapped reducer on another backend) and ``ours_bf16`` (bf16 on the wire, which is
     fixed when a communicator is built). Its stepper carries ``.backend``."""
     from hpcdl.train.session import RunSession
-    from hpcdl.train.trainer import Trainer, TrainOptions
 
     section = dataclasses.replace(config.comm, backend=backend, wire_dtype=wire_dtype)
-    options = TrainOptions(progress=False, handle_signals=False, write_files=False,
-                           evaluate=False)
-    with tempfile.TemporaryDirectory(prefix="hpcdl-bench-train-own-") as run_dir, \
-            RunSession(world, section, log_level=None, threads=None) as session:
-        trainer = session.own(Trainer(config, None, run_dir, session.comm, options=options,
-                                      train_loader=loader))
-
-        def step(batch) -> float:
-            trainer.train_step([batch])
-            return trainer.reducer.comm_wait_s
-
+    with RunSession(world, section, log_level=None, threads=None) as session, \
+            trainer_steppers(session.comm, config, loader, ["ours"]) as steppers:
+        step = steppers["ours"]
         step.backend = session.comm.backend
         yield step
 

@@ -229,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
     from hpcdl.debug.startup import import_mpi_within_bound
     from hpcdl.errors import agreed
     from hpcdl.train.config import load_recipe
-    from hpcdl.train.launch import check_output_dir
+    from hpcdl.train.session import check_output_dir
     from hpcdl.train.trainer import require_ipex
 
     world = import_mpi_within_bound().COMM_WORLD  # MPI_Init, bounded (HPCDL_STARTUP_TIMEOUT_S)

@@ -1,35 +1,94 @@
-"""One run session: what a training process opens around its trainer, opened in one place
-and closed in the reverse order.
+"""One run session: what a training process opens around its trainer, in one place, closed
+in the reverse order (``hpcdl train``, the demo, LTFB's runs, the training benches).
 
     with RunSession(world, config.comm, run_dir=RUN_DIR, log_level="info") as session:
         trainer = session.own(Trainer(config, data, RUN_DIR, session.comm,
                                       timeline=session.timeline))
         trainer.train()
 
-Opening, in this order (every step collective over ``world``):
-
-1. the communicator of the recipe's ``comm`` section (:func:`open_communicator`: its
-   ``bucket_bytes``, the one conversion of ``comm.bucket_mb``), agreed by every rank, so a bad
-   backend ends all of them with one line;
-2. the process (hpcdl/train/launch.py ``setup_run_process``): rank logs under ``run_dir``,
-   SIGUSR2 stack dumps, fail-fast (an uncaught error on one rank ends the job);
-3. compute threads: each rank's share of its node's cores (hpcdl/train/threads.py), or a
-   fixed count;
-4. the timeline (``timeline``: a chrome://tracing file) and the stall watchdog with its
-   heartbeats in ``RUN_DIR/logs/heartbeat`` (hpcdl/debug/monitor.py ``watch_collectives``).
-
-Closing: first ``abort_on_unshared_error`` (an error of this rank alone ends the job here,
-before any teardown that waits for peers: docs/architecture.md), then the timeline is saved,
-what the session owns is closed (last owned first), and the communicator last.
+Opening, collective over ``world``: (1) the communicator of the recipe's ``comm`` section,
+agreed by every rank (:func:`open_communicator`: ``comm.bucket_bytes``, the one conversion of
+``comm.bucket_mb``); (2) the process (:func:`setup_run_process`); (3) compute threads, each
+rank's share of its node's cores (hpcdl/train/threads.py) or a fixed count; (4) the timeline and
+the stall watchdog, heartbeats in ``RUN_DIR/logs/heartbeat``. Closing: ``abort_on_unshared_error``
+first (an error of this rank alone ends the job before any teardown that waits for peers),
+then the timeline is saved, what the session owns is closed (last first), the communicator last.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from collections.abc import Iterator
 from typing import Any, Literal
 
+from hpcdl.errors import BadInputError
 from hpcdl.train.config import CommConfig
 
-__all__ = ["RunSession", "open_communicator"]
+__all__ = ["OutputDirError", "RunSession", "check_output_dir", "open_communicator",
+           "run_directory", "setup_run_process"]
+
+
+class OutputDirError(BadInputError, OSError):
+    """The run directory cannot be created or written."""
+
+
+def check_output_dir(run_dir: str) -> None:
+    """Create ``run_dir`` if needed and write (then remove) a file in it: an unwritable
+    ``--out`` is named now, before training, not at the first checkpoint."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=run_dir, prefix=".hpcdl-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise OutputDirError(f"--out {run_dir}: cannot write there ({reason}); choose a "
+                             f"directory you can write (on a cluster: scratch or project "
+                             f"space, visible to every node)") from None
+
+
+@contextlib.contextmanager
+def run_directory(world: Any, out: str | None, prefix: str) -> Iterator[str]:
+    """``out`` (kept), or a temporary directory rank 0 makes and removes at the end. Every
+    rank reads what rank 0 writes there, so across hosts it must be on a shared file system: a
+    rank that cannot see rank 0's temporary directory (each host has its own /tmp) stops every
+    rank with one line. Collective over ``world``."""
+    from hpcdl.errors import agree_on
+
+    made = None if out is not None or world.rank != 0 else tempfile.mkdtemp(prefix=prefix)
+    path, host = world.bcast((made or os.path.abspath(out or "."), socket.gethostname()))
+    error = None
+    if out is None and not os.path.isdir(path):
+        error = BadInputError(f"{path}, made by rank 0 on {host}, is not visible here "
+                              f"(node-local /tmp): across hosts, pass --out DIR on a file "
+                              f"system every host shares")
+    try:
+        agree_on(world, error)
+        yield path
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)  # a rejected command leaves nothing
+
+
+def setup_run_process(run_dir: str | None, rank: int, size: int, level: str,
+                      mpi_comm: Any) -> None:
+    """Rank logs under ``run_dir``, SIGUSR2 stack dumps, fail-fast (hpcdl/debug), and
+    file-size limits reported as errors rather than as a killing signal."""
+    from hpcdl.debug import install_fail_fast, install_stack_dump, setup_rank_logging
+
+    setup_rank_logging(run_dir, rank, size, level)
+    install_stack_dump()
+    if size > 1:
+        install_fail_fast(mpi_comm)  # an uncaught error on one rank ends the job, not hangs it
+    # Past RLIMIT_FSIZE (ulimit -f) the kernel kills the writer with SIGXFSZ, mid-checkpoint
+    # and without a word; ignored, the write fails with EFBIG, which the checkpoint reports
+    # (the previous checkpoint stays: writes are atomic).
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def open_communicator(section: CommConfig, world: Any, backend: str | None = None,
@@ -76,8 +135,6 @@ class RunSession:
         from hpcdl.debug import Timeline
 
         if log_level is not None:
-            from hpcdl.train.launch import setup_run_process
-
             setup_run_process(self.run_dir, self.world.rank, self.world.size, log_level,
                               self.world)
         if threads == "node":
