@@ -167,8 +167,8 @@ def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[s
     from torch.distributed.optim import PostLocalSGDOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hpcdl.data import ShardedImageNet, normalize
-    from hpcdl.optim import set_learning_rate
+    from hpcdl.bench.baselines import plain_step
+    from hpcdl.data import ShardedImageNet
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.trainer import recipe_model, recipe_optimizer, recipe_schedule
 
@@ -204,15 +204,12 @@ def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[s
                                             matrix_approximation_rank=args.powersgd_rank,
                                             start_powerSGD_iter=warmup, random_seed=seed)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    criterion = torch.nn.CrossEntropyLoss()
+    train_step = plain_step(ddp, optimizer, schedule, bf16=False)  # the lr of step `step`
     step, start = 0, time.perf_counter()
     while step < last:
         loader.set_epoch(step // steps_per_epoch)
-        for images, labels in loader:
-            set_learning_rate(optimizer, schedule(step))
-            optimizer.zero_grad(set_to_none=True)
-            criterion(ddp(normalize(images)), labels).backward()
-            optimizer.step()
+        for batch in loader:
+            train_step(batch)
             step += 1
             if step >= last or step % steps_per_epoch == 0:
                 break
