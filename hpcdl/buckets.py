@@ -12,23 +12,39 @@ buckets from a model's parameter sizes, so the two cannot disagree on a boundary
   gradients come last and whose reduction nothing can hide) that fit in that many bytes form
   the last bucket on their own, unless every parameter fits.
 
-Pure arithmetic on byte counts: no torch, no MPI, so the planner can import it.
+A recipe gives the bucket in MiB (``comm.bucket_mb``); the communicator and the reducer take
+bytes: the default, the one conversion and the one check live here too.
+
+Pure arithmetic on byte counts: no torch, no MPI, so the recipe reader and the planner can
+import it.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["LAST_BUCKET_BYTES", "MIB", "bucket_bounds", "bucket_bytes", "tail_start"]
+__all__ = ["DEFAULT_BUCKET_MB", "LAST_BUCKET_BYTES", "MIB", "bucket_bounds", "bucket_bytes",
+           "check_bucket_bytes", "tail_start"]
 
 MIB = 2**20
 #: The bucket reduced after backward has finished: small, since nothing hides its reduction
 #: (1 MiB: ResNet-50's stem and first stage).
 LAST_BUCKET_BYTES = MIB
+#: ``comm.bucket_mb`` when a recipe does not say, and the communicator's own default: the
+#: 25 MiB of PyTorch DDP's ``bucket_cap_mb`` (Li et al., VLDB 2020).
+DEFAULT_BUCKET_MB = 25.0
 
 
 def bucket_bytes(bucket_mb: float) -> int:
     """A recipe's ``comm.bucket_mb`` (MiB) as the bytes a bucket holds."""
     return int(bucket_mb * MIB)
+
+
+def check_bucket_bytes(value: int, owner: str) -> int:
+    """``value`` as an int when positive, else a ValueError naming ``owner`` (a recipe's
+    ``comm.bucket_mb`` is checked by its dotted name where the recipe is read)."""
+    if int(value) <= 0:
+        raise ValueError(f"{owner}: bucket_bytes must be > 0, got {value}")
+    return int(value)
 
 
 def tail_start(sizes: Sequence[float], tail_bytes: float | None) -> int:

@@ -24,14 +24,6 @@ def effective_memory_format(requested: str, threads: int) -> str:
     return "channels_last" if requested == "channels_last" and threads > 1 else "contiguous"
 
 
-def recipe_model(config):
-    """The recipe's model (``config.model``: its name and keyword arguments)."""
-    from hpcdl.models import create_model
-
-    kw = {k: v for k, v in config.model.items() if k != "name"}
-    return create_model(config.model["name"], **kw)
-
-
 def plain_step(forward: Callable, optimizer, schedule, bf16: bool,
                memory_format=None) -> Stepper:
     """One torch step as its user writes it: the scheduled learning rate, zeroed gradients,
@@ -70,7 +62,7 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
     from torch.nn.parallel import DistributedDataParallel
 
     from hpcdl.comm.gloo import init_process_group_over_mpi
-    from hpcdl.optim import create_optimizer, create_schedule
+    from hpcdl.train.trainer import recipe_model, recipe_optimizer, recipe_schedule
 
     store = init_process_group_over_mpi(mpi_comm)
     try:
@@ -82,8 +74,8 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
         model = recipe_model(config).to(memory_format=memory_format)
         # Held in a dict so it can be dropped before its process group is destroyed.
         held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}
-        schedule = create_schedule(config.schedule, total_steps, total_steps)
-        optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
+        schedule = recipe_schedule(config, total_steps, total_steps)
+        optimizer = recipe_optimizer(config, model, schedule)
         yield plain_step(lambda inputs: held["ddp"](inputs), optimizer, schedule,
                          config.train.bf16, memory_format)
         held.clear()
@@ -111,15 +103,15 @@ def horovod_stepper(config, total_steps: int) -> Iterator[Stepper]:
     time, MPI underneath), parameters broadcast from rank 0."""
     import horovod.torch as hvd
 
-    from hpcdl.optim import create_optimizer, create_schedule
+    from hpcdl.train.trainer import recipe_model, recipe_optimizer, recipe_schedule
 
     hvd.init()
     try:
         model = recipe_model(config)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        schedule = create_schedule(config.schedule, total_steps, total_steps)
+        schedule = recipe_schedule(config, total_steps, total_steps)
         optimizer = hvd.DistributedOptimizer(
-            create_optimizer(config.optimizer, model, lr=schedule(0)),
+            recipe_optimizer(config, model, schedule),
             named_parameters=model.named_parameters())
         yield plain_step(model, optimizer, schedule, config.train.bf16)
     finally:

@@ -443,10 +443,10 @@ def run_study(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    import hpcdl.comm
     from hpcdl.bench.runs import bench_workdir, prepare_shards, run_record, train_run
     from hpcdl.results import bench_report, emit
-    from hpcdl.train.threads import configure_threads
+    from hpcdl.train.config import CommConfig
+    from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
     args.batch_list = parse_list(args.batches, int, "--batches")
@@ -469,24 +469,22 @@ def run_study(args: argparse.Namespace) -> int:
         data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
         shards = {"tune": prepare_shards(world, data_dir, args.source, holdout=True),
                   "final": prepare_shards(world, data_dir, args.source, holdout=False)}
-        comm = hpcdl.comm.init(args.backend, world)
+        session = RunSession(world, CommConfig(backend=args.backend), log_level=None)
 
         def runner(run: StudyRun, run_dir: str) -> dict[str, Any] | None:
             recipe = study_recipe(run, args, world.size)
             log.info("study run %s (%s split)", run.key, run.phase)
-            summary = train_run(comm, recipe, shards[run.phase], run_dir, args.max_steps)
+            summary = train_run(session.comm, recipe, shards[run.phase], run_dir,
+                                args.max_steps)
             if summary["stopped"] == "signal":
                 log.warning("run %s stopped by a signal: rerun the same command to resume",
                             run.key)
                 return None
             return {**run_record(run.key, recipe, summary), "decay_policy": args.decay_policy}
 
-        try:
-            configure_threads(comm)
+        with session:
             result = execute_study(args, runner, out, write=world.rank == 0,
                                    barrier=world.Barrier)
-        finally:
-            comm.close()
         if result is None:
             return EXIT_STOPPED_BY_SIGNAL
         if world.rank == 0:

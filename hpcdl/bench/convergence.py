@@ -203,9 +203,9 @@ def run(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    import hpcdl.comm
     from hpcdl.results import bench_report, emit
-    from hpcdl.train.threads import configure_threads
+    from hpcdl.train.config import CommConfig
+    from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
     world = MPI.COMM_WORLD
@@ -218,14 +218,14 @@ def run(args: argparse.Namespace) -> int:
                  time.perf_counter() - start)
         recipes = run_recipes(args, world.size)
         records = {}
-        comm = hpcdl.comm.init(args.backend, world)
-        try:
-            configure_threads(comm)
+        # the communicator's defaults (each run's reducer takes its recipe's bucket size)
+        with RunSession(world, CommConfig(backend=args.backend), log_level=None) as session:
             for name in runs:
                 seed = f"-s{args.seed}" if args.seed else ""   # seed 0: the earlier name
                 run_dir = os.path.join(out, f"{name}-e{args.epochs:g}{seed}")
                 log.info("run %s: %s", name, recipes[name]["name"])
-                summary = train_run(comm, recipes[name], shard_dir, run_dir, args.max_steps)
+                summary = train_run(session.comm, recipes[name], shard_dir, run_dir,
+                                    args.max_steps)
                 if summary["stopped"] == "signal":
                     # SIGTERM/SIGUSR1 (Slurm's time limit): the run is checkpointed; stop the
                     # bench too, so a requeued job with the same --out resumes where it was.
@@ -235,8 +235,6 @@ def run(args: argparse.Namespace) -> int:
                 records[name] = run_record(name, recipes[name], summary)
                 log.info("run %s: top-1 %.4f after %s epochs (%.0f s)", name,
                          summary["top1"] or float("nan"), summary["epochs"], summary["train_s"])
-        finally:
-            comm.close()
         if world.rank == 0:
             report = bench_report("convergence", list(records.values()),
                                   convergence_ratios(records), ranks=world.size)

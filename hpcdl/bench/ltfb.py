@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 COMMAND = "ltfb"
@@ -106,30 +105,25 @@ def ltfb_epochs(shard_dir: str, args: argparse.Namespace, world_size: int) -> fl
 # -- the two runs -----------------------------------------------------------------------------
 def run_data_parallel(world, args, shard_dir: str, run_dir: str) -> float:
     """Returns the wall-clock start (time.time()) the curve is measured from."""
-    import hpcdl.comm
     from hpcdl.train.config import config_from_dict
+    from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import Trainer, TrainOptions
 
     config = config_from_dict(recipe(args, args.per_rank * world.size, args.epochs),
                               origin="hpcdl bench ltfb: data_parallel")
     world.Barrier()
     start = time.time()
-    comm = hpcdl.comm.init(args.backend, world, bucket_bytes=2**20)
-    try:
-        trainer = Trainer(config, shard_dir, run_dir, comm,
-                          options=TrainOptions(max_steps=args.max_steps, progress=False))
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-    finally:
-        comm.close()
+    with RunSession(world, config.comm, log_level=None, threads=None) as session:
+        session.own(Trainer(config, shard_dir, run_dir, session.comm,
+                            options=TrainOptions(max_steps=args.max_steps,
+                                                 progress=False))).train()
     return start
 
 
 def run_ltfb(world, args, shard_dir: str, run_dir: str) -> tuple[float, dict[str, Any]]:
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.ltfb import LTFB, LTFBOptions
+    from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import TrainOptions
 
     trainer_size = world.size // args.trainers
@@ -141,12 +135,10 @@ def run_ltfb(world, args, shard_dir: str, run_dir: str) -> tuple[float, dict[str
                           holdout_fraction=args.tournament_holdout)
     world.Barrier()
     start = time.time()
-    runner = LTFB(config, shard_dir, run_dir, world, options,
-                  TrainOptions(max_steps=args.max_steps, progress=False), backend=args.backend)
-    try:
-        summary = runner.train()
-    finally:
-        runner.close()
+    with RunSession(world, log_level=None, threads=None) as session:  # each trainer's comm
+        summary = session.own(LTFB(config, shard_dir, run_dir, world, options,
+                                   TrainOptions(max_steps=args.max_steps, progress=False),
+                                   backend=args.backend)).train()
     return start, summary
 
 
@@ -245,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
         shard_dir = prepare_shards(world, data_dir, args.source, holdout=False)
         # threads from the node layout of the whole world (both runs use every rank)
-        configure_threads(SimpleNamespace(mpi_comm=world, rank=world.rank, size=world.size))
+        configure_threads(world)
         dp_dir, ltfb_dir = os.path.join(out, "data_parallel"), os.path.join(out, "ltfb")
         for d in (dp_dir, ltfb_dir):  # fresh runs: the curves are timed from the start
             if world.rank == 0:

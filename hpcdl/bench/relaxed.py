@@ -115,25 +115,17 @@ def warmup_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
 # -- ours ----------------------------------------------------------------------------------
 def train_ours(world, args, run: str, shard_dir: str, out: str, seed: int = 0
                ) -> dict[str, Any]:
-    import hpcdl.comm
-    from hpcdl.train.config import config_from_dict
-    from hpcdl.train.trainer import Trainer, TrainOptions
+    from hpcdl.bench.runs import train_run
+    from hpcdl.train.config import CommConfig
+    from hpcdl.train.session import RunSession
 
     per_node = args.ranks_per_node if run == "hierarchical" else None
-    comm = hpcdl.comm.init("mpi", world, ranks_per_node=per_node)
-    try:
-        steps_per_epoch = train_steps_per_epoch(comm, shard_dir, args, world.size)
-        config = config_from_dict(recipe(args, run, world.size, steps_per_epoch, seed),
-                                  origin=f"hpcdl bench relaxed: {run}")
-        trainer = Trainer(config, shard_dir, os.path.join(out, run_dir(run, seed)), comm,
-                          options=TrainOptions(max_steps=args.max_steps, progress=False))
-        try:
-            trainer.resume("auto")
-            summary = trainer.train()
-        finally:
-            trainer.close()
-    finally:
-        comm.close()
+    # the communicator's defaults; the run's reducer takes its recipe's bucket size
+    with RunSession(world, CommConfig(backend="mpi"), log_level=None, threads=None,
+                    ranks_per_node=per_node) as session:
+        steps_per_epoch = train_steps_per_epoch(session.comm, shard_dir, args, world.size)
+        summary = train_run(session.comm, recipe(args, run, world.size, steps_per_epoch, seed),
+                            shard_dir, os.path.join(out, run_dir(run, seed)), args.max_steps)
     traffic = summary["traffic"]
     return {"run": run, "seed": seed, "top1": summary["top1"], "steps": summary["steps"],
             "bytes_per_rank": traffic["bytes_world"], "bytes_node_per_rank": traffic["bytes_node"],
@@ -175,10 +167,10 @@ def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[s
     from torch.distributed.optim import PostLocalSGDOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hpcdl.data import ShardedImageNet, normalize
-    from hpcdl.models import create_model
-    from hpcdl.optim import create_optimizer, create_schedule, set_learning_rate
+    from hpcdl.bench.baselines import plain_step
+    from hpcdl.data import ShardedImageNet
     from hpcdl.train.config import config_from_dict
+    from hpcdl.train.trainer import recipe_model, recipe_optimizer, recipe_schedule
 
     init_torch_distributed(world)
     per_rank = args.global_batch // world.size
@@ -191,10 +183,11 @@ def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[s
     last = min(total, args.max_steps or total)
     warmup = warmup_steps(args, steps_per_epoch)
     torch.manual_seed(seed)
-    model = create_model("resnet_small", num_classes=10, width=args.width)
-    ddp = DDP(model, bucket_cap_mb=1, broadcast_buffers=False)  # BN statistics per rank, as ours
-    schedule = create_schedule(config.schedule, steps_per_epoch, total)
-    optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
+    model = recipe_model(config)
+    # BN statistics per rank, as ours
+    ddp = DDP(model, bucket_cap_mb=config.comm.bucket_mb, broadcast_buffers=False)
+    schedule = recipe_schedule(config, steps_per_epoch, total)
+    optimizer = recipe_optimizer(config, model, schedule)
     dense = sum(p.numel() * 4 for p in model.parameters())
     if run == "ddp_post_local_sgd":
         # Subgroups of one rank: after the warm-up no gradient leaves its rank (plain local
@@ -211,15 +204,12 @@ def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[s
                                             matrix_approximation_rank=args.powersgd_rank,
                                             start_powerSGD_iter=warmup, random_seed=seed)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    criterion = torch.nn.CrossEntropyLoss()
+    train_step = plain_step(ddp, optimizer, schedule, bf16=False)  # the lr of step `step`
     step, start = 0, time.perf_counter()
     while step < last:
         loader.set_epoch(step // steps_per_epoch)
-        for images, labels in loader:
-            set_learning_rate(optimizer, schedule(step))
-            optimizer.zero_grad(set_to_none=True)
-            criterion(ddp(normalize(images)), labels).backward()
-            optimizer.step()
+        for batch in loader:
+            train_step(batch)
             step += 1
             if step >= last or step % steps_per_epoch == 0:
                 break

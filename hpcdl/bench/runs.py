@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,7 +83,7 @@ def train_run(comm, recipe: dict[str, Any], shard_dir: str, run_dir: str,
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.trainer import Trainer, TrainOptions
 
-    config = config_from_dict(recipe, origin=f"hpcdl bench convergence: {recipe['name']}")
+    config = config_from_dict(recipe, origin=f"hpcdl bench: {recipe['name']}")
     options = TrainOptions(max_steps=max_steps, progress=False)
     trainer = Trainer(config, shard_dir, run_dir, comm, options=options)
     try:
@@ -114,18 +112,11 @@ def run_record(name: str, recipe: dict[str, Any], summary: dict[str, Any]) -> di
 def bench_workdir(world: Any, out: str | None, prefix: str) -> Iterator[str]:
     """The directory a multi-run bench works in, shared by every rank: ``out`` when given
     (kept, so runs resume), else a temporary one made by rank 0 and removed at the end. Also
-    makes a failing rank take the job down and gives every rank its log under it."""
-    from hpcdl.debug import abort_on_unshared_error, install_fail_fast, setup_rank_logging
+    makes a failing rank take the job down and gives every rank its log under it (a run
+    session without a communicator: each run opens its own)."""
+    from hpcdl.train.session import RunSession, run_directory
 
-    if world.size > 1:
-        install_fail_fast(world)
-    path = os.path.abspath(out) if out else \
-        world.bcast(tempfile.mkdtemp(prefix=prefix) if world.rank == 0 else None)
-    setup_rank_logging(path, world.rank, world.size, "info")
-    try:
+    with run_directory(world, out or None, prefix) as path, \
+            RunSession(world, run_dir=path, threads=None) as session:
+        session.at_close(world.Barrier)
         yield path
-    finally:
-        abort_on_unshared_error()  # an error of this rank alone: end the job, no barrier
-        world.Barrier()
-        if not out and world.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -56,6 +57,7 @@ from hpcdl.bench.baselines import (
     horovod_missing,
     horovod_stepper,
 )
+from hpcdl.buckets import DEFAULT_BUCKET_MB
 from hpcdl.cpus import bf16_supported, cpu_capability, cpu_model_name, retain_freed_memory
 from hpcdl.host import nic_bytes, thread_cpu_s
 
@@ -92,8 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-comm", action="store_true",
                         help="only the compute ceiling (same as --modes no_comm)")
     parser.add_argument("--backend", default="auto", help="comm backend of 'ours'")
-    parser.add_argument("--bucket-mb", type=float, default=25.0,
-                        help="fusion bucket size, ours and DDP alike")
+    parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
+                        help="fusion bucket size in MiB, ours and DDP alike (comm.bucket_mb; "
+                             "default %(default)g)")
     parser.add_argument("--memory-format", choices=("channels_last", "contiguous"),
                         default="contiguous",
                         help="activation layout of every mode; channels_last needs >= 2 "
@@ -255,33 +258,19 @@ def own_backend(mode: str) -> str | None:
 
 
 @contextlib.contextmanager
-def own_comm_stepper(world, config, loader, bucket_bytes: int, backend: str,
-                     wire_dtype: str | None = None) -> Iterator[Stepper]:
-    """The trainer's step on a Trainer and a communicator of its own: ``ours@BACKEND`` (the
-    same overlapped reducer on another backend) and ``ours_bf16`` (bf16 on the wire, which is
+def own_comm_stepper(world, config, loader, backend: str,
+                     wire_dtype: str = "float32") -> Iterator[Stepper]:
+    """``ours`` on a Trainer and a communicator of its own: ``ours@BACKEND`` (the same
+    overlapped reducer on another backend) and ``ours_bf16`` (bf16 on the wire, which is
     fixed when a communicator is built). Its stepper carries ``.backend``."""
-    import hpcdl.comm
-    from hpcdl.train.trainer import Trainer, TrainOptions
+    from hpcdl.train.session import RunSession
 
-    comm = hpcdl.comm.init(backend, world, bucket_bytes=bucket_bytes, wire_dtype=wire_dtype)
-    options = TrainOptions(progress=False, handle_signals=False, write_files=False,
-                           evaluate=False)
-    try:
-        with tempfile.TemporaryDirectory(prefix="hpcdl-bench-train-own-") as run_dir:
-            trainer = Trainer(config, None, run_dir, comm, options=options,
-                              train_loader=loader)
-
-            def step(batch) -> float:
-                trainer.train_step([batch])
-                return trainer.reducer.comm_wait_s
-
-            step.backend = comm.backend
-            try:
-                yield step
-            finally:
-                trainer.close()
-    finally:
-        comm.close()
+    section = dataclasses.replace(config.comm, backend=backend, wire_dtype=wire_dtype)
+    with RunSession(world, section, log_level=None, threads=None) as session, \
+            trainer_steppers(session.comm, config, loader, ["ours"]) as steppers:
+        step = steppers["ours"]
+        step.backend = session.comm.backend
+        yield step
 
 
 # -- what a step costs the host, read from the operating system --------------------------------
@@ -596,7 +585,6 @@ def bf16_skip_reason() -> str | None:
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     modes = parse_modes(args)
-    import torch
     from mpi4py import MPI
 
     if args.bf16 and (reason := bf16_skip_reason()) is not None:
@@ -617,20 +605,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"hpcdl bench train: mode horovod absent: {reason}", file=sys.stderr,
                   flush=True)
 
-    import hpcdl.comm
-    from hpcdl.debug import install_fail_fast
     from hpcdl.models import create_model, flops
     from hpcdl.results import bench_report, emit
+    from hpcdl.train.session import RunSession
 
     world = MPI.COMM_WORLD
     load_before = os.getloadavg()
-    if world.size > 1:
-        install_fail_fast(world)  # an error on one rank ends the job instead of hanging it
-    torch.set_num_threads(args.threads)
     malloc = "retain" if args.malloc == "retain" and retain_freed_memory() else "default"
-    comm = hpcdl.comm.init(args.backend, world, bucket_bytes=int(args.bucket_mb * 2 ** 20))
-    try:
-        config = bench_config(args, comm.size)
+    config = bench_config(args, world.size)
+    # no rank logs: the bench prints its own lines; fail-fast comes with the communicator
+    with RunSession(world, config.comm, log_level=None, threads=args.threads) as session:
+        comm = session.comm
         macs = flops(create_model(args.model, num_classes=args.num_classes), args.image_size)
         train_flops_per_image = 6.0 * macs  # 2 FLOPs per multiply-add; backward ≈ 2× forward
         loader = make_loader(args, comm, args.warmup + args.steps)
@@ -645,15 +630,13 @@ def run(args: argparse.Namespace) -> int:
             if trainer_modes:
                 built.update(stack.enter_context(
                     trainer_steppers(comm, config, loader, trainer_modes)))
-            bucket_bytes = int(args.bucket_mb * 2 ** 20)
             for mode in modes:
                 if own_backend(mode) is not None:
                     built[mode] = stack.enter_context(own_comm_stepper(
-                        world, config, loader, bucket_bytes, own_backend(mode)))
+                        world, config, loader, own_backend(mode)))
             if "ours_bf16" in modes:
                 built["ours_bf16"] = stack.enter_context(own_comm_stepper(
-                    world, config, loader, bucket_bytes, bf16_wire_backend(comm),
-                    wire_dtype="bfloat16"))
+                    world, config, loader, bf16_wire_backend(comm), wire_dtype="bfloat16"))
             if "ddp_gloo" in modes:
                 built["ddp_gloo"] = stack.enter_context(
                     ddp_stepper(world, config, args.warmup + args.steps))
@@ -709,6 +692,4 @@ def run(args: argparse.Namespace) -> int:
             report["machine"]["load_average"] = {"before": list(load_before),
                                                  "after": list(os.getloadavg())}
             emit(report, COLUMNS, args.json)
-    finally:
-        comm.close()
     return 0

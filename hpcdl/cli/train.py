@@ -190,23 +190,30 @@ def exit_code(summary: dict) -> int:
     return 0
 
 
-def _resume_and_train(runner, resume: str, world, run_dir: RunDirectory,
-                      abort: bool = False) -> dict | int:
-    """Resume (every rank agreeing), train, and return the summary, or EXIT_NONFINITE_LOSS
-    after a non-finite loss (``abort``: end the whole job with it)."""
+def _train_to_the_end(runner, args: argparse.Namespace, world, run_dir: RunDirectory,
+                      trainers: int | None = None) -> int:
+    """Resume (every rank agreeing), train, log the end and return the exit code. With LTFB
+    (``trainers``) a non-finite loss in one trainer aborts the whole job with code 3: its
+    partners would otherwise wait for it in the next exchange."""
     from hpcdl.errors import agreed
     from hpcdl.train.trainer import EXIT_NONFINITE_LOSS, NonFiniteLossError
 
     with agreed(world):
-        runner.resume(resume)
+        runner.resume(args.resume)
     run_dir.training = True
     try:
-        return runner.train()
+        summary = runner.train()
     except NonFiniteLossError as exc:
         log.error("%s", exc)
-        if abort:
+        if trainers is not None and trainers > 1:
             world.Abort(EXIT_NONFINITE_LOSS)
         return EXIT_NONFINITE_LOSS
+    if world.rank == 0:
+        best = "" if trainers is None else f"{trainers} trainer(s), best "
+        log.info("done: %s step %d/%d, %stop-1 %s, %.1f s, params sha256 %s",
+                 summary["stopped"], summary["steps"], summary["total_steps"], best,
+                 summary["top1"], summary["wall_s"], summary["params_sha256"][:16])
+    return exit_code(summary)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
     from hpcdl.debug.startup import import_mpi_within_bound
     from hpcdl.errors import agreed
     from hpcdl.train.config import load_recipe
-    from hpcdl.train.launch import check_output_dir
+    from hpcdl.train.session import check_output_dir
     from hpcdl.train.trainer import require_ipex
 
     world = import_mpi_within_bound().COMM_WORLD  # MPI_Init, bounded (HPCDL_STARTUP_TIMEOUT_S)
@@ -245,76 +252,53 @@ def _run(args: argparse.Namespace) -> int:
         raise
 
 
+def _session(args: argparse.Namespace, world, comm):
+    """The run session of ``hpcdl train`` (hpcdl/train/session.py)."""
+    from hpcdl.train.session import RunSession
+
+    return RunSession(world, comm, run_dir=args.out, backend=args.backend,
+                      log_level=args.log_level, timeline=args.timeline)
+
+
 def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> int:
     """``hpcdl train`` with one data-parallel trainer over every rank."""
-    import hpcdl.comm
-    from hpcdl.debug import Timeline, watch_collectives
     from hpcdl.debug.stragglers import StragglerReport
     from hpcdl.errors import agreed
     from hpcdl.train.checkpoint import resume_layout
-    from hpcdl.train.launch import setup_run_process
-    from hpcdl.train.threads import configure_threads
     from hpcdl.train.trainer import Trainer
 
-    with agreed(world):
-        comm = hpcdl.comm.init(args.backend or config.comm.backend, world,
-                               bucket_bytes=int(config.comm.bucket_mb * 2**20),
-                               wire_dtype=config.comm.wire_dtype)
-    setup_run_process(args.out, comm.rank, comm.size, args.log_level, world)
-    configure_threads(comm)
-    timeline = Timeline(args.timeline, comm.rank, world) if args.timeline else None
-    # stall reports/abort (HPCDL_STALL_WARN_S/_ABORT_S), HPCDL_DEBUG records, bucket spans
-    watch_collectives(comm, args.out, timeline=timeline)
-    trainer = None
-    try:
-        # The checkpoint's rank count, batch and epoch length, read first: a resume on another
-        # rank count (requeued onto other nodes) adapts the per-rank batch, or is refused here
-        # naming the rank counts that would work, before any rank loads data.
-        layout = resume_layout(args.resume, args.out, world)
-        with agreed(world):
-            try:
-                trainer = Trainer(config, args.data, args.out, comm,
-                                  options=_train_options(args), timeline=timeline,
-                                  resume_layout=layout)
-            except ValueError as exc:
-                if layout and layout.get("world_size") != comm.size:
-                    raise BadInputError(
-                        f"--resume {args.resume}: the checkpoint in {args.out} was written by "
-                        f"{layout.get('world_size')} ranks: {exc}") from exc
-                raise _recipe_value_error(args.recipe, exc) from exc
-        # each log interval, the rank the others waited for (two tiny allreduces)
-        trainer.after_step_hooks.append(
-            StragglerReport(comm, config.train.log_every_steps))
-        summary = _resume_and_train(trainer, args.resume, world, run_dir)
-        if isinstance(summary, int):
-            return summary
-        if comm.rank == 0:
-            log.info("done: %s step %d/%d, top-1 %s, %.1f s, params sha256 %s",
-                     summary["stopped"], summary["steps"], summary["total_steps"],
-                     summary["top1"], summary["wall_s"], summary["params_sha256"][:16])
-        return exit_code(summary)
-    except BaseException as exc:
-        _abort_unless_shared(exc, world)
-        raise
-    finally:  # reached with an error only when every rank raised it
-        if timeline is not None:
-            timeline.save()
-        if trainer is not None:
-            trainer.close()
-        comm.close()
+    with _session(args, world, config.comm) as session:
+        comm = session.comm
+        try:
+            # The checkpoint's rank count, batch and epoch length, read first: a resume on
+            # another rank count (requeued onto other nodes) adapts the per-rank batch, or is
+            # refused here naming the rank counts that would work, before any rank loads data.
+            layout = resume_layout(args.resume, args.out, world)
+            with agreed(world):
+                try:
+                    trainer = session.own(Trainer(
+                        config, args.data, args.out, comm, options=_train_options(args),
+                        timeline=session.timeline, resume_layout=layout))
+                except ValueError as exc:
+                    if layout and layout.get("world_size") != comm.size:
+                        raise BadInputError(
+                            f"--resume {args.resume}: the checkpoint in {args.out} was written "
+                            f"by {layout.get('world_size')} ranks: {exc}") from exc
+                    raise _recipe_value_error(args.recipe, exc) from exc
+            # each log interval, the rank the others waited for (two tiny allreduces)
+            trainer.after_step_hooks.append(
+                StragglerReport(comm, config.train.log_every_steps))
+            return _train_to_the_end(trainer, args, world, run_dir)
+        except BaseException as exc:
+            _abort_unless_shared(exc, world)
+            raise  # every rank raised it: the session closes collectively
 
 
 def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> int:
-    """``hpcdl train --algorithm ltfb``: the same set-up, per trainer (hpcdl/train/ltfb.py).
-    A non-finite loss in any trainer aborts the whole job with code 3 (its partners would
-    otherwise wait for it in the next exchange)."""
-    from types import SimpleNamespace
-
-    from hpcdl.debug import Timeline, watch_collectives
+    """``hpcdl train --algorithm ltfb``: the same session, with threads from the whole
+    world's nodes and one communicator per trainer (hpcdl/train/ltfb.py)."""
     from hpcdl.errors import agreed
-    from hpcdl.train.launch import setup_run_process
     from hpcdl.train.ltfb import LTFB, LTFBOptions
-    from hpcdl.train.threads import configure_threads
     from hpcdl.train.tournament import split_world
 
     ltfb = LTFBOptions(trainers=args.trainers, interval=args.tournament_interval,
@@ -330,33 +314,17 @@ def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> 
         if ltfb.trainers > 1 and args.resume not in ("auto", "none"):
             raise BadInputError(f"--resume {args.resume}: with {ltfb.trainers} LTFB trainers "
                                 f"use auto or none (all trainers resume from one common step)")
-    setup_run_process(args.out, world.rank, world.size, args.log_level, world)
-    # threads per rank from the whole node, not from this rank's trainer alone
-    configure_threads(SimpleNamespace(mpi_comm=world, rank=world.rank, size=world.size))
-    timeline = Timeline(args.timeline, world.rank, world) if args.timeline else None
-    with agreed(world):
+    with _session(args, world, None) as session:
+        with agreed(world):
+            try:
+                runner = session.own(LTFB(config, args.data, args.out, world, ltfb,
+                                          _train_options(args), backend=args.backend,
+                                          timeline=session.timeline))
+            except (ValueError, KeyError) as exc:
+                raise _recipe_value_error(args.recipe, exc) from exc
         try:
-            runner = LTFB(config, args.data, args.out, world, ltfb, _train_options(args),
-                          backend=args.backend, timeline=timeline)
-        except (ValueError, KeyError) as exc:
-            raise _recipe_value_error(args.recipe, exc) from exc
-    try:
-        watch_collectives(runner.comm, runner.trainer.run_dir, timeline=timeline)
-        # a non-finite loss in one trainer: its partners would wait for it in the next exchange
-        summary = _resume_and_train(runner, args.resume, world, run_dir,
-                                    abort=ltfb.trainers > 1)
-        if isinstance(summary, int):
-            return summary
-        if world.rank == 0:
-            log.info("done: %s step %d/%d, %d trainer(s), best top-1 %s, %.1f s, params sha256 "
-                     "%s", summary["stopped"], summary["steps"], summary["total_steps"],
-                     ltfb.trainers, summary["top1"], summary["wall_s"],
-                     summary["params_sha256"][:16])
-        return exit_code(summary)
-    except BaseException as exc:
-        _abort_unless_shared(exc, world)
-        raise
-    finally:  # reached with an error only when every rank raised it
-        if timeline is not None:
-            timeline.save()
-        runner.close()
+            session.watch(runner.comm, runner.trainer.run_dir)
+            return _train_to_the_end(runner, args, world, run_dir, trainers=ltfb.trainers)
+        except BaseException as exc:
+            _abort_unless_shared(exc, world)
+            raise  # every rank raised it: the session closes collectively

@@ -24,14 +24,15 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcdl.buckets import DEFAULT_BUCKET_MB, bucket_bytes, check_bucket_bytes
 from hpcdl.debug import NULL_MONITOR, abort_on_unshared_error
 from hpcdl.env import env_flag, env_tristate
 from hpcdl.topology import ranks_per_node_from_env, split_nodes
 
 #: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
 NATIVE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
-#: Default fusion bucket: Horovod's and the recipes' 25 MB (docs/comm.md).
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+#: Default fusion bucket (hpcdl/buckets.py): the recipes' default ``comm.bucket_mb``.
+DEFAULT_BUCKET_BYTES = bucket_bytes(DEFAULT_BUCKET_MB)
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -205,9 +206,7 @@ class Communicator:
         self.mpi_comm: MPI.Intracomm = world if world is not None else MPI.COMM_WORLD
         self.rank = self.mpi_comm.rank
         self.size = self.mpi_comm.size
-        self.bucket_bytes = int(bucket_bytes)
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes, type(self).__name__)
         self.wire_dtype = self._check_wire_dtype(wire_dtype)
         self._comm = self.mpi_comm.Dup()          # our collectives and point-to-point
         self._check_comm = self.mpi_comm.Dup()    # signature checks only

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from hpcdl.comm.powersgd import PowerSGDReducer
-from hpcdl.comm.reducer import GradientReducer
+from hpcdl.comm.reducer import GradientReducer, build_reducer
 
 __all__ = ["ALGORITHMS", "ConsistencyPolicy", "LocalSGDPolicy", "HierarchicalLocalSGDPolicy",
            "PowerSGDPolicy", "create_policy"]
@@ -315,7 +315,7 @@ class PowerSGDPolicy(ConsistencyPolicy):
 
 def create_policy(comm, named_params: Iterable[tuple[str, torch.Tensor]], *,
                   algorithm: str = "sync", local_steps: int = 1, sync_warmup_steps: int = 0,
-                  powersgd_rank: int = 4, bucket_bytes: int = 25 << 20,
+                  powersgd_rank: int = 4, bucket_bytes: int | None = None,
                   enabled: bool = True, seed: int = 0,
                   shard_update: bool = False) -> ConsistencyPolicy:
     """The policy of ``comm.algorithm`` with its reducer(s). ``enabled=False`` (one rank, or
@@ -327,8 +327,8 @@ def create_policy(comm, named_params: Iterable[tuple[str, torch.Tensor]], *,
         raise ValueError(f"comm.shard_update: true needs comm.algorithm: sync, not "
                          f"{algorithm!r}; set one of the two keys")
     named_params = list(named_params)
-    reducer = GradientReducer(comm, named_params, bucket_bytes=bucket_bytes, enabled=enabled,
-                              reduce_scatter=shard_update and enabled)
+    reducer = build_reducer(comm, named_params, bucket_bytes=bucket_bytes, enabled=enabled,
+                            shard_update=shard_update)
     if not enabled or algorithm == "sync":
         return ConsistencyPolicy(comm, reducer)
     if algorithm == "local_sgd":

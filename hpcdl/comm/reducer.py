@@ -45,12 +45,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpcdl.buckets import LAST_BUCKET_BYTES, bucket_bounds, tail_start
+from hpcdl.buckets import LAST_BUCKET_BYTES, bucket_bounds, check_bucket_bytes, tail_start
 from hpcdl.comm.base import yield_waits_in_this_thread
 from hpcdl.debug import abort_on_unshared_error
 
-__all__ = ["GradientReducer", "Bucket", "layout_buckets", "pack_gradient", "unpack_gradient",
-           "DEFAULT_LAST_BUCKET_BYTES"]
+__all__ = ["GradientReducer", "build_reducer", "Bucket", "layout_buckets", "pack_gradient",
+           "unpack_gradient", "DEFAULT_LAST_BUCKET_BYTES"]
 
 #: The bucket reduced after backward has finished: small, since nothing hides its reduction.
 DEFAULT_LAST_BUCKET_BYTES = LAST_BUCKET_BYTES
@@ -144,7 +144,7 @@ class GradientReducer:
 
     Use::
 
-        reducer = GradientReducer(comm, model.named_parameters(), bucket_bytes=25 << 20)
+        reducer = build_reducer(comm, model.named_parameters())
         for i, micro_batch in enumerate(micro_batches):
             reducer.arm(last=(i == len(micro_batches) - 1))   # accumulation: reduce once
             loss(model(x)).backward()
@@ -167,8 +167,7 @@ class GradientReducer:
                  enabled: bool = True,
                  last_bucket_bytes: int | None = DEFAULT_LAST_BUCKET_BYTES,
                  reduce_scatter: bool = False) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"GradientReducer: bucket_bytes must be > 0, got {bucket_bytes}")
+        bucket_bytes = check_bucket_bytes(bucket_bytes, "GradientReducer")
         self.comm = comm
         #: where gradient buckets are averaged: ``comm``, or a node's sub-communicator
         #: (hierarchical local SGD, hpcdl/comm/policy.py). Set between steps only.
@@ -407,3 +406,16 @@ def _aliases(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
     start = buffer.data_ptr()
     end = start + buffer.numel() * buffer.element_size()
     return start <= tensor.data_ptr() < end
+
+
+def build_reducer(comm, named_params: Iterable[tuple[str, torch.Tensor]], *,
+                  bucket_bytes: int | None = None, wire_dtype: torch.dtype | None = None,
+                  enabled: bool = True, shard_update: bool = False) -> GradientReducer:
+    """The one way hpcdl builds a gradient reducer (the consistency policies of
+    hpcdl/comm/policy.py and the own-loop ``DistributedOptimizer``). ``bucket_bytes`` None:
+    the communicator's own, which a run session opened with the recipe's ``comm.bucket_mb``.
+    ``enabled=False`` (one rank, ``--no-comm``) communicates nothing; ``shard_update``
+    reduce-scatters (weight-update sharding, hpcdl/optim/sharded.py)."""
+    return GradientReducer(comm, named_params,
+                           comm.bucket_bytes if bucket_bytes is None else bucket_bytes,
+                           wire_dtype, enabled=enabled, reduce_scatter=shard_update and enabled)

@@ -209,7 +209,9 @@ def layer_table(model: str, image_size: int, cache_file: str | None = None) -> t
     """The layer table of ``model`` at ``image_size``, from the cache or counted once."""
     path = cache_file or layers_cache_path()
     key = cache_key(model, image_size)
-    if key in _MEMO:
+    if key in _MEMO:   # counted in this process: a cache file that lacks it gets it too
+        if key not in read_cache(path):
+            update_cache(path, key, [asdict(layer) for layer in _MEMO[key]])
         return _MEMO[key]
     cached = read_cache(path).get(key)
     if cached:

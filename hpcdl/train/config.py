@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from hpcdl.buckets import DEFAULT_BUCKET_MB, bucket_bytes
 from hpcdl.errors import BadInputError
 from hpcdl.io import atomic_write_text
 
@@ -105,7 +106,7 @@ CONSISTENCY_ALGORITHMS = ("sync", "local_sgd", "hierarchical_local_sgd", "powers
 @dataclass
 class CommConfig:
     backend: str = "auto"
-    bucket_mb: float = 25.0
+    bucket_mb: float = DEFAULT_BUCKET_MB   # MiB; checked in validate (comm.bucket_mb > 0)
     wire_dtype: str = "float32"
     # How replicas stay consistent (hpcdl/comm/policy.py, docs/comm.md): sync,
     # local_sgd, hierarchical_local_sgd or powersgd.
@@ -136,6 +137,12 @@ class CommConfig:
                               f"the two keys")
         if self.sync_warmup_steps < 0:
             raise RecipeError(f"comm.sync_warmup_steps={self.sync_warmup_steps}: must be >= 0")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_mb`` in bytes: the one conversion between the recipe and the communicator
+        (hpcdl/train/session.py opens it with this; the trainer's reducer takes the same)."""
+        return bucket_bytes(self.bucket_mb)
 
 
 @dataclass

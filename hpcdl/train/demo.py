@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,31 +78,6 @@ def prepare_demo_data(data_dir: str, source: str = "demo", shards: int = 4) -> d
             "tree_s": tree_s, "prepare_s": time.perf_counter() - start}
 
 
-def _run_dir(world, out: str | None) -> str:
-    """``out``, or a temporary directory made by rank 0. Every rank reads the data rank 0
-    prepares there, so across hosts it must be on a shared file system: a rank that cannot see
-    rank 0's temporary directory (each host has its own /tmp) stops every rank with one line."""
-    from hpcdl.errors import BadInputError, agree_on
-
-    if out is not None:
-        path = os.path.abspath(out)
-    else:
-        path = tempfile.mkdtemp(prefix="hpcdl-demo-") if world.rank == 0 else None
-    path, host = world.bcast((path, socket.gethostname()), root=0)
-    error = None
-    if out is None and not os.path.isdir(path):
-        error = BadInputError(f"{path}, made by rank 0 on {host}, is not visible here "
-                              f"(node-local /tmp): across hosts, pass --out DIR on a file "
-                              f"system every host shares")
-    try:
-        agree_on(world, error)
-    except BadInputError:
-        if out is None and world.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # a rejected command leaves nothing
-        raise
-    return path
-
-
 def _prepare_on_rank0(world, run_dir: str, options: DemoOptions, comm) -> dict[str, Any]:
     """Rank 0 prepares the data; the others wait at the broadcast of the result (or the
     error, so a failure on rank 0 ends every rank with the same message, not a hang). The
@@ -140,46 +112,35 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
 
     from mpi4py import MPI
 
-    import hpcdl.comm
-    from hpcdl.debug import (
-        abort_on_unshared_error,
-        install_fail_fast,
-        install_stack_dump,
-        setup_rank_logging,
-        watch_collectives,
-        watch_region,
-    )
+    from hpcdl.debug import watch_region
     from hpcdl.io import atomic_write_text
     from hpcdl.train.config import load_recipe
-    from hpcdl.train.threads import configure_threads
+    from hpcdl.train.session import RunSession, run_directory
     from hpcdl.train.trainer import Trainer, TrainOptions
 
     start = time.perf_counter()
     world = MPI.COMM_WORLD
     recipe = options.recipe or demo_recipe_path()
     config = load_recipe(recipe, options.all_overrides())  # every rank: a bad key fails early
-    run_dir = _run_dir(world, options.out)
-    setup_rank_logging(run_dir, world.rank, world.size, options.log_level)
-    install_stack_dump()
-    if world.size > 1:
-        install_fail_fast(world)
     log = logging.getLogger("hpcdl.demo")
-    # The communicator first, so its stall watchdog covers every phase: rank 0's data
-    # preparation (the others wait at its broadcast), training, and the final barrier.
-    comm = hpcdl.comm.init(options.backend or config.comm.backend, world,
-                           bucket_bytes=int(config.comm.bucket_mb * 2 ** 20),
-                           wire_dtype=config.comm.wire_dtype)
-    trainer = None
-    try:
-        # heartbeats and stall dumps in RUN_DIR/logs/heartbeat (HPCDL_STALL_WARN_S/_ABORT_S)
-        watch_collectives(comm, run_dir)
+    # The session first, so its stall watchdog (heartbeats and stall dumps in
+    # RUN_DIR/logs/heartbeat) covers every phase: rank 0's data preparation (the others wait
+    # at its broadcast), training, and the final barrier.
+    with run_directory(world, options.out, "hpcdl-demo-") as run_dir, \
+            RunSession(world, config.comm, run_dir=run_dir, backend=options.backend,
+                       log_level=options.log_level) as session:
+        def final_barrier() -> None:  # every rank is done with the files before removal
+            with watch_region(session.comm, "final barrier"):
+                world.Barrier()
+
+        session.at_close(final_barrier)
         log.info("hpcdl demo: %d rank(s), run directory %s", world.size, run_dir)
-        data = _prepare_on_rank0(world, run_dir, options, comm)
-        log.info("Fashion-MNIST (%s): %s images as JPEG tree + shards in %.1f s", options.source,
-                 data["splits"], data["prepare_s"])
-        configure_threads(comm)
+        data = _prepare_on_rank0(world, run_dir, options, session.comm)
+        log.info("Fashion-MNIST (%s): %s images as JPEG tree + shards in %.1f s",
+                 options.source, data["splits"], data["prepare_s"])
         train_options = TrainOptions(max_steps=options.max_steps, progress=options.progress)
-        trainer = Trainer(config, data["shard_dir"], run_dir, comm, options=train_options)
+        trainer = session.own(Trainer(config, data["shard_dir"], run_dir, session.comm,
+                                      options=train_options))
         trainer.resume("auto")  # --out of an interrupted demo continues it
         summary = trainer.train()
         summary["demo"] = {
@@ -192,15 +153,6 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
                               json.dumps(summary, indent=2) + "\n")
         summary["run_dir"] = run_dir
         return summary
-    finally:
-        abort_on_unshared_error()  # an error of this rank alone: end the job, no barrier
-        if trainer is not None:
-            trainer.close()
-        with watch_region(comm, "final barrier"):
-            world.Barrier()  # every rank is done with the files before any is removed
-        comm.close()
-        if options.out is None and world.rank == 0:
-            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def format_result(summary: dict[str, Any], kept: bool) -> str:

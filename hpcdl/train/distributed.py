@@ -20,7 +20,8 @@ optimizer step. What differs, and why:
   (hpcdl's LARS has none for ``lr``) and drops state already loaded. Here the wrapper holds the
   user's optimizer and shares its ``param_groups`` and ``state``; it is still a
   ``torch.optim.Optimizer``, so torch's LR schedulers accept it.
-- **The reducer is hpcdl's** (:class:`hpcdl.comm.reducer.GradientReducer`): fusion buckets in
+- **The reducer is hpcdl's** (:class:`hpcdl.comm.reducer.GradientReducer`, built by
+  ``build_reducer`` as the trainer's is): fusion buckets in
   reverse registration order, launched in bucket order on one communication thread (so every
   rank issues the same collectives in the same order), averaged gradients written back as views
   of the buckets. LARS needs exactly this: its trust ratio is computed on the averaged gradient,
@@ -42,7 +43,7 @@ from typing import Any
 
 import torch
 
-from hpcdl.comm.reducer import GradientReducer
+from hpcdl.comm.reducer import build_reducer
 from hpcdl.optim.wrapper import OptimizerWrapper
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters",
@@ -94,10 +95,9 @@ class DistributedOptimizer(OptimizerWrapper):
         self._guards = [p.register_post_accumulate_grad_hook(self._one_backward_per_step)
                         for _, p in named if p.requires_grad]
         # One rank: the average is the rank's own gradient, nothing to communicate.
-        self.reducer = GradientReducer(comm, named,
-                                       bucket_bytes=bucket_bytes or comm.bucket_bytes,
-                                       wire_dtype=wire_dtype, enabled=comm.size > 1,
-                                       reduce_scatter=shard_update and comm.size > 1)
+        self.reducer = build_reducer(comm, named, bucket_bytes=bucket_bytes,
+                                     wire_dtype=wire_dtype, enabled=comm.size > 1,
+                                     shard_update=shard_update)
         # shard_update: reduce-scatter, step this rank's slice, allgather (hpcdl/optim/
         # sharded.py); state_dict() then becomes collective (it gathers the slices).
         self._stepper = optimizer

@@ -40,6 +40,7 @@ from hpcdl.train import checkpoint as ckpt
 from hpcdl.train import signals
 from hpcdl.train.config import Config, resolve_batch
 from hpcdl.train.metrics import read_metrics, write_summary
+from hpcdl.train.session import open_communicator
 from hpcdl.train.tournament import (
     PartitionLoader,
     TrainerLayout,
@@ -53,7 +54,7 @@ from hpcdl.train.tournament import (
     state_tensors,
     tournament_partners,
 )
-from hpcdl.train.trainer import Trainer, TrainOptions
+from hpcdl.train.trainer import Trainer, TrainOptions, recipe_model
 
 __all__ = ["LTFB", "LTFBOptions", "METRICS", "EXCHANGES", "trainer_run_dir"]
 
@@ -101,8 +102,6 @@ class LTFB:
     def __init__(self, config: Config, data_dir: str, run_dir: str, world: MPI.Intracomm,
                  ltfb: LTFBOptions, options: TrainOptions | None = None, *,
                  backend: str | None = None, timeline=None) -> None:
-        import hpcdl.comm
-
         ltfb.validate()
         if ltfb.trainers > 1 and config.comm.shard_update:
             from hpcdl.train.config import RecipeError
@@ -121,9 +120,7 @@ class LTFB:
         self.hosts: list[str] = world.allgather(socket.gethostname()) if ltfb.trainers > 1 \
             else []
         self._stop_check = f"LTFB stop check ({self._where()})" if self.hosts else ""
-        self.comm = hpcdl.comm.init(backend or config.comm.backend, self.layout.trainer_comm,
-                                    bucket_bytes=int(config.comm.bucket_mb * 2**20),
-                                    wire_dtype=config.comm.wire_dtype)
+        self.comm = open_communicator(config.comm, self.layout.trainer_comm, backend)
         self.rounds: list[dict[str, Any]] = []
         self._scratch: torch.nn.Module | None = None
         self.tournament_loader = None
@@ -315,10 +312,7 @@ class LTFB:
     def _scratch_model(self) -> torch.nn.Module:
         """A second model of the same architecture to hold the partner's (built once)."""
         if self._scratch is None:
-            from hpcdl.models import create_model
-
-            cfg = self.trainer.config.model
-            model = create_model(cfg["name"], **{k: v for k, v in cfg.items() if k != "name"})
+            model = recipe_model(self.trainer.config)
             self._scratch = model.to(memory_format=self.trainer.memory_format)
         return self._scratch
 

@@ -27,18 +27,18 @@ def _env_threads() -> int | None:
         return None
 
 
-def configure_threads(comm) -> int:
+def configure_threads(world) -> int:
     """Set ``torch.set_num_threads`` for this rank from the node's affinity masks.
 
-    ``comm`` is an hpcdl communicator (its ``mpi_comm`` gives the node via
-    MPI_COMM_TYPE_SHARED). Logs a warning when ranks × threads exceed the node's cores.
+    ``world`` is an mpi4py Intracomm of every rank of the run (MPI_COMM_TYPE_SHARED gives the
+    node). Collective. Logs a warning when ranks × threads exceed the node's cores.
     """
     import torch
     from mpi4py import MPI
 
     # The machine, not the communicator's node: threads compete for the cores of the ranks
     # that really share the machine, also when HPCDL_RANKS_PER_NODE makes them pretend nodes.
-    node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.mpi_comm.rank)
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
     try:
         mine = affinity_cores()
         masks = [frozenset(m) for m in node.allgather(sorted(mine))]

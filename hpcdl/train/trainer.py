@@ -41,7 +41,7 @@ from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, 
 
 __all__ = ["Trainer", "TrainOptions", "NonFiniteLossError", "IpexUnavailableError",
            "EXIT_OK", "EXIT_NONFINITE_LOSS", "EXIT_STOPPED_BY_SIGNAL", "derive_seed",
-           "require_ipex"]
+           "recipe_model", "recipe_optimizer", "recipe_schedule", "require_ipex"]
 
 log = logging.getLogger("hpcdl.train")
 
@@ -105,6 +105,29 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+def recipe_model(config: Config) -> torch.nn.Module:
+    """The recipe's model (``model.name`` and its keyword arguments), freshly initialised:
+    what every trainer, tournament scratch model and bench baseline builds."""
+    from hpcdl.models import create_model
+
+    kw = {k: v for k, v in config.model.items() if k != "name"}
+    return create_model(config.model["name"], **kw)
+
+
+def recipe_schedule(config: Config, steps_per_epoch: int, total_steps: int):
+    """The recipe's learning-rate schedule over ``total_steps`` (hpcdl/optim/schedule.py)."""
+    from hpcdl.optim import create_schedule
+
+    return create_schedule(config.schedule, steps_per_epoch, total_steps)
+
+
+def recipe_optimizer(config: Config, model: torch.nn.Module, schedule) -> torch.optim.Optimizer:
+    """The recipe's optimizer over ``model``, at the schedule's first learning rate."""
+    from hpcdl.optim import create_optimizer
+
+    return create_optimizer(config.optimizer, model, lr=schedule(0))
+
+
 def require_ipex() -> Any:
     """Import IPEX or say exactly what is missing: IPEX asked for is never silently skipped."""
     try:
@@ -154,7 +177,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         seed_everything(derive_seed(config.train.seed, 0, self.rank))
 
-        self.model = model if model is not None else self._build_model()
+        self.model = model if model is not None else recipe_model(config)
         self.memory_format = self._memory_format()
         self.model = self.model.to(memory_format=self.memory_format)
         self.train_loader = train_loader if train_loader is not None else \
@@ -168,8 +191,10 @@ class Trainer:
                              f"{self.accumulation}: use more data or a smaller batch")
         self.total_steps = self._total_steps()
         self._schedule_from_recipe = schedule is None
-        self.schedule = schedule if schedule is not None else self._build_schedule()
-        self.optimizer = optimizer if optimizer is not None else self._build_optimizer()
+        self.schedule = schedule if schedule is not None else \
+            recipe_schedule(config, self.steps_per_epoch, self.total_steps)
+        self.optimizer = optimizer if optimizer is not None else \
+            recipe_optimizer(config, self.model, self.schedule)
         self.autocast_dtype = self._autocast_dtype()
         if self.options.ipex:
             self._apply_ipex()
@@ -181,8 +206,7 @@ class Trainer:
         self.policy = create_policy(
             comm, list(self.model.named_parameters()), algorithm=config.comm.algorithm,
             local_steps=config.comm.local_steps, sync_warmup_steps=config.comm.sync_warmup_steps,
-            powersgd_rank=config.comm.powersgd_rank,
-            bucket_bytes=int(config.comm.bucket_mb * 2**20),
+            powersgd_rank=config.comm.powersgd_rank, bucket_bytes=config.comm.bucket_bytes,
             enabled=not self.options.no_comm and comm.size > 1, seed=config.train.seed,
             shard_update=config.comm.shard_update)
         #: whether this rank steps only its slice of the weights (comm.shard_update, P > 1)
@@ -224,12 +248,6 @@ class Trainer:
         return self.policy.reducer
 
     # -- building from the recipe ------------------------------------------------------------
-    def _build_model(self) -> torch.nn.Module:
-        from hpcdl.models import create_model
-
-        kw = {k: v for k, v in self.config.model.items() if k != "name"}
-        return create_model(self.config.model["name"], **kw)
-
     def _build_loader(self, split: str, batch_size: int):
         from hpcdl.data import ShardedImageNet
 
@@ -249,16 +267,6 @@ class Trainer:
                                    resize=data.val_resize,
                                    verify_shards=self.options.verify_shards,
                                    num_classes=self.config.model.get("num_classes"))
-
-    def _build_schedule(self):
-        from hpcdl.optim import create_schedule
-
-        return create_schedule(self.config.schedule, self.steps_per_epoch, self.total_steps)
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        from hpcdl.optim import create_optimizer
-
-        return create_optimizer(self.config.optimizer, self.model, lr=self.schedule(0))
 
     def _memory_format(self) -> torch.memory_format:
         if not self.config.train.channels_last:
@@ -626,7 +634,7 @@ class Trainer:
         self.steps_per_epoch = steps
         self.total_steps = self._total_steps()
         if self._schedule_from_recipe:
-            self.schedule = self._build_schedule()
+            self.schedule = recipe_schedule(self.config, self.steps_per_epoch, self.total_steps)
 
     def _load_mean_buffers(self, per_rank: list[dict[str, torch.Tensor]]) -> None:
         own = dict(self.model.named_buffers())

@@ -1,0 +1,186 @@
+"""One run session: what a training process opens around its trainer, in one place, closed
+in the reverse order (``hpcdl train``, the demo, LTFB's runs, the training benches).
+
+    with RunSession(world, config.comm, run_dir=RUN_DIR, log_level="info") as session:
+        trainer = session.own(Trainer(config, data, RUN_DIR, session.comm,
+                                      timeline=session.timeline))
+        trainer.train()
+
+Opening, collective over ``world``: (1) the communicator of the recipe's ``comm`` section,
+agreed by every rank (:func:`open_communicator`: ``comm.bucket_bytes``, the one conversion of
+``comm.bucket_mb``); (2) the process (:func:`setup_run_process`); (3) compute threads, each
+rank's share of its node's cores (hpcdl/train/threads.py) or a fixed count; (4) the timeline and
+the stall watchdog, heartbeats in ``RUN_DIR/logs/heartbeat``. Closing: ``abort_on_unshared_error``
+first (an error of this rank alone ends the job before any teardown that waits for peers),
+then the timeline is saved, what the session owns is closed (last first), the communicator last.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from hpcdl.errors import BadInputError
+from hpcdl.train.config import CommConfig
+
+__all__ = ["OutputDirError", "RunSession", "check_output_dir", "open_communicator",
+           "run_directory", "setup_run_process"]
+
+
+class OutputDirError(BadInputError, OSError):
+    """The run directory cannot be created or written."""
+
+
+def check_output_dir(run_dir: str) -> None:
+    """Create ``run_dir`` if needed and write (then remove) a file in it: an unwritable
+    ``--out`` is named now, before training, not at the first checkpoint."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=run_dir, prefix=".hpcdl-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise OutputDirError(f"--out {run_dir}: cannot write there ({reason}); choose a "
+                             f"directory you can write (on a cluster: scratch or project "
+                             f"space, visible to every node)") from None
+
+
+@contextlib.contextmanager
+def run_directory(world: Any, out: str | None, prefix: str) -> Iterator[str]:
+    """``out`` (kept), or a temporary directory rank 0 makes and removes at the end. Every
+    rank reads what rank 0 writes there, so across hosts it must be on a shared file system: a
+    rank that cannot see rank 0's temporary directory (each host has its own /tmp) stops every
+    rank with one line. Collective over ``world``."""
+    from hpcdl.errors import agree_on
+
+    made = None if out is not None or world.rank != 0 else tempfile.mkdtemp(prefix=prefix)
+    path, host = world.bcast((made or os.path.abspath(out or "."), socket.gethostname()))
+    error = None
+    if out is None and not os.path.isdir(path):
+        error = BadInputError(f"{path}, made by rank 0 on {host}, is not visible here "
+                              f"(node-local /tmp): across hosts, pass --out DIR on a file "
+                              f"system every host shares")
+    try:
+        agree_on(world, error)
+        yield path
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)  # a rejected command leaves nothing
+
+
+def setup_run_process(run_dir: str | None, rank: int, size: int, level: str,
+                      mpi_comm: Any) -> None:
+    """Rank logs under ``run_dir``, SIGUSR2 stack dumps, fail-fast (hpcdl/debug), and
+    file-size limits reported as errors rather than as a killing signal."""
+    from hpcdl.debug import install_fail_fast, install_stack_dump, setup_rank_logging
+
+    setup_rank_logging(run_dir, rank, size, level)
+    install_stack_dump()
+    if size > 1:
+        install_fail_fast(mpi_comm)  # an uncaught error on one rank ends the job, not hangs it
+    # Past RLIMIT_FSIZE (ulimit -f) the kernel kills the writer with SIGXFSZ, mid-checkpoint
+    # and without a word; ignored, the write fails with EFBIG, which the checkpoint reports
+    # (the previous checkpoint stays: writes are atomic).
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def open_communicator(section: CommConfig, world: Any, backend: str | None = None,
+                      ranks_per_node: int | None = None):
+    """The communicator a recipe's ``comm`` section describes, over ``world`` (any mpi4py
+    Intracomm: COMM_WORLD, or an LTFB trainer's). ``backend`` overrides ``section.backend``
+    (``--backend``). Collective over ``world``."""
+    import hpcdl.comm
+
+    return hpcdl.comm.init(backend or section.backend, world, bucket_bytes=section.bucket_bytes,
+                           wire_dtype=section.wire_dtype, ranks_per_node=ranks_per_node)
+
+
+class RunSession:
+    """The communicator, process set-up, threads, timeline and stall watchdog of one run.
+
+    ``comm``: the recipe's ``comm`` section (None: no communicator, e.g. LTFB, whose trainers
+    open their own and hand it to :meth:`watch`). ``log_level`` None: the process is already
+    set up (a bench that runs several trainings). ``threads``: ``"node"`` (the rank's share
+    of its node's cores), a count, or None (torch's own). Collective over ``world``.
+    """
+
+    def __init__(self, world: Any, comm: CommConfig | None = None, *,
+                 run_dir: str | None = None, backend: str | None = None,
+                 log_level: str | None = "info", threads: int | Literal["node"] | None = "node",
+                 timeline: str | None = None, ranks_per_node: int | None = None) -> None:
+        from hpcdl.errors import agreed
+
+        self.world, self.run_dir = world, run_dir
+        self.comm = None
+        self.timeline = None
+        self._owned = contextlib.ExitStack()
+        if comm is not None:
+            with agreed(world):
+                self.comm = open_communicator(comm, world, backend, ranks_per_node)
+        try:
+            self._set_up(log_level, threads, timeline)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, log_level: str | None, threads: int | str | None,
+                timeline: str | None) -> None:
+        from hpcdl.debug import Timeline
+
+        if log_level is not None:
+            setup_run_process(self.run_dir, self.world.rank, self.world.size, log_level,
+                              self.world)
+        if threads == "node":
+            from hpcdl.train.threads import configure_threads
+
+            configure_threads(self.world)
+        elif threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        self.timeline = Timeline(timeline, self.world.rank, self.world) if timeline else None
+        if self.comm is not None:
+            self.watch(self.comm, self.run_dir)
+
+    def watch(self, comm: Any, run_dir: str | None) -> None:
+        """The stall watchdog on ``comm``, heartbeats in ``run_dir``, collectives on the
+        timeline; without either, the default watchdog ``hpcdl.comm.init`` installed stays."""
+        if run_dir is not None or self.timeline is not None:
+            from hpcdl.debug import watch_collectives
+
+            watch_collectives(comm, run_dir, timeline=self.timeline)
+
+    def own(self, resource: Any) -> Any:
+        """Close ``resource`` (a trainer, an LTFB) with the session, before the communicator;
+        returns it."""
+        self._owned.callback(resource.close)
+        return resource
+
+    def at_close(self, callback: Any) -> None:
+        """Run ``callback()`` when the session closes, before what was owned earlier."""
+        self._owned.callback(callback)
+
+    def close(self) -> None:
+        from hpcdl.debug import abort_on_unshared_error
+
+        abort_on_unshared_error()  # an error of this rank alone: end the job, no teardown
+        try:
+            if self.timeline is not None:
+                self.timeline.save()
+            self._owned.close()
+        finally:
+            if self.comm is not None:
+                self.comm.close()
+
+    def __enter__(self) -> RunSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
