@@ -124,9 +124,8 @@ def bf16_supported() -> bool:
 def retain_freed_memory() -> bool:
     """Ask glibc to keep freed blocks up to 32 MiB (its maximum mmap threshold on 64-bit) in the
     heap and never trim it, so each step's activations reuse memory instead of mmap/munmap and
-    first-touch page faults (≈64k minor faults and ~10% extra system time per ResNet-50 step at
-    batch 16, 112 px, measured). Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_
-    in the environment. Returns False where glibc's mallopt is unavailable."""
+    first-touch page faults. Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in
+    the environment. Returns False where glibc's mallopt is unavailable."""
     import ctypes
     import ctypes.util
 

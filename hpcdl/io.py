@@ -1,7 +1,7 @@
 """Atomic writes: temporary name in the same directory, fsync, rename, fsync the directory.
 
 A crash or a Slurm time-limit kill then leaves either the old file or the new one, never half
-of one.
+of one. Also :class:`Closing`, the ``with`` form of anything that has a ``close()``.
 """
 from __future__ import annotations
 
@@ -11,7 +11,18 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import BinaryIO, Self
+
+
+class Closing:
+    """``with obj:`` for a class with a ``close()``: the block's end closes it, however it
+    ends."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def fsync_directory(directory: str) -> None:

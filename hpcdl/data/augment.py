@@ -118,8 +118,7 @@ def crop_resize(data: np.ndarray, shape: tuple[int, int, int], image_format: str
 
     The resize is torch's uint8 bilinear kernel written straight into the batch (no
     intermediate tensor): antialiased when shrinking, which is Pillow's filter (what
-    torchvision's v2 transforms use); measured 0.32 ms against Pillow's 0.61 ms for 224^2 here.
-    """
+    torchvision's v2 transforms use), at about half Pillow's time."""
     import torch
 
     height, width = int(shape[0]), int(shape[1])
@@ -134,7 +133,7 @@ def crop_resize(data: np.ndarray, shape: tuple[int, int, int], image_format: str
     x1 = max(x0 + 1, min(rgb.shape[1], int(round((left + w) * sx))))
     crop = torch.from_numpy(rgb).permute(2, 0, 1)[None, :, y0:y1, x0:x1]
     # Antialiasing matters only when shrinking; plain bilinear is the same filter when
-    # enlarging (most RandomResizedCrops of a 256-pixel image) and ~20% cheaper.
+    # enlarging (most RandomResizedCrops of a 256-pixel image), and cheaper.
     shrink = y1 - y0 > image_size or x1 - x0 > image_size
     resize = (torch.ops.aten._upsample_bilinear2d_aa.out if shrink
               else torch.ops.aten.upsample_bilinear2d.out)

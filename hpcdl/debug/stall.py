@@ -39,6 +39,7 @@ does the rest. The report logic is pure functions over heartbeat dicts (unit-tes
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import linecache
@@ -236,11 +237,17 @@ def format_stall_report(rank: int, size: int, seq: int, name: str, waited_s: flo
             f"HPCDL_DEBUG=1 to fail at the first differing call):"
         lines += [f"    rank{'s' if len(r) > 1 else ''} {_compact_ranks(r)}: {what}"
                   for what, r in groups.items()]
-    for r in late[:max_listed]:
-        lines.append(f"  rank {r}: {describe_rank_state(beats.get(r), now)}")
-    if len(late) > max_listed:
-        lines.append(f"  ... and {len(late) - max_listed} more (see logs/heartbeat/)")
+    lines += rank_states(late, beats, now, max_listed, "logs/heartbeat/")
     return "\n".join(lines)
+
+
+def rank_states(ranks: Sequence[int], beats: Mapping[int, Mapping[str, Any]], now: float,
+                max_listed: int, more_in: str) -> list[str]:
+    """One line per rank (the first ``max_listed``) saying where it is, then how many more."""
+    lines = [f"  rank {r}: {describe_rank_state(beats.get(r), now)}" for r in ranks[:max_listed]]
+    if len(ranks) > max_listed:
+        lines.append(f"  ... and {len(ranks) - max_listed} more (see {more_in})")
+    return lines
 
 
 def _compact_ranks(ranks: Sequence[int]) -> str:
@@ -584,10 +591,8 @@ class StallWatchdog(threading.Thread):
         return writer is None or not writer.is_alive()
 
     def _write_quietly(self, record: dict[str, Any]) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a full or gone file system: the next beat retries
             write_heartbeat(self.heartbeat_dir, record)
-        except OSError:  # a full or gone file system: the next beat tries again
-            pass
 
     def _unanswered_note(self) -> str:
         return (f"\n  (the heartbeat directory {self.heartbeat_dir} did not answer within "
@@ -730,12 +735,15 @@ class StallWatchdog(threading.Thread):
             text += "\n  verdict: " + stall_verdict(m.rank, m.size, seq, beats, self.hosts, now,
                                                    self.stale_s, m.state[3])
             text += self._unanswered_note()
-        self._log(level, text)
-        # Every waiting rank logs the report to its file; only the lowest waiting rank puts it
-        # on the terminal, so 2,047 copies do not bury it.
-        # (rank 0's logger already prints to the terminal.)
         arrived = [r for r, b in beats.items() if b.get("in_collective") and b["seq"] == seq]
-        if m.rank != 0 and m.rank == min(arrived, default=m.rank):
+        return self._tell(text, level, arrived)
+
+    def _tell(self, text: str, level: int, waiting: Sequence[int]) -> str:
+        """Every waiting rank logs a report to its file; only the lowest of ``waiting`` puts it
+        on the terminal, so 2,047 copies do not bury it (rank 0's logger prints there anyway)."""
+        self._log(level, text)
+        rank = self.monitor.rank
+        if rank != 0 and rank == min(waiting, default=rank):
             self._say(text)
         self.reports.append(text)
         return text
@@ -747,16 +755,8 @@ class StallWatchdog(threading.Thread):
         others = [r for r in range(m.size) if r != m.rank]
         lines = [f"stall: rank {m.rank} has waited {waited:.1f} s in {blocked_label(what)} "
                  f"(outside the communicator's collectives)"]
-        lines += [f"  rank {r}: {describe_rank_state(beats.get(r), now)}"
-                  for r in others[:max_listed]]
-        if len(others) > max_listed:
-            lines.append(f"  ... and {len(others) - max_listed} more (see the heartbeats)")
+        lines += rank_states(others, beats, now, max_listed, "the heartbeats")
         lines.append("  verdict: " + stall_verdict(m.rank, m.size, None, beats, self.hosts,
                                                    now, self.stale_s, self._blocked_since))
-        text = "\n".join(lines) + self._unanswered_note()
-        self._log(level, text)
         blocked = [r for r, b in beats.items() if b.get("blocked_in") or b.get("in_collective")]
-        if m.rank != 0 and m.rank == min(blocked, default=m.rank):
-            self._say(text)
-        self.reports.append(text)
-        return text
+        return self._tell("\n".join(lines) + self._unanswered_note(), level, blocked)
