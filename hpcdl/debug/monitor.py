@@ -47,7 +47,6 @@ class InjectedFault(RuntimeError):
 class NullMonitor:
     """No debugging: every method is a no-op (the communicator's default)."""
 
-    active = False
     _watch = contextlib.nullcontext()
 
     def watch(self, name: str, meta: dict[str, Any]) -> contextlib.nullcontext:
@@ -117,8 +116,6 @@ class _Watch:
 
 class CollectiveMonitor:
     """Live monitor of one rank's collectives; see the module docstring."""
-
-    active = True
 
     def __init__(self, rank: int, size: int, record: bool = False, timeline: Any = None,
                  injection: str = "") -> None:

@@ -698,12 +698,10 @@ class StallWatchdog(threading.Thread):
         self.exit_process(code)
 
     def _say(self, line: str) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a closed stream must not stop the abort
             sys.stderr.write(f"[rank {self.monitor.rank}/{self.monitor.size} {self.host}] "
                              f"{line}\n")
             sys.stderr.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
-            pass
 
     def _write_dump(self, line: str, report: str, last: str = "") -> None:
         """``rank-XXXX.stall.txt`` next to the heartbeat: the verdict, the report, and every
