@@ -13,8 +13,8 @@ import subprocess
 from collections.abc import Iterable, Sequence
 
 __all__ = ["affinity_cores", "bf16_supported", "cpu_capability", "cpu_flags", "cpu_mhz",
-           "cpu_model_name", "cpuinfo_field", "format_cpu_list", "parse_cpu_list",
-           "retain_freed_memory", "threads_per_rank"]
+           "cpu_model_name", "cpu_socket", "cpuinfo_field", "format_cpu_list", "online_cpus",
+           "parse_cpu_list", "retain_freed_memory", "threads_per_rank"]
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -46,6 +46,25 @@ def affinity_cores() -> frozenset[int]:
         return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return frozenset(range(os.cpu_count() or 1))
+
+
+def online_cpus() -> list[int]:
+    """Every logical CPU of the node (not just this process's mask)."""
+    try:
+        with open("/sys/devices/system/cpu/online", encoding="ascii") as f:
+            return parse_cpu_list(f.read())
+    except OSError:
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_socket(cpu: int) -> int:
+    """The socket (physical package) of logical CPU ``cpu``; 0 when the kernel does not say."""
+    path = f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id"
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
 
 
 def threads_per_rank(mine: frozenset[int], node_masks: Sequence[frozenset[int]],
