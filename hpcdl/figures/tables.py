@@ -499,12 +499,10 @@ def convergence_rows(root: Path) -> list[ConvergenceRow]:
            "means; 'better final' is the higher of the two SGD policies' test means; holdout is "
            "the tuning score of the chosen lr (one run on the holdout split).")
 def convergence(root: Path) -> str:
-    rows = []
-    for r in convergence_rows(root):
-        rows.append([f"{r.batch:,}", _final(r.lars), _final(r.sgd), f"**{signed(r.lead)}**",
-                     f"{f(r.other['top1_mean'] * 100)} ({r.other['lr']:.3g})",
-                     f"{f(r.sgd['holdout_top1'] * 100)} / {f(r.other['holdout_top1'] * 100)}",
-                     signed(r.lead_over_better)])
+    rows = [[f"{r.batch:,}", _final(r.lars), _final(r.sgd), f"**{signed(r.lead)}**",
+             f"{f(r.other['top1_mean'] * 100)} ({r.other['lr']:.3g})",
+             f"{f(r.sgd['holdout_top1'] * 100)} / {f(r.other['holdout_top1'] * 100)}",
+             signed(r.lead_over_better)] for r in convergence_rows(root)]
     header = ["batch", "LARS", "SGD, same decay policy", "LARS − SGD",
               "SGD decaying BN and biases too", "SGD holdout: same / other policy",
               "LARS − SGD's better final"]
