@@ -11,9 +11,7 @@ thread that issued it, so the communication thread's bucket reductions get their
 
 ``HPCDL_INJECT=RANK:SEQ:raise`` or ``RANK:SEQ:sleep=SECONDS`` makes rank RANK raise (or sleep)
 just before its SEQ-th collective: how the tests (and a curious user) rehearse a dead or stuck
-rank without editing the trainer. ``RANK:checkpointN:sleep=SECONDS`` is the trainer's (its
-N-th checkpoint write is slow, hpcdl/train/checkpoint.py) and ``RANK:exit:sleep=SECONDS``
-delays MPI_Finalize (``guard_mpi_finalize``): no collective is touched.
+rank without editing the trainer (the other kinds: hpcdl/debug/inject.py).
 """
 from __future__ import annotations
 

@@ -1,31 +1,13 @@
-"""Stall reports: which ranks have not arrived at a collective, and what they last did.
+"""Stall reports: which ranks have not arrived at a collective, and what they last did; past
+``abort_s``, the end of the job.
 
-Channel: a shared directory of heartbeat files (``RUN_DIR/logs/heartbeat/rank-XXXX.json``),
-written by each rank's watchdog thread, not an MPI RMA window. Passive-target RMA needs the
-target to make MPI progress in many MPI builds (MPICH over ch4:ofi without hardware RMA among
-them), and the rank we most need to hear from is exactly the one that is *not* calling MPI (it is
-sleeping, decoding JPEGs or stuck in Python). A heartbeat file is written by that rank's own
-watchdog thread, which keeps running while the main thread sleeps; it survives the job's abort,
-so a person can ``cat`` it afterwards. To keep the file system quiet, a rank writes its file only
-when its state has been unchanged for ``quiet_s`` (a healthy rank never does), and at most once
-per ``beat_s`` (10 s by default) however often it goes quiet -- every rank of a stalled job is
-quiet, so every one has published by the time the warning fires.
-
-While a rank is quiet (in a collective, or busy outside one) its watchdog rewrites the file every
-``beat_s`` with the time of writing (``beat``). That is how a waiting rank tells, without a
-working collective, a peer that is **alive** (its beat is fresh: it waits in the same collective
--- a slow or broken link -- or is busy elsewhere) from one that is **gone** (its beat stopped:
-frozen, killed, or its host cut off from the shared directory). The side channel can fail too
-(a directory on another host's ``/tmp``, a file system behind the dead link); the report then
-says "not heard from", never more than it knows. Every rank's host comes from one allgather at
-``watch_collectives``, so a report names hosts even without heartbeats.
-
-Ending the job is local and bounded, because a watcher must not depend on what can fail: a rank past
-``abort_s`` writes its dump (``rank-XXXX.stall.txt``: the one-line verdict, the report, every
-thread's stack) next to its heartbeat, calls ``MPI_Abort`` on a thread, and if it is still
-alive ``exit_grace_s`` later -- MPICH's MPI_Abort returns once it has told the local launcher
-proxy, and a proxy that is frozen or cut off from ``mpiexec`` never kills anyone -- it kills its
-own child processes and calls ``os._exit`` with the same code. Nothing outlives the job.
+Why the channel between ranks is a directory of heartbeat files (``RUN_DIR/logs/heartbeat/
+rank-XXXX.json``, written by each rank's watchdog thread) and not an MPI RMA window, how a
+waiting rank tells a peer that is alive from one that is gone without a working collective, and
+how a rank ends itself when MPI_Abort reaches no one: docs/debugging.md, "How it works, and why
+files" and the paragraphs after it. A rank writes its file only when its state has been
+unchanged for ``quiet_s``, and at most once per ``beat_s``; a report says "not heard from",
+never more than it knows.
 
 The watchdog decides from memory: its clock, the monitor's state tuple, and the peers' hosts
 from start-up. Everything that touches a file system -- writing the heartbeat, reading the
