@@ -1,15 +1,9 @@
 """Decode + augment one stored image into a fixed-size uint8 HxWx3 array.
 
 Randomness is a pure function of (seed, epoch, global sample index): a counter-based hash
-(SplitMix64) gives each sample its own uniform draws, so the augmentation of a sample does
-not depend on which worker thread decoded it or when: a run's augmentation is a function of
-its seed.
-
-Train: RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3, the Inception / torchvision recipe)
-and a horizontal flip with probability 1/2. Val: resize the short side to
-image_size*256/224, centre-crop image_size. Crop is a view, resize is one call
-(torch's uint8 antialiased bilinear), and JPEGs are decoded at the smallest DCT scale that still
-gives the crop at least ``image_size`` pixels (simplejpeg's ``min_height/min_width``).
+(SplitMix64) gives each sample its own uniform draws, whichever worker thread decodes it. The
+transforms (Inception's RandomResizedCrop and a flip; the validation centre crop) and how they
+are computed: docs/data.md, "Transforms".
 
 Caffe's input, the one the LARS papers' AlexNets were trained on (BVLC/caffe
 examples/imagenet/create_imagenet.sh: RESIZE_HEIGHT=256, RESIZE_WIDTH=256; train_val

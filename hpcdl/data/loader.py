@@ -1,14 +1,6 @@
-"""ShardedImageNet: per-node HDF5 shards -> uint8 NCHW batches, prefetched by threads.
-
-Why threads, not worker processes: the work per image is a JPEG decode (simplejpeg) and a
-crop-resize (Pillow), both of which release the GIL, so threads scale across cores; batches
-need no pickling or shared-memory hand-off; and nothing forks after MPI_Init, which is unsafe
-with InfiniBand verbs (registered memory and fork) on the clusters hpcdl targets.
-h5py serialises its own calls with a lock, but a read of one stored JPEG is tens of
-microseconds against milliseconds of decoding.
-
-Shard files are opened read-only with HDF5 file locking off (``locking=False``), which
-Lustre and NFS need; set ``HDF5_USE_FILE_LOCKING=FALSE`` as well for older h5py/HDF5.
+"""ShardedImageNet: per-node HDF5 shards -> uint8 NCHW batches, prefetched by threads. Why
+threads and not worker processes, and why shards open with HDF5 file locking off
+(``locking=False``): docs/data.md, "Workers are threads" and "Lustre and NFS".
 
 The shards this rank's node reads are checked against the manifest when the loader is built:
 their sizes always (a ``stat`` each), their sha256 with ``verify_shards=True`` (each local rank
