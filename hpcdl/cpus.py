@@ -8,6 +8,7 @@ rule lives here, below both, and neither imports the other.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -86,26 +87,21 @@ def threads_per_rank(mine: frozenset[int], node_masks: Sequence[frozenset[int]],
 
 def cpuinfo_field(key: str) -> str | None:
     """The value of the first /proc/cpuinfo line starting with ``key`` (None without one)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
     return None
 
 
 def cpu_model_name(fallback: str = "unknown") -> str:
     """``lscpu``'s model name (then /proc/cpuinfo's ``model name``), else ``fallback``: the
     name every measured number records (bench JSON, machine files)."""
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         for line in out.splitlines():
             if line.strip().lower().startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
     return cpuinfo_field("model name") or fallback
 
 

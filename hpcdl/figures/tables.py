@@ -761,17 +761,20 @@ RELAXED_POLICIES = (("sync", "sync"), ("local", "local SGD, H = 8"),
                     ("psgd4", "PowerSGD r = 4"))
 
 
+def plan_minutes(root: Path, stem: str) -> float:
+    """The predicted training time of plan ``PAPERS_DIR/stem.json``, in minutes."""
+    return load(root, f"{PAPERS_DIR}/{stem}.json")["total_s"] / 60
+
+
 @table("planner-relaxed",
        *(f"{PAPERS_DIR}/relaxed-{stem}-skx-{key}.json"
          for stem, _ in RELAXED_PLANS for key, _ in RELAXED_POLICIES),
        how="each cell is one plan's `total_s` ÷ 60 (the command in each JSON; warm-up steps "
            "synchronous).")
 def planner_relaxed(root: Path) -> str:
-    rows = []
-    for stem, label in RELAXED_PLANS:
-        minutes = [load(root, f"{PAPERS_DIR}/relaxed-{stem}-skx-{key}.json")["total_s"] / 60
-                   for key, _ in RELAXED_POLICIES]
-        rows.append([f"{label}, 2,048 ranks on `skx`", *(f"{m:.1f}" for m in minutes)])
+    rows = [[f"{label}, 2,048 ranks on `skx`",
+             *(f"{plan_minutes(root, f'relaxed-{stem}-skx-{key}'):.1f}"
+               for key, _ in RELAXED_POLICIES)] for stem, label in RELAXED_PLANS]
     return md(["planned minutes", *(name for _, name in RELAXED_POLICIES)], rows)
 
 
@@ -794,11 +797,8 @@ SENSITIVITY_PLANS = (("alexnet_bn_32k-skx", "AlexNet-BN 32K on `skx`",
          for stem, _, runs in SENSITIVITY_PLANS for suffix in runs),
        how="each cell is one plan's `total_s` ÷ 60; '—' where no such plan was run.")
 def planner_sensitivity(root: Path) -> str:
-    def minutes(stem: str, suffix: str) -> str:
-        return f"{load(root, f'{PAPERS_DIR}/{stem}{suffix}.json')['total_s'] / 60:.2f}"
-
-    rows = [[label, *(minutes(stem, s) if s in runs else "—" for s, _ in SENSITIVITY)]
-            for stem, label, runs in SENSITIVITY_PLANS]
+    rows = [[label, *(f"{plan_minutes(root, stem + s):.2f}" if s in runs else "—"
+                      for s, _ in SENSITIVITY)] for stem, label, runs in SENSITIVITY_PLANS]
     return md(["planned minutes, 2,048 ranks", *(name for _, name in SENSITIVITY)], rows)
 
 
