@@ -5,6 +5,7 @@ of one. Also :class:`Closing`, the ``with`` form of anything that has a ``close(
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -44,13 +45,11 @@ def _umask() -> int:
     without it do we set and restore, under a lock and with the strictest mask (0o077), so a
     racing thread's file gets fewer permissions, never more.
     """
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
+    with (contextlib.suppress(OSError, ValueError, IndexError),
+          open("/proc/self/status", encoding="ascii") as status):
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     with _umask_lock:
         mask = os.umask(0o077)
         os.umask(mask)

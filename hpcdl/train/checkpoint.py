@@ -549,8 +549,8 @@ def start_line(run_dir: str, source: str | None) -> str:
                  "lines in %s are kept, not pruned: remove them when they are not needed",
                  f"from {source}" if source else "from step 0", len(others),
                  checkpoint_dir(run_dir))
-    elif os.path.exists(record):
-        os.unlink(record)
+    else:
+        line_recorded(run_dir)
     return line
 
 
