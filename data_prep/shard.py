@@ -7,15 +7,8 @@ temporary name that is renamed into place only when complete (hpcdl.io.atomic_wr
 a small record in ``DIR/.progress/`` then marks it done. A rerun skips every shard whose
 record matches both the plan and the file's sha256, so a killed run resumes, and because
 the HDF5 bytes depend only on the inputs (fixed creation order, no timestamps, one libver),
-the result is byte-identical to an uninterrupted run at any number of ranks.
-
-Shard layout (format version 1), see docs/data.md::
-
-    images  (N,) vlen uint8   JPEG bytes, short side resized to --resize (or raw HxWx3 bytes)
-    shapes  (N, 3) uint16     height, width, channels of each stored image
-    labels  (N,) int16        class index into attrs["classes"]
-    keys    (N,) utf-8 str    path relative to the source tree
-    attrs: format_version, image_format, split, shard_index, num_shards, resize, classes
+the result is byte-identical to an uninterrupted run at any number of ranks. The shard
+layout (format version 1) is docs/data.md's, "The shard format".
 """
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """Scan an ImageNet-shaped tree into (relative path, label) lists.
 
-Layout (ILSVRC2012 as unpacked from the official tars, or the Kaggle ``ILSVRC/Data/CLS-LOC``)::
-
-    TREE/train/<wnid>/*.JPEG
-    TREE/val/<wnid>/*.JPEG                 per-class folders, or
-    TREE/val/*.JPEG + a labels file        flat, labelled by one of:
-        LOC_val_solution.csv               Kaggle: "ImageId,PredictionString" rows,
-                                           the first token of PredictionString is the wnid
-        ILSVRC2012_validation_ground_truth.txt
-                                           devkit: one ILSVRC2012_ID (1..1000) per line, in the
-                                           order of the sorted validation file names
-
-The devkit's ids index ``meta.mat`` (a MATLAB file, not sorted by wnid). We do not parse
-meta.mat (that needs scipy); instead ``synsets`` names a text file whose line i holds the wnid
-of ILSVRC2012_ID i (first whitespace-separated token). Without it, id i is taken to be the i-th
-class of the sorted train folders, which is right only for trees relabelled that way; a warning
-says so.
-
-Class indices are the positions of the train folder names in sorted order, empty folders
-included (so class ids stay the ones of the full dataset).
+The layouts understood (per-class ``train/`` and ``val/`` folders; a flat ``val/`` labelled by
+Kaggle's ``LOC_val_solution.csv`` or the devkit's ``ILSVRC2012_validation_ground_truth.txt``
+with ``synsets``, since the devkit's ids index ``meta.mat``, not the sorted wnids): docs/data.md,
+"The source tree". Class indices are the positions of the train folder names in sorted order,
+empty folders included (so class ids stay the ones of the full dataset).
 """
 from __future__ import annotations
 

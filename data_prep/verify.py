@@ -38,13 +38,7 @@ def check_shard(shard_dir: str, entry: dict) -> str | None:
 
 def verify_shards(shard_dir: str, names: Iterable[str] | None = None) -> dict[str, str]:
     """Bad shards (name -> reason) among ``names`` (default: all in the manifest)."""
-    manifest = read_manifest(shard_dir)
     wanted = set(names) if names is not None else None
-    problems = {}
-    for entry in manifest["shards"]:
-        if wanted is not None and entry["name"] not in wanted:
-            continue
-        reason = check_shard(shard_dir, entry)
-        if reason:
-            problems[entry["name"]] = reason
-    return problems
+    checked = [e for e in read_manifest(shard_dir)["shards"]
+               if wanted is None or e["name"] in wanted]
+    return {e["name"]: reason for e in checked if (reason := check_shard(shard_dir, e))}

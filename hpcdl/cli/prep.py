@@ -171,27 +171,20 @@ class WatchedWorld:
     waiting rank does not run), so a rank waiting there for a stuck peer would starve its own
     watchdog; ``MPI_Barrier`` releases the GIL, and the exchange after it finds every rank."""
 
+    PICKLED = ("bcast", "gather", "allgather", "allreduce")
+
     def __init__(self, comm: Any) -> None:
         self._comm, self._world = comm, comm.mpi_comm
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._world, name)
+        collective = getattr(self._world, name)
+        if name not in self.PICKLED:
+            return collective
 
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        self._comm.barrier()
-        return self._world.bcast(obj, root=root)
-
-    def gather(self, obj: Any, root: int = 0) -> Any:
-        self._comm.barrier()
-        return self._world.gather(obj, root=root)
-
-    def allgather(self, obj: Any) -> Any:
-        self._comm.barrier()
-        return self._world.allgather(obj)
-
-    def allreduce(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
-        self._comm.barrier()
-        return self._world.allreduce(obj, *args, **kwargs)
+        def after_barrier(*args: Any, **kwargs: Any) -> Any:
+            self._comm.barrier()
+            return collective(*args, **kwargs)
+        return after_barrier
 
 
 @contextlib.contextmanager

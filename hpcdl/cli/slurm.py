@@ -13,10 +13,12 @@ templates and how to adapt them to a site.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from hpcdl.errors import EXIT_BAD_INPUT
+from hpcdl.slurm.render import ARCHES, KNL_MEMORY_MODES, LAUNCHERS, MPIS
 
 COMMAND = "slurm"
 HELP = "render an sbatch script (skx, knl, generic) after checking the job"
@@ -25,7 +27,7 @@ HELP = "render an sbatch script (skx, knl, generic) after checking the job"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="slurm", metavar="ACTION", required=True)
     render = sub.add_parser("render", help="fill a template and validate the job")
-    render.add_argument("--arch", required=True, choices=("skx", "knl", "generic"),
+    render.add_argument("--arch", required=True, choices=tuple(ARCHES),
                         help="skx: 2 ranks/node, one per socket; knl: 1 rank/node; generic: "
                         "one rank per socket discovered on the node")
     render.add_argument("--nodes", type=int, required=True)
@@ -37,12 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     render.add_argument("--job-name", default="hpcdl")
     render.add_argument("--out", default=None,
                         help="run directory (default runs/JOB_NAME); its logs/ holds the job log")
-    render.add_argument("--mpi", default="auto", choices=("auto", "mpich", "impi", "openmpi"),
+    render.add_argument("--mpi", default="auto", choices=MPIS,
                         help="the MPI mpi4py loads in the job (auto: asked at run time); it "
                              "picks the launcher and Intel MPI's I_MPI_PMI_LIBRARY (docs/mpi.md)"
                              "; HPCDL_MPI overrides it at submit time")
-    render.add_argument("--launcher", default="auto",
-                        choices=("auto", "srun-pmi2", "srun-pmix", "mpirun", "ibrun"),
+    render.add_argument("--launcher", default="auto", choices=LAUNCHERS,
                         help="auto: srun-pmi2 for MPICH and Intel MPI, the Open MPI choice of "
                              "docs/mpi.md for Open MPI; HPCDL_LAUNCHER overrides it at submit "
                              "time")
@@ -60,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     render.add_argument("--knl-cores", type=int, default=68, help="knl: cores per node")
     render.add_argument("--knl-os-cores", type=int, default=4,
                         help="knl: cores left to the OS and MPI progress")
-    render.add_argument("--knl-memory-mode", default="auto", choices=("auto", "cache", "flat"))
+    render.add_argument("--knl-memory-mode", default="auto", choices=KNL_MEMORY_MODES)
     render.add_argument("--train-arg", action="append", default=[], metavar="ARG",
+                        dest="train_args",
                         help="an extra `hpcdl train` option, repeatable: "
                         "--train-arg=--deterministic --train-arg=--max-steps=100")
     render.add_argument("--output", "-o", default=None, help="write the script here, not stdout")
@@ -69,24 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recipe overrides, passed on to hpcdl train")
 
 
-def _write_script(path: str, script: str) -> None:
-    from hpcdl.io import atomic_write_text
-
-    atomic_write_text(path, script)
-
-
 def run(args: argparse.Namespace) -> int:
+    from hpcdl.io import atomic_write_text
     from hpcdl.slurm.render import JobSpec, RenderError, render_job
 
-    spec = JobSpec(
-        arch=args.arch, nodes=args.nodes, recipe=args.recipe, data=args.data, time=args.time,
-        partition=args.partition, account=args.account, job_name=args.job_name, out=args.out,
-        launcher=args.launcher, mpi=args.mpi, overrides=list(args.overrides),
-        train_args=args.train_arg,
-        ranks_per_node=args.ranks_per_node, signal_seconds=args.signal_seconds,
-        setup=args.setup, local_dir=args.local_dir, node_memory_gb=args.node_memory_gb,
-        cores_per_socket=args.cores_per_socket, knl_cores=args.knl_cores,
-        knl_os_cores=args.knl_os_cores, knl_memory_mode=args.knl_memory_mode)
+    # every option of the command is a field of JobSpec, under the same name
+    spec = JobSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(JobSpec)})
     try:
         rendered = render_job(spec)
     except RenderError as exc:  # a value a person fixes: one line, exit 2 like every command
@@ -99,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     logs = os.path.join(rendered.run_dir, "logs")
     for flag, path, write in (
             ("--out", logs, lambda: os.makedirs(logs, exist_ok=True)),
-            ("--output", args.output, lambda: _write_script(args.output, rendered.script))):
+            ("--output", args.output, lambda: atomic_write_text(args.output, rendered.script))):
         try:
             if path:
                 write()

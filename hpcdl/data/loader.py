@@ -1,14 +1,6 @@
-"""ShardedImageNet: per-node HDF5 shards -> uint8 NCHW batches, prefetched by threads.
-
-Why threads, not worker processes: the work per image is a JPEG decode (simplejpeg) and a
-crop-resize (Pillow), both of which release the GIL, so threads scale across cores; batches
-need no pickling or shared-memory hand-off; and nothing forks after MPI_Init, which is unsafe
-with InfiniBand verbs (registered memory and fork) on the clusters hpcdl targets.
-h5py serialises its own calls with a lock, but a read of one stored JPEG is tens of
-microseconds against milliseconds of decoding.
-
-Shard files are opened read-only with HDF5 file locking off (``locking=False``), which
-Lustre and NFS need; set ``HDF5_USE_FILE_LOCKING=FALSE`` as well for older h5py/HDF5.
+"""ShardedImageNet: per-node HDF5 shards -> uint8 NCHW batches, prefetched by threads. Why
+threads and not worker processes, and why shards open with HDF5 file locking off
+(``locking=False``): docs/data.md, "Workers are threads" and "Lustre and NFS".
 
 The shards this rank's node reads are checked against the manifest when the loader is built:
 their sizes always (a ``stat`` each), their sha256 with ``verify_shards=True`` (each local rank
@@ -84,10 +76,9 @@ def normalize(images_uint8, mean=IMAGENET_MEAN, std=IMAGENET_STD):
     """uint8 NCHW -> float32 (x/255 - mean) / std, on the tensor (in the trainer, not the loader,
     so batches cross threads as 1 byte per pixel).
 
-    One allocation and two in-place passes, x * (1/(255 std)) + (-mean/std): 5 ms for a
-    32x3x224x224 batch on one core here, against 50 ms for ``(x - 255 mean) / (255 std)``,
-    whose two temporary float batches are fresh memory (page faults) every call.
-    """
+    One allocation and two in-place passes, x * (1/(255 std)) + (-mean/std), not
+    ``(x - 255 mean) / (255 std)``, whose two temporary float batches are fresh memory (page
+    faults) every call."""
     import torch
 
     std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
@@ -98,8 +89,7 @@ def normalize(images_uint8, mean=IMAGENET_MEAN, std=IMAGENET_STD):
 
 def read_rows(images, rows: np.ndarray) -> np.ndarray:
     """``images[rows]`` of a vlen dataset in one H5Dread on a point selection, in ``rows``
-    order. h5py's fancy indexing builds the same read in Python: 0.30 ms for 4 rows here
-    against 0.09 ms this way, and a read costs ~0.13 ms whatever its size."""
+    order (h5py's fancy indexing builds the same read in Python, at several times the cost)."""
     from h5py import h5s
 
     space = images.id.get_space()

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hpcdl.cpus import format_cpu_list, parse_cpu_list, threads_per_rank
+from hpcdl.cpus import affinity_cores, cpu_socket, format_cpu_list, online_cpus, threads_per_rank
 from hpcdl.mpi_library import launcher_of
 
 #: File systems where HDF5's POSIX locks fail or serialise readers.
@@ -58,24 +58,6 @@ class Finding:
 
 
 # -- what one rank knows about itself -----------------------------------------------------------
-def cpu_socket(cpu: int) -> int:
-    path = f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id"
-    try:
-        with open(path, encoding="ascii") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return 0
-
-
-def online_cpus() -> list[int]:
-    """Every logical CPU of the node (not just this rank's mask)."""
-    try:
-        with open("/sys/devices/system/cpu/online", encoding="ascii") as f:
-            return parse_cpu_list(f.read())
-    except OSError:
-        return list(range(os.cpu_count() or 1))
-
-
 def mount_of(path: str, mounts_text: str) -> tuple[str, str]:
     """(mount point, fs type) of ``path`` from /proc/mounts text (longest matching prefix)."""
     path = os.path.realpath(path)
@@ -145,8 +127,7 @@ def collect_rank_info(mpi_comm: Any, staging_dir: str, data_dir: str | None = No
     # compete for them are those that really share the machine, pretend nodes or not.
     node_index, num_nodes, local_rank, local_size = node_layout(mpi_comm)
     machine = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.rank)
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else list(range(os.cpu_count() or 1))
+    cpus = sorted(affinity_cores())
     node_masks = machine.allgather(cpus)
     machine.Free()
     staging_dir = node_path(staging_dir, node_index)  # --staging /tmp/stage-{node}
@@ -573,15 +554,11 @@ def format_report(ranks: Sequence[Mapping[str, Any]], findings: Sequence[Finding
         shown = values.pop() if len(values) == 1 else "DIFFERS: " + "; ".join(
             f"rank {i['rank']}={i.get(key)}" for i in ranks)
         lines.append(f"{key:18s} {shown}")
-    thread_env = {k: v for k, v in first["env"].items()}
-    lines.append(f"{'thread env':18s} "
-                 f"{' '.join(f'{k}={v}' for k, v in thread_env.items()) or '(none set)'}")
-    launcher = first.get("launcher_env", {})
-    lines.append(f"{'launcher env':18s} "
-                 f"{' '.join(f'{k}={v}' for k, v in launcher.items()) or '(none seen)'}")
-    pinning = first.get("pinning_env", {})
-    lines.append(f"{'pinning env':18s} "
-                 f"{' '.join(f'{k}={v}' for k, v in sorted(pinning.items())) or '(none set)'}")
+    for label, env, none in (("thread env", first["env"], "(none set)"),
+                             ("launcher env", first.get("launcher_env", {}), "(none seen)"),
+                             ("pinning env", dict(sorted(first.get("pinning_env", {}).items())),
+                              "(none set)")):
+        lines.append(f"{label:18s} {' '.join(f'{k}={v}' for k, v in env.items()) or none}")
     lines.append("")
     if not any(f.level in ("error", "warning") for f in findings):
         lines.append("no problems found")

@@ -20,6 +20,7 @@ do not forward signals.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -69,28 +70,27 @@ def _log_to_files(text: str) -> None:
 OUTPUT_GRACE_S = 0.5
 
 
+def _flush_streams() -> None:
+    for stream in (sys.stderr, sys.stdout):
+        with contextlib.suppress(Exception):  # a closed stream must not stop the abort
+            stream.flush()
+
+
 def abort_after_output(mpi_comm: Any, code: int) -> None:
     """Flush this rank's streams, give the launcher time to forward them, then MPI_Abort."""
-    for stream in (sys.stderr, sys.stdout):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
-            pass
+    _flush_streams()
     time.sleep(OUTPUT_GRACE_S)
     mpi_comm.Abort(code)
 
 
-def _report_and_abort(mpi_comm: Any, text: str, plain: str) -> None:
-    try:
-        _log_to_files(plain)
-    except Exception:  # noqa: BLE001 - logging must not stop the abort
-        pass
-    for stream in (sys.stderr, sys.stdout):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    sys.stderr.write(text)
+def _report_and_abort(mpi_comm: Any, rank: int, size: int, exc_info: tuple,
+                      thread_name: str = "MainThread") -> None:
+    """The traceback to this rank's log file and, rank-prefixed, to stderr; then MPI_Abort."""
+    with contextlib.suppress(Exception):  # logging must not stop the abort
+        _log_to_files(format_rank_traceback(rank, size, *exc_info, thread_name,
+                                            prefix_lines=False))
+    _flush_streams()
+    sys.stderr.write(format_rank_traceback(rank, size, *exc_info, thread_name))
     abort_after_output(mpi_comm, ABORT_EXIT_CODE)
     os._exit(ABORT_EXIT_CODE)  # MPI_Abort returned (cut off from the launcher): end this rank
 
@@ -117,11 +117,8 @@ def abort_on_unshared_error(exc: BaseException | None = None) -> None:
             return
     if exc is None or world is None or is_shared_error(exc):
         return
-    rank, size = world.Get_rank(), world.Get_size()
-    thread = threading.current_thread().name
-    info = (type(exc), exc, exc.__traceback__)
-    _report_and_abort(world, format_rank_traceback(rank, size, *info, thread),
-                      format_rank_traceback(rank, size, *info, thread, prefix_lines=False))
+    _report_and_abort(world, world.Get_rank(), world.Get_size(),
+                      (type(exc), exc, exc.__traceback__), threading.current_thread().name)
 
 
 def install_fail_fast(mpi_comm: Any) -> None:
@@ -134,16 +131,14 @@ def install_fail_fast(mpi_comm: Any) -> None:
 
     def on_main_exception(exc_type: type[BaseException], exc: BaseException,
                           tb: TracebackType | None) -> None:
-        _report_and_abort(mpi_comm, format_rank_traceback(rank, size, exc_type, exc, tb),
-                          format_rank_traceback(rank, size, exc_type, exc, tb, prefix_lines=False))
+        _report_and_abort(mpi_comm, rank, size, (exc_type, exc, tb))
 
     def on_thread_exception(args: threading.ExceptHookArgs) -> None:
         if args.exc_type is SystemExit:
             return
         name = args.thread.name if args.thread is not None else "?"
-        exc_info = (args.exc_type, args.exc_value, args.exc_traceback)
-        _report_and_abort(mpi_comm, format_rank_traceback(rank, size, *exc_info, name),
-                          format_rank_traceback(rank, size, *exc_info, name, prefix_lines=False))
+        _report_and_abort(mpi_comm, rank, size,
+                          (args.exc_type, args.exc_value, args.exc_traceback), name)
 
     sys.excepthook = on_main_exception
     threading.excepthook = on_thread_exception

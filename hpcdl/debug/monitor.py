@@ -11,12 +11,11 @@ thread that issued it, so the communication thread's bucket reductions get their
 
 ``HPCDL_INJECT=RANK:SEQ:raise`` or ``RANK:SEQ:sleep=SECONDS`` makes rank RANK raise (or sleep)
 just before its SEQ-th collective: how the tests (and a curious user) rehearse a dead or stuck
-rank without editing the trainer. ``RANK:checkpointN:sleep=SECONDS`` is the trainer's (its
-N-th checkpoint write is slow, hpcdl/train/checkpoint.py) and ``RANK:exit:sleep=SECONDS``
-delays MPI_Finalize (``guard_mpi_finalize``): no collective is touched.
+rank without editing the trainer (the other kinds: hpcdl/debug/inject.py).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -43,23 +42,12 @@ class InjectedFault(RuntimeError):
     """Raised by ``HPCDL_INJECT=RANK:SEQ:raise`` (a rehearsal of a rank that dies)."""
 
 
-class _NullWatch:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return False
-
-
 class NullMonitor:
     """No debugging: every method is a no-op (the communicator's default)."""
 
-    active = False
-    _watch = _NullWatch()
+    _watch = contextlib.nullcontext()
 
-    def watch(self, name: str, meta: dict[str, Any]) -> _NullWatch:
+    def watch(self, name: str, meta: dict[str, Any]) -> contextlib.nullcontext:
         return self._watch
 
     def note(self, activity: str) -> None:
@@ -127,8 +115,6 @@ class _Watch:
 class CollectiveMonitor:
     """Live monitor of one rank's collectives; see the module docstring."""
 
-    active = True
-
     def __init__(self, rank: int, size: int, record: bool = False, timeline: Any = None,
                  injection: str = "") -> None:
         self.rank, self.size = rank, size
@@ -193,14 +179,10 @@ class CollectiveMonitor:
 
 
 def _remove_quietly(directory: str, rank: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(heartbeat_path(directory, rank))
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(OSError):
         os.rmdir(directory)  # the last rank of this host to leave removes the job's folder
-    except OSError:
-        pass
 
 
 def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | None = None,
@@ -234,8 +216,6 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
     if thresholds.enabled:
         exit_process = None
         if abort is None:
-            from mpi4py import MPI
-
             abort, exit_process = MPI.COMM_WORLD.Abort, end_process
         if run_dir:
             heartbeat_dir = os.path.join(run_dir, "logs", "heartbeat")
@@ -243,7 +223,7 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
             heartbeat_dir = default_heartbeat_dir(job)
             monitor.owns_heartbeat_dir = True
         monitor.watchdog = StallWatchdog(monitor, thresholds, heartbeat_dir, job, abort,
-                                         hosts=[host for host, _ in peers],
+                                         hosts=monitor.hosts,
                                          exit_process=exit_process)
         monitor.watchdog.start()
     comm.set_monitor(monitor)

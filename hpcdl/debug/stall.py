@@ -1,31 +1,13 @@
-"""Stall reports: which ranks have not arrived at a collective, and what they last did.
+"""Stall reports: which ranks have not arrived at a collective, and what they last did; past
+``abort_s``, the end of the job.
 
-Channel: a shared directory of heartbeat files (``RUN_DIR/logs/heartbeat/rank-XXXX.json``),
-written by each rank's watchdog thread, not an MPI RMA window. Passive-target RMA needs the
-target to make MPI progress in many MPI builds (MPICH over ch4:ofi without hardware RMA among
-them), and the rank we most need to hear from is exactly the one that is *not* calling MPI (it is
-sleeping, decoding JPEGs or stuck in Python). A heartbeat file is written by that rank's own
-watchdog thread, which keeps running while the main thread sleeps; it survives the job's abort,
-so a person can ``cat`` it afterwards. To keep the file system quiet, a rank writes its file only
-when its state has been unchanged for ``quiet_s`` (a healthy rank never does), and at most once
-per ``beat_s`` (10 s by default) however often it goes quiet -- every rank of a stalled job is
-quiet, so every one has published by the time the warning fires.
-
-While a rank is quiet (in a collective, or busy outside one) its watchdog rewrites the file every
-``beat_s`` with the time of writing (``beat``). That is how a waiting rank tells, without a
-working collective, a peer that is **alive** (its beat is fresh: it waits in the same collective
--- a slow or broken link -- or is busy elsewhere) from one that is **gone** (its beat stopped:
-frozen, killed, or its host cut off from the shared directory). The side channel can fail too
-(a directory on another host's ``/tmp``, a file system behind the dead link); the report then
-says "not heard from", never more than it knows. Every rank's host comes from one allgather at
-``watch_collectives``, so a report names hosts even without heartbeats.
-
-Ending the job is local and bounded, because a watcher must not depend on what can fail: a rank past
-``abort_s`` writes its dump (``rank-XXXX.stall.txt``: the one-line verdict, the report, every
-thread's stack) next to its heartbeat, calls ``MPI_Abort`` on a thread, and if it is still
-alive ``exit_grace_s`` later -- MPICH's MPI_Abort returns once it has told the local launcher
-proxy, and a proxy that is frozen or cut off from ``mpiexec`` never kills anyone -- it kills its
-own child processes and calls ``os._exit`` with the same code. Nothing outlives the job.
+Why the channel between ranks is a directory of heartbeat files (``RUN_DIR/logs/heartbeat/
+rank-XXXX.json``, written by each rank's watchdog thread) and not an MPI RMA window, how a
+waiting rank tells a peer that is alive from one that is gone without a working collective, and
+how a rank ends itself when MPI_Abort reaches no one: docs/debugging.md, "How it works, and why
+files" and the paragraphs after it. A rank writes its file only when its state has been
+unchanged for ``quiet_s``, and at most once per ``beat_s``; a report says "not heard from",
+never more than it knows.
 
 The watchdog decides from memory: its clock, the monitor's state tuple, and the peers' hosts
 from start-up. Everything that touches a file system -- writing the heartbeat, reading the
@@ -39,6 +21,7 @@ does the rest. The report logic is pure functions over heartbeat dicts (unit-tes
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import linecache
@@ -236,11 +219,17 @@ def format_stall_report(rank: int, size: int, seq: int, name: str, waited_s: flo
             f"HPCDL_DEBUG=1 to fail at the first differing call):"
         lines += [f"    rank{'s' if len(r) > 1 else ''} {_compact_ranks(r)}: {what}"
                   for what, r in groups.items()]
-    for r in late[:max_listed]:
-        lines.append(f"  rank {r}: {describe_rank_state(beats.get(r), now)}")
-    if len(late) > max_listed:
-        lines.append(f"  ... and {len(late) - max_listed} more (see logs/heartbeat/)")
+    lines += rank_states(late, beats, now, max_listed, "logs/heartbeat/")
     return "\n".join(lines)
+
+
+def rank_states(ranks: Sequence[int], beats: Mapping[int, Mapping[str, Any]], now: float,
+                max_listed: int, more_in: str) -> list[str]:
+    """One line per rank (the first ``max_listed``) saying where it is, then how many more."""
+    lines = [f"  rank {r}: {describe_rank_state(beats.get(r), now)}" for r in ranks[:max_listed]]
+    if len(ranks) > max_listed:
+        lines.append(f"  ... and {len(ranks) - max_listed} more (see {more_in})")
+    return lines
 
 
 def _compact_ranks(ranks: Sequence[int]) -> str:
@@ -584,10 +573,8 @@ class StallWatchdog(threading.Thread):
         return writer is None or not writer.is_alive()
 
     def _write_quietly(self, record: dict[str, Any]) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a full or gone file system: the next beat retries
             write_heartbeat(self.heartbeat_dir, record)
-        except OSError:  # a full or gone file system: the next beat tries again
-            pass
 
     def _unanswered_note(self) -> str:
         return (f"\n  (the heartbeat directory {self.heartbeat_dir} did not answer within "
@@ -693,12 +680,10 @@ class StallWatchdog(threading.Thread):
         self.exit_process(code)
 
     def _say(self, line: str) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a closed stream must not stop the abort
             sys.stderr.write(f"[rank {self.monitor.rank}/{self.monitor.size} {self.host}] "
                              f"{line}\n")
             sys.stderr.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
-            pass
 
     def _write_dump(self, line: str, report: str, last: str = "") -> None:
         """``rank-XXXX.stall.txt`` next to the heartbeat: the verdict, the report, and every
@@ -730,12 +715,15 @@ class StallWatchdog(threading.Thread):
             text += "\n  verdict: " + stall_verdict(m.rank, m.size, seq, beats, self.hosts, now,
                                                    self.stale_s, m.state[3])
             text += self._unanswered_note()
-        self._log(level, text)
-        # Every waiting rank logs the report to its file; only the lowest waiting rank puts it
-        # on the terminal, so 2,047 copies do not bury it.
-        # (rank 0's logger already prints to the terminal.)
         arrived = [r for r, b in beats.items() if b.get("in_collective") and b["seq"] == seq]
-        if m.rank != 0 and m.rank == min(arrived, default=m.rank):
+        return self._tell(text, level, arrived)
+
+    def _tell(self, text: str, level: int, waiting: Sequence[int]) -> str:
+        """Every waiting rank logs a report to its file; only the lowest of ``waiting`` puts it
+        on the terminal, so 2,047 copies do not bury it (rank 0's logger prints there anyway)."""
+        self._log(level, text)
+        rank = self.monitor.rank
+        if rank != 0 and rank == min(waiting, default=rank):
             self._say(text)
         self.reports.append(text)
         return text
@@ -747,16 +735,8 @@ class StallWatchdog(threading.Thread):
         others = [r for r in range(m.size) if r != m.rank]
         lines = [f"stall: rank {m.rank} has waited {waited:.1f} s in {blocked_label(what)} "
                  f"(outside the communicator's collectives)"]
-        lines += [f"  rank {r}: {describe_rank_state(beats.get(r), now)}"
-                  for r in others[:max_listed]]
-        if len(others) > max_listed:
-            lines.append(f"  ... and {len(others) - max_listed} more (see the heartbeats)")
+        lines += rank_states(others, beats, now, max_listed, "the heartbeats")
         lines.append("  verdict: " + stall_verdict(m.rank, m.size, None, beats, self.hosts,
                                                    now, self.stale_s, self._blocked_since))
-        text = "\n".join(lines) + self._unanswered_note()
-        self._log(level, text)
         blocked = [r for r, b in beats.items() if b.get("blocked_in") or b.get("in_collective")]
-        if m.rank != 0 and m.rank == min(blocked, default=m.rank):
-            self._say(text)
-        self.reports.append(text)
-        return text
+        return self._tell("\n".join(lines) + self._unanswered_note(), level, blocked)

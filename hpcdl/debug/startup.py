@@ -53,11 +53,9 @@ def _rank_label() -> str:
 def _end(what: str, limit_s: float) -> None:
     from hpcdl.debug.stall import STALL_EXIT_CODE, end_process
 
-    try:
+    with contextlib.suppress(Exception):  # a closed stream must not stop the end
         sys.stderr.write(startup_message(what, limit_s, _rank_label()) + "\n")
         sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - a closed stream must not stop the end
-        pass
     end_process(STALL_EXIT_CODE)
 
 

@@ -29,6 +29,18 @@ class Table:
     build: Callable[[Path], str]
 
 
+TABLES: dict[str, Table] = {}
+
+
+def table(name: str, *sources: str, how: str) -> Callable[[Callable], Callable]:
+    """Register the builder of block ``name``: its raw files under ``docs/results/`` (a folder
+    ends with ``/``) and how its ratios are computed."""
+    def register(build: Callable[[Path], str]) -> Callable[[Path], str]:
+        TABLES[name] = Table(tuple(f"{RESULTS}/{s}" for s in sources), how, build)
+        return build
+    return register
+
+
 def load(root: Path, name: str) -> Any:
     return json.loads((root / RESULTS / name).read_text())
 
@@ -52,7 +64,21 @@ def signed(x: float, nd: int = 2) -> str:
 
 def spread(values: Sequence[float], nd: int = 3) -> str:
     """``median [min–max]``: the docs' form for a ratio repeated over runs."""
-    return f"{f(statistics.median(values), nd)} [{f(min(values), nd)}–{f(max(values), nd)}]"
+    return f"{f(statistics.median(values), nd)} [{_minmax(values, nd)}]"
+
+
+def _minmax(values: Sequence[float], nd: int = 1) -> str:
+    return f"{f(min(values), nd)}–{f(max(values), nd)}"
+
+
+def _met(met: bool) -> str:
+    return "met" if met else "not met"
+
+
+def load_each(root: Path, pattern: str) -> list[tuple[Path, Any]]:
+    """Every raw file matching ``pattern`` under the results directory, in name order, with
+    its parsed JSON."""
+    return [(p, json.loads(p.read_text())) for p in sorted((root / RESULTS).glob(pattern))]
 
 
 # ---- allreduce -------------------------------------------------------------------------
@@ -61,6 +87,7 @@ ALLREDUCE_FILES = {2: ("allreduce-p2-2026-12-01.json", "allreduce-sites-np2-quie
                    4: ("allreduce-p4-2026-12-01.json", "allreduce-sites-np4-quiet-2026-12-01.json")}
 SIZES = (1_000_000, 16_000_000, 100_000_000)
 SITE_NAMES = {"impi": "Intel MPI 2021.13", "ompi": "Open MPI 5", "mpich": "MPICH 5.0.2"}
+ALLREDUCE_SOURCES = tuple(name for p in (2, 4) for name in ALLREDUCE_FILES[p])
 
 
 def _busbw(records: Sequence[Mapping[str, Any]], backend: str, tuning: str | None = None
@@ -75,6 +102,10 @@ def _best_tuning(records: Sequence[Mapping[str, Any]], backend: str) -> str:
     return max(at_100, key=lambda r: r["busbw_GBps"])["tuning"]
 
 
+@table("allreduce-busbw", *ALLREDUCE_SOURCES,
+       how="busbw as each JSON records it (nccl-tests definition, median of 7 timed calls, "
+           "slowest rank); a site MPI's 'best' is its tuning with the highest busbw at 100 MB in "
+           "that run, all three sizes from that tuning.")
 def allreduce_busbw(root: Path) -> str:
     rows: dict[str, list[str]] = {}
     labels = {"default": "hpcdl `default` (= `shm`)",
@@ -117,6 +148,9 @@ def allreduce_ratio_values(root: Path) -> dict[str, dict[int, tuple[float | None
     return out
 
 
+@table("allreduce-ratios", *ALLREDUCE_SOURCES,
+       how="each ratio is the bench's own, hpcdl's busbw over the baseline's in the same run; "
+           "the site run's value in brackets.")
 def allreduce_ratios(root: Path) -> str:
     values = allreduce_ratio_values(root)
     rows = []
@@ -138,6 +172,9 @@ def _gbps(x: float) -> str:
     return f(x) if x >= 0.1 else f(x, 3)
 
 
+@table("allreduce-ccl", CCL_FILE,
+       how="busbw as the JSON records it (one run, p = 2); a `ccl` row is named by the settings "
+           "that differ from the first `ccl` tuning; ratios are the bench's own.")
 def allreduce_ccl(root: Path) -> str:
     report = load(root, CCL_FILE)
     records = report["results"]
@@ -168,8 +205,7 @@ STEP_MODELS = (("alexnet_bn-224-b32-np2", "AlexNet-BN 224 px, 32", 1.10, 0.95),
 
 
 def _step_reports(root: Path, prefix: str) -> list[Mapping[str, Any]]:
-    return [json.loads(p.read_text())
-            for p in sorted((root / RESULTS / STEP_DIR).glob(f"{prefix}-run*.json"))]
+    return [report for _, report in load_each(root, f"{STEP_DIR}/{prefix}-run*.json")]
 
 
 def _step_runs(root: Path, prefix: str) -> list[dict[str, float]]:
@@ -210,6 +246,9 @@ def ddp_need(s: StepFigures) -> float:
     return s.ddp_goal * statistics.median(s.ratios["ddp_gloo/no_comm"])
 
 
+@table("training-step", f"{STEP_DIR}/",
+       how=f"img/s per rank: median over runs; {SAME_RUN}; the DDP goal's need is goal × the "
+           "median of ddp_gloo ÷ no_comm.")
 def training_step(root: Path) -> str:
     rows = []
     for s in step_figures(root):
@@ -228,11 +267,13 @@ def training_step(root: Path) -> str:
 BUCKET_DIR = "bucket-size-alexnet-2026-12-01"
 
 
+@table("bucket-size", f"{BUCKET_DIR}/",
+       how="÷ no_comm is each run's own ratio (both modes in one run); runs listed, not "
+           "summarised (two per size).")
 def bucket_size(root: Path) -> str:
     rows = []
     for mb in (6, 25, 160):
-        paths = sorted((root / RESULTS / BUCKET_DIR).glob(f"b{mb}-*.json"))
-        reports = [json.loads(p.read_text()) for p in paths]
+        reports = [report for _, report in load_each(root, f"{BUCKET_DIR}/b{mb}-*.json")]
         ratios = [r["ratios"]["vs_no_comm"] for r in reports]
         rates = [r["ratios"]["images_per_s_per_rank"] for r in reports]
         rows.append([f"{mb} MB", " / ".join(f(x) for x in rates),
@@ -256,9 +297,8 @@ def _link_rate(report: Mapping[str, Any]) -> str:
 
 def across_runs(root: Path) -> list[Mapping[str, Any]]:
     """The runs at ``ACROSS_RATE`` (by each JSON's recorded tbf rate), in file order."""
-    paths = sorted((root / RESULTS / ACROSS_DIR).glob("*/step-*.json"))
-    reports = [json.loads(p.read_text()) for p in paths]
-    return [r for r in reports if _link_rate(r) == ACROSS_RATE]
+    return [r for _, r in load_each(root, f"{ACROSS_DIR}/*/step-*.json")
+            if _link_rate(r) == ACROSS_RATE]
 
 
 def across_figures(root: Path) -> dict[str, dict[str, list[float]]]:
@@ -281,10 +321,11 @@ def across_figures(root: Path) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def _minmax(values: Sequence[float], nd: int = 1) -> str:
-    return f"{f(min(values), nd)}–{f(max(values), nd)}"
-
-
+@table("step-across-hosts", f"{ACROSS_DIR}/",
+       how=f"the runs whose JSON records a {ACROSS_RATE} tbf rate; step s is each run's mean "
+           f"step, min–max over runs; {SAME_RUN} (÷ DDP+gloo and ÷ ceiling are images/s ratios, "
+           "CPU added is the mode's CPU s per step minus no_comm's); eth0 MB is the median over "
+           "runs.")
 def step_across_hosts(root: Path) -> str:
     figures = across_figures(root)
     rows = []
@@ -319,6 +360,9 @@ LOADER_SIDES = (("imagefolder_pillow", "torchvision ImageFolder way, full 500×3
                 ("simplejpeg_decode_only", "decoding alone: the floor"))
 
 
+@table("loader", LOADER_FILE,
+       how="images per CPU-second of the process; ratios are the bench's own, within the one "
+           "run.")
 def loader(root: Path) -> str:
     report = load(root, LOADER_FILE)
     rate = {r["name"]: r["images_per_s_per_core"] for r in report["results"]}
@@ -332,6 +376,8 @@ OPTIM_FILE = "optim-lars-resnet50-2026-12-02.json"
 OPTIM_GOAL = 1.5  # LARS's step ÷ SGD's
 
 
+@table("optim-step", OPTIM_FILE,
+       how="median step of each optimizer in one run; the ratio is the bench's own (LARS ÷ SGD).")
 def optim_step(root: Path) -> str:
     report = load(root, OPTIM_FILE)
     ms = {r["optimizer"]: r for r in report["results"]}
@@ -339,18 +385,16 @@ def optim_step(root: Path) -> str:
     return md(["SGD foreach, median [min–max]", "LARS", "`lars_vs_sgd_step_time`", "goal"],
               [[*(f"{f(ms[o]['median_ms'], 1)} [{_minmax([ms[o]['min_ms'], ms[o]['max_ms']])}] ms"
                   for o in ("sgd_foreach", "lars")), f"**{f(ratio)}**",
-                f"≤ {OPTIM_GOAL:g}: " + ("met" if ratio <= OPTIM_GOAL else "not met")]], right=0)
+                f"≤ {OPTIM_GOAL:g}: " + _met(ratio <= OPTIM_GOAL)]], right=0)
 
 
 BF16_SPEED_DIR = "bf16-speed-2026-12-01"
 
 
 def _bf16_runs(root: Path, precision: str) -> list[dict[str, float]]:
-    out = []
-    for path in sorted((root / RESULTS / BF16_SPEED_DIR).glob(f"resnet50-{precision}-*.json")):
-        record = json.loads(path.read_text())["results"][0]
-        out.append({"step": record["step_time_s"], "cpu": record["cpu_s_per_step"]})
-    return out
+    runs = load_each(root, f"{BF16_SPEED_DIR}/resnet50-{precision}-*.json")
+    return [{"step": r["results"][0]["step_time_s"], "cpu": r["results"][0]["cpu_s_per_step"]}
+            for _, r in runs]
 
 
 def bf16_cpu_ratio(root: Path) -> float:
@@ -359,6 +403,8 @@ def bf16_cpu_ratio(root: Path) -> float:
     return statistics.median(r["cpu"] for r in bf16) / statistics.median(r["cpu"] for r in fp32)
 
 
+@table("bf16-speed", f"{BF16_SPEED_DIR}/",
+       how=f"fp32 and bf16 ran as separate runs: {SEPARATE_RUNS} (median CPU s per step).")
 def bf16_speed(root: Path) -> str:
     fp32, bf16 = _bf16_runs(root, "fp32"), _bf16_runs(root, "bf16")
     rows = [[f"{name} {' / '.join(str(i + 1) for i in range(len(runs)))}",
@@ -375,8 +421,8 @@ BF16_ACC_DIR = "bf16-convergence-2026-12-01"
 def _bf16_seeds(root: Path) -> dict[str, tuple[float, float]]:
     """Per seed: (fp32 top-1 %, emulated-bf16 top-1 %)."""
     out = {}
-    for path in sorted((root / RESULTS / BF16_ACC_DIR).glob("seed*.json")):
-        top1 = {r["run"]: r["top1"] * 100 for r in json.loads(path.read_text())["results"]}
+    for path, report in load_each(root, f"{BF16_ACC_DIR}/seed*.json"):
+        top1 = {r["run"]: r["top1"] * 100 for r in report["results"]}
         out[path.stem.removeprefix("seed")] = (top1["lars"], top1["lars_bf16"])
     return out
 
@@ -390,6 +436,9 @@ def bf16_accuracy_diff(root: Path) -> float:
 BF16_GOAL = -0.3
 
 
+@table("bf16-accuracy", f"{BF16_ACC_DIR}/",
+       how="top-1 of each seed's two runs; the mean row is the mean over seeds of each, then "
+           "their difference.")
 def bf16_accuracy(root: Path) -> str:
     seeds = _bf16_seeds(root)
     rows = [[seed, f(a), f(b), signed(b - a)] for seed, (a, b) in seeds.items()]
@@ -397,7 +446,7 @@ def bf16_accuracy(root: Path) -> str:
     rows.append(["mean", f(statistics.mean(a for a, _ in seeds.values())),
                  f(statistics.mean(b for _, b in seeds.values())),
                  f"**{signed(diff)}** (goal ≥ {f(BF16_GOAL, 1)}: "
-                 f"{'met' if diff >= BF16_GOAL else 'not met'})"])
+                 f"{_met(diff >= BF16_GOAL)})"])
     return md(["seed", "fp32 top-1", "bf16 (emulated) top-1", "bf16 − fp32"], rows, right=0)
 
 
@@ -445,13 +494,15 @@ def convergence_rows(root: Path) -> list[ConvergenceRow]:
     return [ConvergenceRow(b, lars[b], sgd[b], other[b]) for b in sorted(lars)]
 
 
+@table("convergence", SAME_DECAY, OTHER_DECAY,
+       how="test top-1 mean ± sd [min–max] over 3 seeds (chosen lr; lrs tuned); differences of "
+           "means; 'better final' is the higher of the two SGD policies' test means; holdout is "
+           "the tuning score of the chosen lr (one run on the holdout split).")
 def convergence(root: Path) -> str:
-    rows = []
-    for r in convergence_rows(root):
-        rows.append([f"{r.batch:,}", _final(r.lars), _final(r.sgd), f"**{signed(r.lead)}**",
-                     f"{f(r.other['top1_mean'] * 100)} ({r.other['lr']:.3g})",
-                     f"{f(r.sgd['holdout_top1'] * 100)} / {f(r.other['holdout_top1'] * 100)}",
-                     signed(r.lead_over_better)])
+    rows = [[f"{r.batch:,}", _final(r.lars), _final(r.sgd), f"**{signed(r.lead)}**",
+             f"{f(r.other['top1_mean'] * 100)} ({r.other['lr']:.3g})",
+             f"{f(r.sgd['holdout_top1'] * 100)} / {f(r.other['holdout_top1'] * 100)}",
+             signed(r.lead_over_better)] for r in convergence_rows(root)]
     header = ["batch", "LARS", "SGD, same decay policy", "LARS − SGD",
               "SGD decaying BN and biases too", "SGD holdout: same / other policy",
               "LARS − SGD's better final"]
@@ -504,6 +555,9 @@ def relaxed_rows(root: Path) -> list[RelaxedRow]:
     return rows
 
 
+@table("relaxed-call-site", *RELAXED_FILES.values(),
+       how="top-1 mean and sample sd over seeds, Δ against sync's mean; bytes each rank passed "
+           "to allreduce at the call site, sync's over this run's.")
 def relaxed_call_site(root: Path) -> str:
     found = relaxed_rows(root)
     sync_bytes = next(r.world_bytes for r in found if r.run == "sync")
@@ -550,6 +604,9 @@ def relaxed_network_rows(root: Path) -> list[NetworkRow]:
     return rows
 
 
+@table("relaxed-network", f"{NETWORK_DIR}/",
+       how="bytes each host's eth0 sent over the run; per host = each host's sync (or ddp_sync) "
+           "bytes over its own bytes in this run; in total = both hosts summed on each side.")
 def relaxed_network(root: Path) -> str:
     rows = []
     for r in relaxed_network_rows(root):
@@ -595,6 +652,9 @@ def _ratio(ratio: float) -> str:
 BAND = f"{f(PLAN_BAND[0])}–{f(PLAN_BAND[1])}"
 
 
+@table("planner-windows", *WINDOWS,
+       how="ratio = predicted ÷ median measured step of the repeats; spread = (slowest − fastest "
+           "repeat) ÷ their median, the JSON's `spread`.")
 def planner_windows(root: Path) -> str:
     w2, w1 = (load(root, p)["results"] for p in WINDOWS)
     rows = []
@@ -612,6 +672,8 @@ def planner_windows(root: Path) -> str:
             f"(window 2) and {widest[1]:.0%} (window 1).")
 
 
+@table("planner-held-out", HELD_OUT,
+       how="ratio = predicted ÷ median measured step of the repeats.")
 def planner_held_out(root: Path) -> str:
     records = load(root, HELD_OUT)["results"]
     rows: dict[str, list[str]] = {}
@@ -672,6 +734,10 @@ def _largest_classes(by_class: Mapping[str, float], n: int = 4) -> str:
         f", memory passes {memory * 1000:.1f}"
 
 
+@table("planner-papers", *(f"{PAPERS_DIR}/{name}" for name, *_ in PAPERS),
+       how="per-iteration terms and the total as each plan's JSON records them; steps = epochs × "
+           "dataset ÷ global batch; 'bound by' is the dominant term's share of the iteration "
+           "(exposed allreduce, or compute); published minutes are the paper's.")
 def planner_papers(root: Path) -> str:
     rows = []
     for p in paper_plans(root):
@@ -695,12 +761,20 @@ RELAXED_POLICIES = (("sync", "sync"), ("local", "local SGD, H = 8"),
                     ("psgd4", "PowerSGD r = 4"))
 
 
+def plan_minutes(root: Path, stem: str) -> float:
+    """The predicted training time of plan ``PAPERS_DIR/stem.json``, in minutes."""
+    return load(root, f"{PAPERS_DIR}/{stem}.json")["total_s"] / 60
+
+
+@table("planner-relaxed",
+       *(f"{PAPERS_DIR}/relaxed-{stem}-skx-{key}.json"
+         for stem, _ in RELAXED_PLANS for key, _ in RELAXED_POLICIES),
+       how="each cell is one plan's `total_s` ÷ 60 (the command in each JSON; warm-up steps "
+           "synchronous).")
 def planner_relaxed(root: Path) -> str:
-    rows = []
-    for stem, label in RELAXED_PLANS:
-        minutes = [load(root, f"{PAPERS_DIR}/relaxed-{stem}-skx-{key}.json")["total_s"] / 60
-                   for key, _ in RELAXED_POLICIES]
-        rows.append([f"{label}, 2,048 ranks on `skx`", *(f"{m:.1f}" for m in minutes)])
+    rows = [[f"{label}, 2,048 ranks on `skx`",
+             *(f"{plan_minutes(root, f'relaxed-{stem}-skx-{key}'):.1f}"
+               for key, _ in RELAXED_POLICIES)] for stem, label in RELAXED_PLANS]
     return md(["planned minutes", *(name for _, name in RELAXED_POLICIES)], rows)
 
 
@@ -718,12 +792,13 @@ SENSITIVITY_PLANS = (("alexnet_bn_32k-skx", "AlexNet-BN 32K on `skx`",
                       ("", "-dense08", "-dense125", "-mem08", "-mem125", "-nooverhead", "-rab")))
 
 
+@table("planner-sensitivity",
+       *(f"{PAPERS_DIR}/{stem}{suffix}.json"
+         for stem, _, runs in SENSITIVITY_PLANS for suffix in runs),
+       how="each cell is one plan's `total_s` ÷ 60; '—' where no such plan was run.")
 def planner_sensitivity(root: Path) -> str:
-    def minutes(stem: str, suffix: str) -> str:
-        return f"{load(root, f'{PAPERS_DIR}/{stem}{suffix}.json')['total_s'] / 60:.2f}"
-
-    rows = [[label, *(minutes(stem, s) if s in runs else "—" for s, _ in SENSITIVITY)]
-            for stem, label, runs in SENSITIVITY_PLANS]
+    rows = [[label, *(f"{plan_minutes(root, stem + s):.2f}" if s in runs else "—"
+                      for s, _ in SENSITIVITY)] for stem, label, runs in SENSITIVITY_PLANS]
     return md(["planned minutes, 2,048 ranks", *(name for _, name in SENSITIVITY)], rows)
 
 
@@ -760,6 +835,11 @@ def _simulated_rows(root: Path, stem: str, cell: tuple[str, str, str]) -> dict[i
     return {r["procs"]: r for r in report["simulation"]["rows"]}
 
 
+@table("simulate-papers",
+       *(_simulated_file(stem, *c)
+         for stem, *_ in SIMULATED_RUNS for c in SIMULATED_CELLS[stem]),
+       how="the 2,048-rank row of each simulation's JSON (`simulation.rows`): the formula's "
+           "figure, then SimGrid's, and their ratio (`comm_ratio`, `iteration_ratio`).")
 def simulate_papers(root: Path) -> str:
     rows = []
     for stem, label, paper in SIMULATED_RUNS:
@@ -784,6 +864,10 @@ SCALING_CELLS = (("ring", "contiguous", "28to20"), ("ring", "random", "28to20"),
                  ("ring", "random", "nonblocking"))
 
 
+@table("simulate-scaling",
+       *(_simulated_file(stem, *c) for stem, *_ in SIMULATED_RUNS for c in SCALING_CELLS),
+       how="every row of each simulation's sweep (`simulation.rows`); 'random nb' is random "
+           "placement on the non-blocking tree.")
 def simulate_scaling(root: Path) -> str:
     rows = []
     for stem, label, _ in SIMULATED_RUNS:
@@ -816,6 +900,10 @@ def _span(rows: Sequence[Mapping[str, Any]]) -> str:
     return f"{f(min(ratios))}–{f(max(ratios))}" if ratios else "—"
 
 
+@table("planner-network", PLAN_NETWORK,
+       how="predicted ÷ measured allreduce time of each row (both runs), the network calibrated "
+           "at 2gbit on 2 hosts; held out = every row at 3 hosts or at 1gbit; cells are min–max "
+           "over the held-out rows of that layout.")
 def planner_network(root: Path) -> str:
     held = plan_network_held_out(root)
     own = [r for r in load(root, PLAN_NETWORK)["rows"] if r["calibration_layout"]]
@@ -838,6 +926,9 @@ DEMO_SEEDS = "demo-seed-spread-2026-12-01.json"
 DEMO_TIME = "demo-time-2026-12-02.json"
 
 
+@table("demo", DEMO_SEEDS, DEMO_TIME,
+       how="top-1 on the 1,000 held-out images at the last epoch; wall = the timed run's "
+           "summary.json.")
 def demo(root: Path) -> str:
     seeds = [r for r in load(root, DEMO_SEEDS)["full_demo_seeds"] if r["epochs"] == 25.0]
     timed = load(root, DEMO_TIME)
@@ -859,14 +950,6 @@ RELAXED_BYTES_GOAL = 4.0  # × fewer network bytes than sync
 RELAXED_ACCURACY_GOAL = -0.5  # points against sync
 
 
-def _met(met: bool) -> str:
-    return "met" if met else "not met"
-
-
-def _range(values: Sequence[float], nd: int = 2) -> str:
-    return f"{f(min(values), nd)}–{f(max(values), nd)}"
-
-
 def _summary_allreduce(root: Path) -> list[str]:
     v = allreduce_ratio_values(root)
 
@@ -878,8 +961,9 @@ def _summary_allreduce(root: Path) -> list[str]:
     g_mpi, g_gloo = ALLREDUCE_GOALS["default_vs_mpi_busbw_100MB"], ALLREDUCE_GOALS[gloo]
     met = {p: sum(x >= g_gloo for x in runs(gloo, (p,))) for p in (2, 4)}
     mpi_met = sum(x >= g_mpi for x in mpi)
-    return [f"at 100 MB, hpcdl's `shm` is {_range(mpi)}× MPICH, {_range(sites)}× the best tuning "
-            f"of Intel MPI / Open MPI / MPICH, {_range(runs(gloo))}× gloo (each run's own ratio)",
+    return [f"at 100 MB, hpcdl's `shm` is {_minmax(mpi, 2)}× MPICH, {_minmax(sites, 2)}× the "
+            f"best tuning of Intel MPI / Open MPI / MPICH, {_minmax(runs(gloo), 2)}× gloo (each "
+            "run's own ratio)",
             f"≥ {g_mpi:g}× MPICH, ≥ {g_gloo:g}× gloo",
             f"MPICH met in {mpi_met} of {len(mpi)} runs; gloo met in {met[2]} of "
             f"{len(runs(gloo, (2,)))} runs at P = 2, {met[4]} of {len(runs(gloo, (4,)))} at P = 4"]
@@ -892,13 +976,13 @@ def _summary_step(root: Path) -> list[str]:
     names = " / ".join(s.label.split(" ")[0] for s in figs)
     ceiling_met = all(c >= s.ceiling_goal for c, s in zip(ceiling, figs, strict=True))
     ddp_met = [d >= s.ddp_goal for d, s in zip(ddp, figs, strict=True)]
-    spans = " and ".join(_range(s.ratios["ours_allreduce/no_comm"], 3) for s in figs)
+    spans = " and ".join(_minmax(s.ratios["ours_allreduce/no_comm"], 3) for s in figs)
     return [f"{' / '.join(f(c, 3) for c in ceiling)} of the no-comm ceiling, "
             f"{' / '.join(f(d, 3) for d in ddp)}× DDP+gloo ({names}, 2 ranks, one host; "
             f"medians of {' / '.join(str(s.runs) for s in figs)} runs)",
             f"ceiling ≥ {' / '.join(f(s.ceiling_goal) for s in figs)}; DDP ≥ "
             f"{' / '.join(f(s.ddp_goal) for s in figs)}×",
-            f"ceiling {'met' if ceiling_met else 'not met'} on the medians (runs {spans}); "
+            f"ceiling {_met(ceiling_met)} on the medians (runs {spans}); "
             f"DDP {'met' if all(ddp_met) else 'not met' if not any(ddp_met) else 'met on one'}"]
 
 
@@ -910,10 +994,10 @@ def _summary_across(root: Path) -> list[str]:
     return [f"2 hosts × 1 rank at {ACROSS_RATE.lower()}, AlexNet-BN, medians of "
             f"{len(across_runs(root))} runs: {f(med['ours'])}× DDP+gloo fp32 on MPI "
             f"({f(med['ours@gloo'])}× with gloo under hpcdl's reducer), "
-            f"**{f(med['ours_bf16'])}× with bf16 on the wire**; {_range(fp32_mb, 1)} MB per step "
-            "on eth0 for every fp32 mode",
+            f"**{f(med['ours_bf16'])}× with bf16 on the wire**; {_minmax(fp32_mb)} MB per step on "
+            "eth0 for every fp32 mode",
             f"≥ {ACROSS_GOAL:g}× DDP fp32",
-            ("met" if best_fp32 >= ACROSS_GOAL else "not met") + ": link-bound at the "
+            _met(best_fp32 >= ACROSS_GOAL) + ": link-bound at the "
             "shaped rate, CPU-bound at 1–2gbit (the section's argument); Horovod absent "
             "(build did not finish)"]
 
@@ -922,14 +1006,14 @@ def _summary_loader(root: Path) -> list[str]:
     r = load(root, LOADER_FILE)["ratios"]
     a, b = r["hdf5_vs_imagefolder_resized"], r["hdf5_vs_webdataset"]
     return [f"{f(a)}× ImageFolder and {f(b)}× WebDataset on the same JPEGs, per core",
-            f"≥ {LOADER_GOAL:g}×", "met" if min(a, b) >= LOADER_GOAL else "not met"]
+            f"≥ {LOADER_GOAL:g}×", _met(min(a, b) >= LOADER_GOAL)]
 
 
 def _summary_optim(root: Path) -> list[str]:
     ratio = load(root, OPTIM_FILE)["ratios"]["lars_vs_sgd_step_time"]
     return [f"{f(ratio)}× SGD's foreach step (ResNet-50), **on a loaded machine**",
             f"≤ {OPTIM_GOAL:g}×",
-            ("met" if ratio <= OPTIM_GOAL else "not met") + " under load; no quiet raw file"]
+            _met(ratio <= OPTIM_GOAL) + " under load; no quiet raw file"]
 
 
 def _summary_bf16(root: Path) -> list[str]:
@@ -938,7 +1022,7 @@ def _summary_bf16(root: Path) -> list[str]:
             f"{len(_bf16_seeds(root))} seeds); native bf16 ResNet-50 step: {f(cpu, 3)} of fp32's "
             f"CPU time (≈ {f(1 / cpu, 1)}×, AVX512-BF16, loaded machine)",
             f"≥ {f(BF16_GOAL, 1)} points",
-            f"accuracy {'met' if diff >= BF16_GOAL else 'not met'}; speed measured under load"]
+            f"accuracy {_met(diff >= BF16_GOAL)}; speed measured under load"]
 
 
 def _summary_convergence(root: Path) -> list[str]:
@@ -1010,6 +1094,8 @@ def summary(root: Path) -> str:
 DEMO_GOAL = (85.0, 300.0)  # top-1 %, wall s: README's "≥ 85% in under 5 minutes on 2 cores"
 
 
+@table("demo-headline", DEMO_TIME,
+       how="top-1 and wall time as the timed run's record holds them.")
 def demo_headline(root: Path) -> str:
     """README's one sentence on the demo's time, from the timed run's record."""
     timed = load(root, DEMO_TIME)
@@ -1018,7 +1104,7 @@ def demo_headline(root: Path) -> str:
     return (f"One timed run reached {f(top1, 1)}% in {wall:.0f} s on a "
             f"{timed['machine']['cores']}-core {timed['machine']['cpu']} "
             f"({timed['machine']['cpu_capability']}) shared with other jobs (goal "
-            f"{'met' if met else 'not met'}; all runs: "
+            f"{_met(met)}; all runs: "
             "[docs/performance.md](docs/performance.md#the-demo)).")
 
 
@@ -1153,6 +1239,15 @@ def checkpoint_cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
     ]
 
 
+@table("checkpoint-cost", CKPT_FILE,
+       how="bytes are `/proc/self/io` (`rchar`, `wchar`) before and after, on every rank; rank ≠ "
+           "0 is the largest of the other ranks at each P; growth is the bench's least-squares "
+           f"fit a + b·P over the measured P (a fitted change under {NOISE_BYTES} bytes over that "
+           "range counts as none); at 2,048 is the bench's extrapolation: the fit at P = 2,048 "
+           "with the tiny model's `model.pt` and BN statistics replaced by the full model's; in "
+           "all = rank 0 + (P − 1) × the others; 'before' figures are what the gathered design "
+           "moved: every rank's state through rank 0 (in all minus rank 0's write) and "
+           "everything written read by every rank.")
 def checkpoint_cost(root: Path) -> str:
     report = load(root, CKPT_FILE)
     s, m = report["summary"], report["machine"]
@@ -1189,117 +1284,6 @@ def _ckpt_growth_line(rows: Mapping[str, Any]) -> str:
                  "a higher step, not a record a rank")
     return line + "."
 
-
-TABLES: dict[str, Table] = {
-    "allreduce-busbw": Table(
-        tuple(f"{RESULTS}/{n}" for p in (2, 4) for n in ALLREDUCE_FILES[p]),
-        "busbw as each JSON records it (nccl-tests definition, median of 7 timed calls, "
-        "slowest rank); a site MPI's 'best' is its tuning with the highest busbw at 100 MB "
-        "in that run, all three sizes from that tuning.", allreduce_busbw),
-    "allreduce-ratios": Table(
-        tuple(f"{RESULTS}/{n}" for p in (2, 4) for n in ALLREDUCE_FILES[p]),
-        "each ratio is the bench's own, hpcdl's busbw over the baseline's in the same run; "
-        "the site run's value in brackets.", allreduce_ratios),
-    "allreduce-ccl": Table(
-        (f"{RESULTS}/{CCL_FILE}",),
-        "busbw as the JSON records it (one run, p = 2); a `ccl` row is named by the settings "
-        "that differ from the first `ccl` tuning; ratios are the bench's own.", allreduce_ccl),
-    "training-step": Table(
-        (f"{RESULTS}/{STEP_DIR}/",),
-        f"img/s per rank: median over runs; {SAME_RUN}; the DDP goal's need is goal × the "
-        "median of ddp_gloo ÷ no_comm.", training_step),
-    "bucket-size": Table(
-        (f"{RESULTS}/{BUCKET_DIR}/",),
-        "÷ no_comm is each run's own ratio (both modes in one run); runs listed, not "
-        "summarised (two per size).", bucket_size),
-    "step-across-hosts": Table(
-        (f"{RESULTS}/{ACROSS_DIR}/",),
-        f"the runs whose JSON records a {ACROSS_RATE} tbf rate; step s is each run's mean step, "
-        f"min–max over runs; {SAME_RUN} (÷ DDP+gloo and ÷ ceiling are images/s ratios, CPU "
-        "added is the mode's CPU s per step minus no_comm's); eth0 MB is the median over runs.",
-        step_across_hosts),
-    "loader": Table((f"{RESULTS}/{LOADER_FILE}",),
-                    "images per CPU-second of the process; ratios are the bench's own, "
-                    "within the one run.", loader),
-    "optim-step": Table((f"{RESULTS}/{OPTIM_FILE}",),
-                        "median step of each optimizer in one run; the ratio is the bench's "
-                        "own (LARS ÷ SGD).", optim_step),
-    "bf16-speed": Table((f"{RESULTS}/{BF16_SPEED_DIR}/",),
-                        f"fp32 and bf16 ran as separate runs: {SEPARATE_RUNS} (median CPU s "
-                        "per step).", bf16_speed),
-    "bf16-accuracy": Table((f"{RESULTS}/{BF16_ACC_DIR}/",),
-                           "top-1 of each seed's two runs; the mean row is the mean over "
-                           "seeds of each, then their difference.", bf16_accuracy),
-    "convergence": Table(
-        (f"{RESULTS}/{SAME_DECAY}", f"{RESULTS}/{OTHER_DECAY}"),
-        "test top-1 mean ± sd [min–max] over 3 seeds (chosen lr; lrs tuned); differences "
-        "of means; 'better final' is the higher of the two SGD policies' test means; "
-        "holdout is the tuning score of the chosen lr (one run on the holdout split).",
-        convergence),
-    "relaxed-call-site": Table(
-        tuple(f"{RESULTS}/{n}" for n in RELAXED_FILES.values()),
-        "top-1 mean and sample sd over seeds, Δ against sync's mean; bytes each rank passed "
-        "to allreduce at the call site, sync's over this run's.", relaxed_call_site),
-    "relaxed-network": Table(
-        (f"{RESULTS}/{NETWORK_DIR}/",),
-        "bytes each host's eth0 sent over the run; per host = each host's sync (or ddp_sync) "
-        "bytes over its own bytes in this run; in total = both hosts summed on each side.",
-        relaxed_network),
-    "planner-windows": Table(tuple(f"{RESULTS}/{p}" for p in WINDOWS),
-                             "ratio = predicted ÷ median measured step of the repeats; spread "
-                             "= (slowest − fastest repeat) ÷ their median, the JSON's `spread`.",
-                             planner_windows),
-    "planner-held-out": Table((f"{RESULTS}/{HELD_OUT}",),
-                              "ratio = predicted ÷ median measured step of the repeats.",
-                              planner_held_out),
-    "planner-papers": Table(
-        tuple(f"{RESULTS}/{PAPERS_DIR}/{name}" for name, *_ in PAPERS),
-        "per-iteration terms and the total as each plan's JSON records them; steps = epochs × "
-        "dataset ÷ global batch; 'bound by' is the dominant term's share of the iteration "
-        "(exposed allreduce, or compute); published minutes are the paper's.", planner_papers),
-    "planner-relaxed": Table(
-        tuple(f"{RESULTS}/{PAPERS_DIR}/relaxed-{stem}-skx-{key}.json"
-              for stem, _ in RELAXED_PLANS for key, _ in RELAXED_POLICIES),
-        "each cell is one plan's `total_s` ÷ 60 (the command in each JSON; warm-up steps "
-        "synchronous).", planner_relaxed),
-    "planner-sensitivity": Table(
-        tuple(f"{RESULTS}/{PAPERS_DIR}/{stem}{suffix}.json"
-              for stem, _, runs in SENSITIVITY_PLANS for suffix in runs),
-        "each cell is one plan's `total_s` ÷ 60; '—' where no such plan was run.",
-        planner_sensitivity),
-    "simulate-papers": Table(
-        tuple(f"{RESULTS}/{_simulated_file(stem, *c)}"
-              for stem, *_ in SIMULATED_RUNS for c in SIMULATED_CELLS[stem]),
-        "the 2,048-rank row of each simulation's JSON (`simulation.rows`): the formula's "
-        "figure, then SimGrid's, and their ratio (`comm_ratio`, `iteration_ratio`).",
-        simulate_papers),
-    "simulate-scaling": Table(
-        tuple(f"{RESULTS}/{_simulated_file(stem, *c)}"
-              for stem, *_ in SIMULATED_RUNS for c in SCALING_CELLS),
-        "every row of each simulation's sweep (`simulation.rows`); 'random nb' is random "
-        "placement on the non-blocking tree.", simulate_scaling),
-    "planner-network": Table(
-        (f"{RESULTS}/{PLAN_NETWORK}",),
-        "predicted ÷ measured allreduce time of each row (both runs), the network calibrated "
-        "at 2gbit on 2 hosts; held out = every row at 3 hosts or at 1gbit; cells are min–max "
-        "over the held-out rows of that layout.", planner_network),
-    "checkpoint-cost": Table(
-        (f"{RESULTS}/{CKPT_FILE}",),
-        "bytes are `/proc/self/io` (`rchar`, `wchar`) before and after, on every rank; rank ≠ 0 "
-        "is the largest of the other ranks at each P; growth is the bench's least-squares fit "
-        f"a + b·P over the measured P (a fitted change under {NOISE_BYTES} bytes over that "
-        "range counts as none); at 2,048 is the bench's extrapolation: the fit at P = 2,048 "
-        "with the tiny model's `model.pt` and BN statistics replaced by the full model's; in all "
-        "= rank 0 + (P − 1) × the others; 'before' figures are what the gathered design moved: "
-        "every rank's state through rank 0 (in all minus rank 0's write) and everything written "
-        "read by every rank.", checkpoint_cost),
-    "demo-headline": Table((f"{RESULTS}/{DEMO_TIME}",),
-                           "top-1 and wall time as the timed run's record holds them.",
-                           demo_headline),
-    "demo": Table((f"{RESULTS}/{DEMO_SEEDS}", f"{RESULTS}/{DEMO_TIME}"),
-                  "top-1 on the 1,000 held-out images at the last epoch; wall = the timed "
-                  "run's summary.json.", demo),
-}
 
 #: the summary reads what these blocks show, so it names their raw files as its own
 SUMMARY_OF = ("allreduce-ratios", "training-step", "step-across-hosts", "loader", "optim-step",

@@ -144,6 +144,10 @@ SCHEDULES = {"poly": PolySchedule, "step": StepSchedule, "cosine": CosineSchedul
 
 _COMMON_KEYS = {"name", "base_lr", "warmup_epochs", "warmup_steps", "warmup_start_lr", "end_lr",
                 "decay_over", "warmup_power"}
+#: recipe keys handed to the schedule's constructor as they are: a key the recipe leaves out
+#: takes the constructor's default
+_PASSED = {"warmup_start_lr": float, "end_lr": float, "decay_over": str, "warmup_power": float,
+           "power": float, "gamma": float}
 _KEYS = {"poly": _COMMON_KEYS | {"power"},
          "step": _COMMON_KEYS | {"milestones", "gamma"},
          "cosine": _COMMON_KEYS}
@@ -176,16 +180,9 @@ def create_schedule(cfg: Mapping[str, Any], steps_per_epoch: int, total_steps: i
         raise ValueError(f"schedule ({name}): base_lr is missing")
     if steps_per_epoch <= 0:
         raise ValueError(f"schedule: steps_per_epoch must be > 0, got {steps_per_epoch}")
-    common = dict(base_lr=float(cfg["base_lr"]), total_steps=int(total_steps),
-                  warmup_steps=_warmup_steps(cfg, steps_per_epoch),
-                  warmup_start_lr=float(cfg.get("warmup_start_lr", 0.0)),
-                  end_lr=float(cfg.get("end_lr", 0.0)),
-                  decay_over=str(cfg.get("decay_over", "after_warmup")),
-                  warmup_power=float(cfg.get("warmup_power", 1.0)))
-    if name == "poly":
-        return PolySchedule(power=float(cfg.get("power", 2.0)), **common)
+    options = {key: convert(cfg[key]) for key, convert in _PASSED.items() if key in cfg}
     if name == "step":
-        milestones = [round(float(e) * steps_per_epoch) for e in cfg.get("milestones", [])]
-        return StepSchedule(milestone_steps=milestones, gamma=float(cfg.get("gamma", 0.1)),
-                            **common)
-    return CosineSchedule(**common)
+        options["milestone_steps"] = [round(float(e) * steps_per_epoch)
+                                      for e in cfg.get("milestones", [])]
+    return SCHEDULES[name](float(cfg["base_lr"]), int(total_steps),
+                           warmup_steps=_warmup_steps(cfg, steps_per_epoch), **options)

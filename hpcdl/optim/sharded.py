@@ -1,22 +1,14 @@
 """Weight-update sharding: each rank steps only its slice of the parameters.
 
 Xu et al., "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training"
-(arXiv:2004.13336, 2020), the technique of the TPU-pod LARS runs: an allreduce is a
-reduce-scatter followed by an allgather, so the weight update can sit between the two:
-
-1. the gradient buckets are **reduce-scattered** during backward (the reducer's
-   ``reduce_scatter=True``): after ``synchronize`` rank r holds the world's average of its
-   slice ``comm.shard_bounds(numel)[r:r+2]`` of every bucket, and nothing else;
-2. LARS's per-layer norms ‖w‖ and ‖g‖ (You et al., arXiv:1708.03888, eq. 6) are completed by
-   **one small allreduce** of per-layer partial sums of squares over the slices (the
-   optimizer's only non-elementwise part, so its only extra collective);
-3. each rank runs the optimizer's elementwise update on its slice only (the optimizer's work
-   divided by P), with the rate of the layer each element belongs to;
-4. the updated slices are **allgathered** into every rank's parameters, bucket by bucket on
-   the reducer's communication thread while the next bucket updates; on ``shm`` each rank
-   reads its peers' slices straight from their window regions (``publish_flat_``: one copy
-   of the model fewer than allgather-then-unpack, measured in docs/performance.md).
-
+(arXiv:2004.13336, 2020): an allreduce is a reduce-scatter followed by an allgather, so the
+weight update can sit between the two. The reducer reduce-scatters the gradient buckets during
+backward (``reduce_scatter=True``: after ``synchronize`` rank r holds the world's average of its
+slice ``comm.shard_bounds(numel)[r:r+2]`` of every bucket); LARS's per-layer norms ‖w‖ and ‖g‖
+(You et al., arXiv:1708.03888, eq. 6) are completed by one small allreduce of per-layer partial
+sums of squares; each rank runs the elementwise update on its slice only; the updated slices
+are allgathered into every rank's parameters bucket by bucket, on the reducer's thread while
+the next bucket updates (docs/comm.md, "Weight-update sharding": the path on each backend).
 Same bytes on the wire as the allreduce, the optimizer's memory traffic and its momentum
 buffers divided by P. Choices, with their reasons:
 

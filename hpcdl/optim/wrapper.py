@@ -11,6 +11,12 @@ import torch
 __all__ = ["OptimizerWrapper"]
 
 
+def _shared(name: str) -> property:
+    """The wrapped optimizer's attribute ``name`` itself, read and assigned through."""
+    return property(lambda self: getattr(self.optimizer, name),
+                    lambda self, value: setattr(self.optimizer, name, value))
+
+
 class OptimizerWrapper(torch.optim.Optimizer):
     """Base of :class:`hpcdl.optim.sharded.ShardedOptimizer` and
     :class:`hpcdl.DistributedOptimizer`. A subclass sets ``self.optimizer`` and does not call
@@ -18,30 +24,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
     wrapper lacks go to :meth:`_delegate` (the wrapped optimizer unless overridden)."""
 
     optimizer: torch.optim.Optimizer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+    param_groups = _shared("param_groups")
+    state = _shared("state")
+    defaults = _shared("defaults")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

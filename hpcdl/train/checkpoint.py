@@ -1,20 +1,11 @@
 """Checkpoints: what an exact resume needs, written by every rank in parallel, committed by
 one rename, checked by sha256, read with weights_only.
 
-A checkpoint is a directory ``RUN_DIR/checkpoints/ckpt-STEP.pt/``:
-
-==================  ===========================================================================
-``manifest.json``   the run's position (global step, epoch, batch offset, global batch, the
-                    layout that wrote it), the recipe and model, the checkpoint's *line* and
-                    write sequence, and the size and sha256 of every other file; its own sha256
-                    over its content (``digest``)
-``model.pt``        what every rank shares: model and optimizer state, the consistency policy's
-                    shared state, and the mean of every rank's BN running statistics (what an
-                    elastic resume starts from); written by rank 0
-``rank-XXXXX.pt``   what is rank XXXXX's own: torch/numpy/Python RNG states, BN running
-                    statistics, the policy's per-rank state (local SGD's diverged replica,
-                    PowerSGD's error feedback); written by that rank
-==================  ===========================================================================
+A checkpoint is a directory ``RUN_DIR/checkpoints/ckpt-STEP.pt/`` (what each file holds:
+docs/training.md, "Checkpoints and resume"): ``manifest.json`` (the run's position, the layout
+that wrote it, the recipe and model, the checkpoint's *line* and write sequence, the size and
+sha256 of every other file, and its own ``digest``), ``model.pt`` (what every rank shares,
+written by rank 0) and ``rank-XXXXX.pt`` (what is rank XXXXX's own, written by that rank).
 
 Why this layout (each rank's cost must not grow with the rank count P):
 
@@ -558,8 +549,8 @@ def start_line(run_dir: str, source: str | None) -> str:
                  "lines in %s are kept, not pruned: remove them when they are not needed",
                  f"from {source}" if source else "from step 0", len(others),
                  checkpoint_dir(run_dir))
-    elif os.path.exists(record):
-        os.unlink(record)
+    else:
+        line_recorded(run_dir)
     return line
 
 

@@ -54,11 +54,11 @@ def _yaml_load(text_or_file: Any) -> Any:
 
 @dataclass
 class DataConfig:
-    image_size: int = 224
-    val_resize: int = 256
-    min_scale: float = 0.08
-    workers: int = 4
-    rotate_shards: bool = False
+    image_size: int = 224        # side of the square training crop, px
+    val_resize: int = 256        # validation: short side resized to this, then center-cropped
+    min_scale: float = 0.08      # random_resized: smallest share of the image's area cropped
+    workers: int = 4             # decoding threads per rank
+    rotate_shards: bool = False  # a node reads other shards each epoch (all staged on it)
     # Train crop: random_resized (Inception/torchvision, min_scale..1), or Caffe's fixed-size
     # crop after resizing to val_resize² (caffe_square) or short side val_resize
     # (caffe_short_side), hpcdl.data.augment.caffe_crop_boxes.

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from hpcdl.io import atomic_write_text
+from hpcdl.io import Closing, atomic_write_text
 
 __all__ = ["MetricsWriter", "read_metrics", "write_summary", "read_summary", "params_sha256"]
 
@@ -62,7 +62,7 @@ def tensorboard_events(directory: str, resume_step: int | None) -> TensorBoardEv
         return None
 
 
-class MetricsWriter:
+class MetricsWriter(Closing):
     """Append-only ``metrics.jsonl``; a line is flushed as soon as it is written, so ``tail -f``
     and a crash both see every completed step. Each record also goes to TensorBoard event files
     in ``tensorboard/`` beside it when the package is installed (``tensorboard=False``: never)."""
@@ -90,12 +90,6 @@ class MetricsWriter:
         if self._events is not None:
             self._events.close()
             self._events = None
-
-    def __enter__(self) -> MetricsWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
