@@ -1024,7 +1024,7 @@ def demo_headline(root: Path) -> str:
 
 # ---- checkpoint cost at scale ----------------------------------------------------------
 
-CKPT_FILE = "checkpoint-cost-2026-12-02.json"
+CKPT_FILE = "checkpoint-cost-p32-2026-12-02.json"
 CKPT_P = 2048  # the rank count of the bench's extrapolation (its summary's ``at_2048``)
 CKPT_MODELS = (("resnet50", "ResNet-50"), ("alexnet_bn", "AlexNet-BN"))
 RESUME_TESTS = ("`tests/test_resume_reads.py::test_what_a_rank_reads_at_resume_does_not_grow_"
