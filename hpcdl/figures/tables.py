@@ -1190,6 +1190,46 @@ def _ckpt_growth_line(rows: Mapping[str, Any]) -> str:
     return line + "."
 
 
+# ---- start-up exchanges at scale --------------------------------------------------------
+
+STARTUP_FILE = "startup-cost-2026-12-02.json"
+STARTUP_ROWS = (("comm_init", "`hpcdl.comm.init` (auto: `shm`), rank ≠ 0"),
+                ("threads", "compute threads (`configure_threads`), rank ≠ 0"),
+                ("watchdog", "stall watchdog in the run directory, rank ≠ 0"),
+                ("trainer", "trainer start (loaders, model broadcast, replica check), rank ≠ 0"),
+                ("doctor", "`hpcdl doctor`, rank ≠ 0"), ("doctor_rank0", "`hpcdl doctor`, rank 0"),
+                ("ltfb", "LTFB start (2 trainers), rank ≠ 0"))
+
+
+def _tests(tests: Sequence[str]) -> str:
+    """``file::a``, ``...::b``: tests of one file, the file named once."""
+    return ", ".join(f"`{t}`" if i == 0 else f"`...::{t.split('::')[1]}`"
+                     for i, t in enumerate(tests))
+
+
+def startup_cost(root: Path) -> str:
+    """Bytes each rank receives in each start-up phase, with its calls, fit, 2,048-rank value,
+    bound and test: the bench's rows and its own table of bounds."""
+    report = load(root, STARTUP_FILE)
+    s = report["summary"]
+    ps = s["rows"]["comm_init.received"]["P"]
+    rows = []
+    for phase, label in STARTUP_ROWS:
+        side, bound, tests = s["bounds"][phase]
+        key = phase.removesuffix("_rank0")
+        calls = s["rows"][f"{key}.messages"]["rank0" if side == "rank0" else "other_max"]
+        lo, hi = min(calls), max(calls)
+        rows.append([f"{label}: bytes received ({lo if lo == hi else f'{lo}–{hi}'} MPI calls)",
+                     *_ckpt_row(s["rows"], f"{key}.received", side, "B"), bound, _tests(tests)])
+    header = ["what", f"per rank, measured P = {' / '.join(map(str, ps))}", "growth (fit)",
+              *(f"at {CKPT_P:,}: {label}" for _, label in CKPT_MODELS), "bound", "held by"]
+    m = report["machine"]
+    run = (f"`{report['command']}` ({report['measured']}, P = {', '.join(map(str, ps))}, "
+           f"{report['runs'][0]['ranks_per_node']} ranks a node). Machine: {m['cores']}-core "
+           f"{m['cpu']}, load average {m['load_1_5_15'].split()[0]} at the end.")
+    return f"{run}\n\n{md(header, rows, right=9)}"
+
+
 TABLES: dict[str, Table] = {
     "allreduce-busbw": Table(
         tuple(f"{RESULTS}/{n}" for p in (2, 4) for n in ALLREDUCE_FILES[p]),
@@ -1293,6 +1333,14 @@ TABLES: dict[str, Table] = {
         "= rank 0 + (P − 1) × the others; 'before' figures are what the gathered design moved: "
         "every rank's state through rank 0 (in all minus rank 0's write) and everything written "
         "read by every rank.", checkpoint_cost),
+    "startup-cost": Table(
+        (f"{RESULTS}/{STARTUP_FILE}",),
+        "bytes are the payload of every MPI call the library made (the pickled object, or the "
+        "buffer) as a counting communicator saw it on every rank; rank ≠ 0 is the largest of "
+        "the other ranks at each P; growth is the bench's least-squares fit a + b·P (a fitted "
+        f"change under {NOISE_BYTES} bytes over the measured range counts as none); at 2,048 "
+        "is the fit there, with the trainer's model broadcast swapped for the full model's "
+        "(host names are this machine's: the bound allows 64 characters).", startup_cost),
     "demo-headline": Table((f"{RESULTS}/{DEMO_TIME}",),
                            "top-1 and wall time as the timed run's record holds them.",
                            demo_headline),
