@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from checkpoint_cost import TARGET_P, machine, model_terms
+from checkpoint_cost import TARGET_P, model_terms, write_report
 
 from hpcdl.figures.growth import fit
 
@@ -326,14 +326,9 @@ def main() -> None:
             f.write(json.dumps(report, indent=1) + "\n")
         return
     runs = measure(args.ranks)
-    report = {"command": "python3 benchmarks/startup_cost.py --ranks "
-                         + " ".join(map(str, args.ranks)),
-              "measured": runs.pop(), "machine": machine(), "runs": runs,
-              "summary": summarize(runs)}
-    text = json.dumps(report, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    started = runs.pop()
+    report = write_report(os.path.basename(__file__), args.ranks, started, runs,
+                          summarize(runs), args.json)
     for key, row in report["summary"]["rows"].items():
         print(f"{key:22s} rank0 {row['rank0']} other {row['other_max']} "
               f"fit0 {row['fit_rank0'][1]:+.1f}/P fit1 {row['fit_other'][1]:+.1f}/P")

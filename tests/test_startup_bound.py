@@ -28,6 +28,19 @@ SCRIPT = textwrap.dedent("""
 BOUND_S = 90
 
 
+def run_within_bound(cmd: list[str], env: dict[str, str], cwd=None) -> tuple[int, str]:
+    """(exit code, output) of ``cmd``; a job still running after BOUND_S fails the test."""
+    job = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = job.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail(f"{' '.join(cmd)}: start-up hung (killed after {BOUND_S} s, no bound): "
+                    f"{job.communicate()[0]}")
+    return job.returncode, out
+
+
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
 def test_a_rank_held_at_start_up_ends_the_job_saying_what_to_try(tmp_path, backend):
@@ -36,15 +49,9 @@ def test_a_rank_held_at_start_up_ends_the_job_saying_what_to_try(tmp_path, backe
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HPCDL_STARTUP_TIMEOUT_S": "5",
            "HPCDL_INJECT": "1:startup:sleep=600"}
     env.pop("MPIEXEC_TIMEOUT", None)
-    job = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, str(script), backend],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
-    try:
-        out, _ = job.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        pytest.fail(f"start-up hung (killed after {BOUND_S} s): {job.communicate()[0]}")
-    assert job.returncode == STALL_EXIT_CODE, out
+    code, out = run_within_bound(["mpiexec", "-n", "2", sys.executable, str(script), backend],
+                                 env)
+    assert code == STALL_EXIT_CODE, out
     assert "started" not in out
     line = next((ln for ln in out.splitlines() if ln.startswith("[rank 1 ")), "")
     assert "start-up did not end within HPCDL_STARTUP_TIMEOUT_S=5 s: stuck in creating the " \
@@ -91,16 +98,8 @@ def silent_pmi():
 
 
 def _hpcdl(argv: list[str], env: dict[str, str], cwd) -> subprocess.CompletedProcess:
-    job = subprocess.Popen([sys.executable, "-m", "hpcdl.cli.main", *argv], env=env, cwd=cwd,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
-    try:
-        out, _ = job.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        pytest.fail(f"hpcdl {' '.join(argv)}: MPI_Init held past {BOUND_S} s, no bound: "
-                    f"{job.communicate()[0]}")
-    return subprocess.CompletedProcess(argv, job.returncode, out)
+    code, out = run_within_bound([sys.executable, "-m", "hpcdl.cli.main", *argv], env, cwd)
+    return subprocess.CompletedProcess(argv, code, out)
 
 
 @pytest.mark.skipif(not _mpich(), reason="needs MPICH's simple PMI client (PMI_PORT)")
