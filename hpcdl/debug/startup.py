@@ -121,13 +121,27 @@ def _init_releasing_the_gil(mpi) -> None:
     required = getattr(mpi, f"THREAD_{level.upper()}" if level in _THREAD_LEVELS
                        else "THREAD_MULTIPLE")
     provided = ctypes.c_int(0)
-    # the extension's handle finds the symbol in the libmpi it was linked against
-    init_thread = ctypes.CDLL(mpi.__file__).MPI_Init_thread
-    if init_thread(None, None, ctypes.c_int(required), ctypes.byref(provided)) != 0:
+    init_thread = _mpi_init_thread_symbol(mpi.__file__)
+    if init_thread is None:  # no symbol to call without the GIL: mpi4py's own (unwatched)
+        mpi.Init_thread(required)
+    elif init_thread(None, None, ctypes.c_int(required), ctypes.byref(provided)) != 0:
         raise RuntimeError("MPI_Init_thread failed")
     if str(mpi4py.rc.errors) == "exception":  # what mpi4py sets after its own MPI_Init
         for comm in (mpi.COMM_SELF, mpi.COMM_WORLD):
             comm.Set_errhandler(mpi.ERRORS_RETURN)
+
+
+def _mpi_init_thread_symbol(extension: str):
+    """MPI_Init_thread of the libmpi mpi4py's extension uses: found through the extension's
+    own handle (the library it links), else in the process's global scope; None if neither."""
+    import ctypes
+
+    for handle in (extension, None):
+        try:
+            return ctypes.CDLL(handle).MPI_Init_thread
+        except (AttributeError, OSError):
+            continue
+    return None
 
 
 class _BoundedLoader(importlib.abc.Loader):
