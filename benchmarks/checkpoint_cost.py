@@ -216,6 +216,18 @@ def machine() -> dict[str, str]:
                     "and message counts do not depend on load; nothing here is timed"}
 
 
+def write_report(script: str, ranks: list[int], started: str, runs: list[dict],
+                 summary: dict, path: str | None) -> dict:
+    """The raw file's record: the command, when, the machine, every run and the summary;
+    written to ``path`` when given."""
+    report = {"command": f"python3 benchmarks/{script} --ranks " + " ".join(map(str, ranks)),
+              "measured": started, "machine": machine(), "runs": runs, "summary": summary}
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(report, indent=1) + "\n")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
@@ -242,14 +254,8 @@ def main() -> None:
                             os.path.join(tmp, f"run{p}"), out], env=env, check=True)
             with open(out) as f:
                 runs.append(json.load(f))
-    report = {"command": "python3 benchmarks/checkpoint_cost.py --ranks "
-                         + " ".join(map(str, args.ranks)),
-              "measured": started, "machine": machine(), "runs": runs,
-              "summary": summarize(runs)}
-    text = json.dumps(report, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    report = write_report(os.path.basename(__file__), args.ranks, started, runs,
+                          summarize(runs), args.json)
     for key, row in report["summary"]["rows"].items():
         print(f"{key:30s} rank0 {row['rank0']} other {row['other_max']} "
               f"fit0 {row['fit_rank0'][1]:+.1f}/P fit1 {row['fit_other'][1]:+.1f}/P "

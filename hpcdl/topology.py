@@ -51,11 +51,16 @@ def node_layout(world=None, ranks_per_node: int | None = None) -> tuple[int, int
     local = split_nodes(world, ranks_per_node)
     try:
         local_rank, local_size = local.rank, local.size
-        leader = local.bcast(world.rank, root=0)
+        # A node's index is the number of leaders (lowest ranks of their node) below its own:
+        # an exclusive prefix sum over the world, O(1) a rank where every rank's leader
+        # gathered everywhere was O(P).
+        is_leader = int(local_rank == 0)
+        below = world.exscan(is_leader)  # None on rank 0
+        num_nodes = world.allreduce(is_leader)
+        node_index = local.bcast(below or 0, root=0)
     finally:
         local.Free()
-    leaders = sorted(set(world.allgather(leader)))
-    return leaders.index(leader), len(leaders), local_rank, local_size
+    return node_index, num_nodes, local_rank, local_size
 
 
 def node_path(template: str, node_index: int) -> str:

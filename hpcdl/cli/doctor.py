@@ -44,7 +44,12 @@ def run(args: argparse.Namespace) -> int:
     from hpcdl.debug.startup import import_mpi_within_bound
 
     MPI = import_mpi_within_bound()  # MPI_Init, bounded (HPCDL_STARTUP_TIMEOUT_S)
+    return check_world(MPI.COMM_WORLD, args)
 
+
+def check_world(world, args: argparse.Namespace) -> int:
+    """The doctor over ``world`` (collective): every rank's findings to rank 0, which prints
+    them; every rank returns the exit code."""
     from hpcdl.debug.doctor import (
         collect_rank_info,
         diagnose,
@@ -56,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
     from hpcdl.debug.hosts import probe_clock
     from hpcdl.results import write_json
 
-    world = MPI.COMM_WORLD
     if not hosts_reach_each_other(world):
         world.Abort(1)
     # A missing --staging on some node is a finding (an error naming the host), not an early

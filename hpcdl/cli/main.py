@@ -10,6 +10,9 @@ line, ``hpcdl CMD: what is wrong and what to do``, and exit code 2: printed by r
 every rank raised it (``agreed``), else by the rank that did, which then aborts the job (the
 others may be waiting for it in a collective). ``--log-level debug`` or ``HPCDL_DEBUG=1`` add
 the traceback.
+
+Every command's MPI_Init is bounded here (``HPCDL_STARTUP_TIMEOUT_S``,
+hpcdl/debug/startup.py), on the first import of ``mpi4py.MPI`` wherever it happens.
 """
 from __future__ import annotations
 
@@ -80,7 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         check_environment()  # every HPCDL_* variable, before the command does anything
-        return int(args._run(args) or 0)
+        from hpcdl.debug.startup import mpi_init_bounded
+
+        # Written once for every command: MPI_Init, wherever a command first imports mpi4py,
+        # ends within HPCDL_STARTUP_TIMEOUT_S; commands that never import it never start MPI.
+        with mpi_init_bounded():
+            return int(args._run(args) or 0)
     except BadInputError as error:
         return report_bad_input(args.command, error, _debug(args))
     except SystemExit as stop:

@@ -240,8 +240,10 @@ class Communicator:
         self.leader_comm = self._comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
         ids = (self.leader_comm.rank, self.leader_comm.size) if is_leader else None
         self.node_index, self.num_nodes = self.node_comm.bcast(ids, root=0)
-        local_sizes = self._comm.allgather(self.local_size)
-        self.uniform_nodes = len(set(local_sizes)) == 1
+        # the largest and smallest node in one allreduce: O(1) a rank, not every rank's size
+        sizes = np.array([self.local_size, -self.local_size], dtype=np.int64)
+        self._comm.Allreduce(MPI.IN_PLACE, sizes, op=MPI.MAX)
+        self.uniform_nodes = bool(sizes[0] == -sizes[1])
 
     # -- the seam ------------------------------------------------------------------------
     def _collective(self, name: str, meta: dict[str, Any], fn: Callable[[], Any]) -> Any:
@@ -260,17 +262,19 @@ class Communicator:
             return fn()
 
     def _check_signature(self, name: str, meta: dict[str, Any], force: bool = False) -> None:
-        """Allgather an 8-byte hash of what this rank passed; on disagreement, gather the
-        descriptions and raise on every rank. Costs one tiny Allgather per new layout."""
+        """Compare an 8-byte hash of what this rank passed across the ranks; on disagreement,
+        gather the descriptions and raise on every rank. Costs one 16-byte Allreduce per new
+        layout, whatever the rank count: the largest hash and the largest negated hash are
+        equal up to sign only when every rank passed the same hash."""
         text = describe_meta(name, meta)
         digest = signature_hash(text)
         if digest in self._checked and not (force or debug_enabled()):
             return
-        mine = np.array([digest], dtype=np.int64)
-        everyone = np.empty(self.size, dtype=np.int64)
+        half = digest >> 1  # 63 bits: its negation cannot overflow
+        extremes = np.array([half, -half], dtype=np.int64)
         with self._monitor.watch(f"signature check of {name}", meta):
-            self._check_comm.Allgather(mine, everyone)
-        if np.all(everyone == everyone[0]):
+            self._check_comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MAX)
+        if extremes[0] == -extremes[1]:
             self._checked.add(digest)
             return
         raise CollectiveMismatchError(mismatch_message(name, self._check_comm.allgather(text)))

@@ -66,9 +66,12 @@ def reach_problems(mpi_comm: Any, timeout_s: float = REACH_TIMEOUT_S,
         for rank in sorted(hosts):
             leaders.setdefault(hosts[rank], rank)
         problems = {me: [f"rank {r}" for r in range(size) if r not in hosts]}
+        first_ranks = set(leaders.values())
         for rank in range(1, size):
-            if rank in hosts:
-                mpi_comm.isend(leaders, dest=rank, tag=TAG_LEADERS)
+            if rank in hosts:  # the peer list to a host's first rank; to the others, that
+                # rank 0 heard them (a list to every rank would be O(P x hosts) from rank 0)
+                mpi_comm.isend(leaders if rank in first_ranks else {}, dest=rank,
+                               tag=TAG_LEADERS)
         problems[me] += probe_peers(mpi_comm, {h: r for h, r in leaders.items() if h != me},
                                     timeout_s)
         reports = poll({h: mpi_comm.irecv(source=r, tag=TAG_REPORT)

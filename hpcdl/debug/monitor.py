@@ -121,6 +121,7 @@ class CollectiveMonitor:
         self.seq = 0
         self.wait_s = 0.0  # seconds spent inside watched collectives, summed
         self.hosts: list[str] = []  # every rank's host (watch_collectives)
+        self.job: str | None = None  # the job id of the heartbeat directory (watch_collectives)
         now = time.time()
         self.state: tuple[int, str, dict, float, bool] = (0, "", {}, now, False)
         self.activity: tuple[str, float] = ("", now)
@@ -200,15 +201,18 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
     """
     import socket
 
-    unwatch_collectives(comm)
     mpi_comm = comm.mpi_comm
-    me = (socket.gethostname(), uuid.uuid4().hex if mpi_comm.Get_rank() == 0 else None)
-    peers = mpi_comm.allgather(me)  # every rank's host, for reports that lack heartbeats
-    job = peers[0][1]
+    previous = comm.monitor  # hpcdl.comm.init's: the same ranks, their hosts already known
+    hosts, job = getattr(previous, "hosts", None), getattr(previous, "job", None)
+    unwatch_collectives(comm)
+    if not (job and hosts and len(hosts) == comm.size):
+        me = (socket.gethostname(), uuid.uuid4().hex if mpi_comm.Get_rank() == 0 else None)
+        peers = mpi_comm.allgather(me)  # every rank's host, for reports that lack heartbeats
+        hosts, job = [host for host, _ in peers], peers[0][1]
     monitor = CollectiveMonitor(comm.rank, comm.size,
                                 record=debug_enabled() if record is None else record,
                                 timeline=timeline, injection=env_text("HPCDL_INJECT"))
-    monitor.hosts = [host for host, _ in peers]
+    monitor.hosts, monitor.job = hosts, job
     from mpi4py import MPI
 
     announce_injection(MPI.COMM_WORLD.Get_rank())  # parsed above: a bad value raised there
@@ -223,7 +227,7 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
             heartbeat_dir = default_heartbeat_dir(job)
             monitor.owns_heartbeat_dir = True
         monitor.watchdog = StallWatchdog(monitor, thresholds, heartbeat_dir, job, abort,
-                                         hosts=monitor.hosts,
+                                         hosts=hosts,
                                          exit_process=exit_process)
         monitor.watchdog.start()
     comm.set_monitor(monitor)

@@ -12,10 +12,18 @@ this rank's children and calls ``os._exit`` with the stall exit code, and the la
 the other ranks. Start-up on many ranks is slow but not that slow: MPI_Init and a
 communicator at 2,048 ranks take tens of seconds, so 300 s only ends a job that would not
 have started.
+
+Every ``hpcdl`` command runs with :func:`mpi_init_bounded` around it (hpcdl/cli/main.py): the
+first import of ``mpi4py.MPI`` in the process -- wherever a command, a bench or the library
+does it -- runs MPI_Init under the bound, and a command that never imports it (``plan``,
+``slurm render``, ``report``) never initialises MPI. The bound sits on the import itself
+because that is where MPI_Init happens (mpi4py's module initialisation); a list of the
+commands that use MPI would be one more thing to keep in step with the code.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import os
 import socket
 import sys
@@ -81,11 +89,117 @@ def startup_bound(what: str, limit_s: float | None = None) -> Iterator[None]:
         done.set()
 
 
+#: what the bound names while MPI_Init runs
+MPI_INIT = "MPI_Init (the launcher's PMI exchange)"
+_MPI_MODULE = "mpi4py.MPI"
+#: mpi4py.rc.thread_level's names
+_THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
+
+
 def import_mpi_within_bound():
     """``mpi4py.MPI``, imported -- which runs MPI_Init, the launcher's PMI exchange -- under
     the start-up bound when this is the process's first import of it."""
-    if "mpi4py.MPI" in sys.modules:
-        return sys.modules["mpi4py.MPI"]
-    with startup_bound("MPI_Init (the launcher's PMI exchange)"):
+    if _MPI_MODULE in sys.modules:
+        return sys.modules[_MPI_MODULE]
+    with mpi_init_bounded():
         from mpi4py import MPI
     return MPI
+
+
+def _init_releasing_the_gil(mpi) -> None:
+    """MPI_Init_thread as mpi4py's import would call it, but through ctypes, which releases
+    the GIL for the call: mpi4py's own initialisation holds it, so no thread -- the bound's
+    included -- runs while a PMI exchange hangs (measured: with PMI_PORT a socket that never
+    answers, ``import mpi4py.MPI`` held the process and a waiting thread never woke)."""
+    import ctypes
+
+    import mpi4py
+
+    level = str(mpi4py.rc.thread_level).lower()
+    required = getattr(mpi, f"THREAD_{level.upper()}" if level in _THREAD_LEVELS
+                       else "THREAD_MULTIPLE")
+    provided = ctypes.c_int(0)
+    init_thread = _mpi_init_thread_symbol(mpi.__file__)
+    if init_thread is None:  # no symbol to call without the GIL: mpi4py's own (unwatched)
+        mpi.Init_thread(required)
+    elif init_thread(None, None, ctypes.c_int(required), ctypes.byref(provided)) != 0:
+        raise RuntimeError("MPI_Init_thread failed")
+    if str(mpi4py.rc.errors) == "exception":  # what mpi4py sets after its own MPI_Init
+        for comm in (mpi.COMM_SELF, mpi.COMM_WORLD):
+            comm.Set_errhandler(mpi.ERRORS_RETURN)
+
+
+def _mpi_init_thread_symbol(extension: str):
+    """MPI_Init_thread of the libmpi mpi4py's extension uses: found through the extension's
+    own handle (the library it links), else in the process's global scope; None if neither."""
+    import ctypes
+
+    for handle in (extension, None):
+        try:
+            return ctypes.CDLL(handle).MPI_Init_thread
+        except (AttributeError, OSError):
+            continue
+    return None
+
+
+class _BoundedLoader(importlib.abc.Loader):
+    """mpi4py.MPI's own loader with MPI_Init taken out of the import (``mpi4py.rc.initialize``
+    off while the module runs) and run afterwards under the start-up bound, without the GIL.
+    MPI is finalised at exit as when mpi4py initialises it (``rc.finalize``)."""
+
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        import mpi4py
+
+        rc = mpi4py.rc
+        initialize = rc.initialize
+        if not initialize:  # the program initialises MPI itself: leave it so
+            self._inner.exec_module(module)
+            return
+        rc.initialize = False
+        if rc.finalize is None:
+            rc.finalize = True
+        try:
+            self._inner.exec_module(module)
+        finally:
+            rc.initialize = initialize
+        if not module.Is_initialized():
+            with startup_bound(MPI_INIT):
+                _init_releasing_the_gil(module)
+
+
+class _BoundedMPIFinder(importlib.abc.MetaPathFinder):
+    """Finds ``mpi4py.MPI`` where the other finders do (mpi4py installs its own, which picks
+    the build for the MPI found), and hands it the bounded loader."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _MPI_MODULE:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            ours = isinstance(finder, _BoundedMPIFinder)
+            spec = None if ours or find is None else find(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _BoundedLoader(spec.loader)
+                return spec
+        return None
+
+
+@contextlib.contextmanager
+def mpi_init_bounded() -> Iterator[None]:
+    """Within, the process's first import of ``mpi4py.MPI`` (MPI_Init) runs under the
+    start-up bound, whichever module imports it; nothing imports MPI that did not already."""
+    if any(isinstance(f, _BoundedMPIFinder) for f in sys.meta_path):  # nested: already on
+        yield
+        return
+    finder = _BoundedMPIFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)

@@ -1110,7 +1110,7 @@ def demo_headline(root: Path) -> str:
 
 # ---- checkpoint cost at scale ----------------------------------------------------------
 
-CKPT_FILE = "checkpoint-cost-2026-12-02.json"
+CKPT_FILE = "checkpoint-cost-p32-2026-12-02.json"
 CKPT_P = 2048  # the rank count of the bench's extrapolation (its summary's ``at_2048``)
 CKPT_MODELS = (("resnet50", "ResNet-50"), ("alexnet_bn", "AlexNet-BN"))
 RESUME_TESTS = ("`tests/test_resume_reads.py::test_what_a_rank_reads_at_resume_does_not_grow_"
@@ -1283,6 +1283,53 @@ def _ckpt_growth_line(rows: Mapping[str, Any]) -> str:
                  "by torch's 64-byte zip padding steps, and the largest of more ranks lands on "
                  "a higher step, not a record a rank")
     return line + "."
+
+
+# ---- start-up exchanges at scale --------------------------------------------------------
+
+STARTUP_FILE = "startup-cost-2026-12-02.json"
+STARTUP_ROWS = (("comm_init", "`hpcdl.comm.init` (auto: `shm`), rank ≠ 0"),
+                ("threads", "compute threads (`configure_threads`), rank ≠ 0"),
+                ("watchdog", "stall watchdog in the run directory, rank ≠ 0"),
+                ("trainer", "trainer start (loaders, model broadcast, replica check), rank ≠ 0"),
+                ("doctor", "`hpcdl doctor`, rank ≠ 0"), ("doctor_rank0", "`hpcdl doctor`, rank 0"),
+                ("ltfb", "LTFB start (2 trainers), rank ≠ 0"))
+
+
+def _tests(tests: Sequence[str]) -> str:
+    """``file::a``, ``...::b``: tests of one file, the file named once."""
+    return ", ".join(f"`{t}`" if i == 0 else f"`...::{t.split('::')[1]}`"
+                     for i, t in enumerate(tests))
+
+
+@table("startup-cost", STARTUP_FILE,
+       how="bytes are the payload of every MPI call the library made (the pickled object, or the "
+           "buffer) as a counting communicator saw it on every rank; rank ≠ 0 is the largest of "
+           "the other ranks at each P; growth is the bench's least-squares fit a + b·P (a fitted "
+           f"change under {NOISE_BYTES} bytes over the measured range counts as none); at 2,048 "
+           "is the fit there, with the trainer's model broadcast swapped for the full model's "
+           "(host names are this machine's: the bound allows 64 characters).")
+def startup_cost(root: Path) -> str:
+    """Bytes each rank receives in each start-up phase, with its calls, fit, 2,048-rank value,
+    bound and test: the bench's rows and its own table of bounds."""
+    report = load(root, STARTUP_FILE)
+    s = report["summary"]
+    ps = s["rows"]["comm_init.received"]["P"]
+    rows = []
+    for phase, label in STARTUP_ROWS:
+        side, bound, tests = s["bounds"][phase]
+        key = phase.removesuffix("_rank0")
+        calls = s["rows"][f"{key}.messages"]["rank0" if side == "rank0" else "other_max"]
+        lo, hi = min(calls), max(calls)
+        rows.append([f"{label}: bytes received ({lo if lo == hi else f'{lo}–{hi}'} MPI calls)",
+                     *_ckpt_row(s["rows"], f"{key}.received", side, "B"), bound, _tests(tests)])
+    header = ["what", f"per rank, measured P = {' / '.join(map(str, ps))}", "growth (fit)",
+              *(f"at {CKPT_P:,}: {label}" for _, label in CKPT_MODELS), "bound", "held by"]
+    m = report["machine"]
+    run = (f"`{report['command']}` ({report['measured']}, P = {', '.join(map(str, ps))}, "
+           f"{report['runs'][0]['ranks_per_node']} ranks a node). Machine: {m['cores']}-core "
+           f"{m['cpu']}, load average {m['load_1_5_15'].split()[0]} at the end.")
+    return f"{run}\n\n{md(header, rows, right=9)}"
 
 
 #: the summary reads what these blocks show, so it names their raw files as its own

@@ -317,7 +317,10 @@ class Trainer:
         """Allgather a sha256 of the parameters; raise naming the ranks that differ. (BN
         running statistics are per rank by design: each rank's own batches update them.)"""
         mine = self.params_sha256()
-        hashes = self.comm.mpi_comm.allgather(mine)
+        mpi = self.comm.mpi_comm
+        # rank 0's hash to all and one flag back (O(1) a rank); every hash only on a mismatch
+        differ = mpi.allreduce(int(mine != mpi.bcast(mine, root=0)))
+        hashes = mpi.allgather(mine) if differ else [mine]
         if len(set(hashes)) > 1:
             odd = [r for r, h in enumerate(hashes) if h != hashes[0]]
             raise RuntimeError(f"model replicas differ after the broadcast: ranks {odd} hold "
