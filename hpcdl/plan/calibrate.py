@@ -15,9 +15,11 @@ import argparse
 import datetime
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -148,8 +150,6 @@ def launched_world_size() -> int:
 def sleeping_barrier(comm, poll_s: float = 0.05) -> None:
     """A barrier whose waiting ranks sleep (MPI_Barrier spins a core: on a shared node it would
     slow the rank being waited for)."""
-    import time
-
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(poll_s)
@@ -158,9 +158,6 @@ def sleeping_barrier(comm, poll_s: float = 0.05) -> None:
 def timed_allreduce_s(comm, nbytes: int, repeats: int) -> float:
     """Median over ``repeats`` of the slowest rank's seconds for one in-place MPI_Allreduce
     of ``nbytes`` of float32 (one untimed call first)."""
-    import statistics
-    import time
-
     import numpy as np
     from mpi4py import MPI
 
@@ -178,9 +175,6 @@ def timed_allreduce_s(comm, nbytes: int, repeats: int) -> float:
 def ping_pong_s(comm, nbytes: int, repeats: int) -> float | None:
     """Median one-way seconds of ``nbytes`` between ranks 0 and 1 of ``comm`` (half the round
     trip); None on ranks other than 0."""
-    import statistics
-    import time
-
     import numpy as np
 
     buffer = np.zeros(max(1, nbytes), dtype=np.uint8)

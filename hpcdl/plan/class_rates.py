@@ -205,7 +205,7 @@ def overhead_s(repeats: int = 21) -> float:
 
 def measure_samples(batch: int, repeats: int, threads: int = 1,
                     log: Callable[[str], None] = print,
-                    before_each: Callable[[], Any] | None = None,
+                    before_each: Callable[[], Any] = lambda: None,
                     layers: Sequence[tuple] = REPRESENTATIVE,
                     optimizer: bool = True) -> list[Sample]:
     """Time every layer of ``layers`` (and the optimizer) with ``threads`` torch threads and
@@ -215,8 +215,7 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
     samples = []
     with torch_threads(threads):
         for op_class, kind, args, shape, input_grad in layers:
-            if before_each is not None:
-                before_each()
+            before_each()
             module = build(kind, args)
             rows = LINEAR_ROWS if op_class == "linear" else batch
             layer_class = "linear" if op_class == LINEAR_WEIGHTS else op_class
@@ -231,8 +230,7 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
             log(f"  {op_class:<15}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
                 f"{seconds * 1e3:.2f} ms")
         if optimizer:
-            if before_each is not None:
-                before_each()
+            before_each()
             samples.append(optimizer_sample(repeats, threads))
             log(f"  {OPTIMIZER:<15}LARS step over {len(OPTIMIZER_SHAPES)} tensors, "
                 f"{threads} thread(s): {samples[-1].seconds * 1e3:.2f} ms")

@@ -63,17 +63,9 @@ def rabenseifner_allreduce_s(p: int, n: float, alpha: float, beta: float,
 def hierarchical_allreduce_s(nodes: int, local_size: int, n: float,
                              alpha: float, beta: float,
                              alpha_intra: float, beta_intra: float, gamma: float) -> float:
-    """Two-level allreduce: reduce-scatter inside each node (q = local_size ranks, shared
-    memory), then the q ranks of a node each allreduce their n/q slice with the same slice
-    on the other nodes (ring across nodes; the q flows share the node's NIC, so the wire
-    carries n per node), then an allgather inside the node.
-
-        intra RS: (q−1)α_i + (q−1)/q·nβ_i + (q−1)/q·nγ
-        inter:    2(N−1)α + 2(N−1)/N·nβ + (N−1)/N·(n/q)γ
-        intra AG: (q−1)α_i + (q−1)/q·nβ_i
-
-    With q = 1 it is the ring across nodes; with one rank in all it is zero.
-    """
+    """Two-level allreduce: reduce-scatter among the q = ``local_size`` ranks of a node
+    (α_i, β_i), a ring allreduce of each n/q slice across the N nodes (the q flows share the
+    NIC), an allgather inside the node (the formula: docs/planner.md's allreduce table)."""
     q, big_n = max(1, local_size), max(1, nodes)
     if q * big_n <= 1 or n <= 0:
         return 0.0

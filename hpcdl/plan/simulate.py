@@ -107,6 +107,9 @@ class Fabric:
 
 
 def _fabric_value(path: str, key: str, raw: Any) -> Any:
+    if key not in FABRIC_FIGURES:
+        raise SimulationError(f"{path}: fabric.{key} is not a fabric figure (known: "
+                              f"{sorted(FABRIC_FIGURES)})")
     kind, what = FABRIC_FIGURES[key]
     try:
         value = kind(float(raw)) if kind is int else kind(raw)
@@ -130,9 +133,6 @@ def load_fabric(machine: Machine, overrides: Mapping[str, str] | None = None) ->
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key, leaf in (block or {}).items():
-        if key not in FABRIC_FIGURES:
-            raise SimulationError(f"{path}: fabric.{key} is not a fabric figure (known: "
-                                  f"{sorted(FABRIC_FIGURES)})")
         if not isinstance(leaf, Mapping) or "value" not in leaf \
                 or not str(leaf.get("source") or "").strip():
             raise SimulationError(f"{path}: fabric.{key} must be a mapping with 'value' and "
@@ -140,9 +140,6 @@ def load_fabric(machine: Machine, overrides: Mapping[str, str] | None = None) ->
         values[key] = _fabric_value(path, key, leaf["value"])
         sources[key] = str(leaf["source"]).strip()
     for key, raw in (overrides or {}).items():
-        if key not in FABRIC_FIGURES:
-            raise SimulationError(f"--fabric-set {key}=...: not a fabric figure (known: "
-                                  f"{sorted(FABRIC_FIGURES)})")
         values[key] = _fabric_value("--fabric-set", key, raw)
         sources[key] = "--fabric-set on the command line"
     return _fabric_from(values, sources, machine)
@@ -214,14 +211,8 @@ def _expand_one(item: str) -> list[str]:
 def node_positions(placement: str, nodes: int, fabric_nodes: int,
                    seed: int = 0) -> list[int]:
     """The fabric position (0-based host index, leaf = index // nodes_per_leaf) of each of
-    the job's ``nodes`` nodes, in rank order.
-
-    contiguous: the first nodes. scattered: a random set of the fabric's nodes in position
-    order, as Slurm lists a fragmented allocation (ranks follow the list). random: the same
-    set in random order (a hostfile shuffled, or ranks reordered: the worst case). A Slurm
-    node list: each name's digits read as one number, counted from 1 (``c001`` is position
-    0, ``c010`` position 9), on the assumption that numbered nodes fill leaves in order.
-    """
+    the job's ``nodes`` nodes, in rank order, for a ``placement`` of docs/planner.md's
+    "Placement" (a Slurm node list: each name's digits as a number counted from 1)."""
     if placement == "contiguous":
         return list(range(nodes))
     if placement in ("scattered", "random"):
@@ -671,11 +662,6 @@ def _main() -> int:
     json.dump({"seconds": seconds}, sys.stdout)
     return 0
 
-
-__all__ = ["Fabric", "Phase", "SimulatedRow", "Simulation", "SimulationError",
-           "allreduce_phases", "expand_nodelist", "find_simgrid", "hierarchical_phases",
-           "load_fabric", "node_positions", "rabenseifner_phases", "ring_phases",
-           "simulate", "simulate_plans", "simulation_table"]
 
 if __name__ == "__main__":
     sys.exit(_main())

@@ -247,18 +247,12 @@ def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str 
     return report
 
 
-def predict_row(machine: Any, work: Any, procs: int, args: argparse.Namespace,
-                batch: int | None = None) -> Any:
-    return predict_step(machine, work, procs, batch or args.batch_per_rank, args.allreduce,
-                        args.bucket_mb or CommConfig.bucket_mb)
-
-
 class ValidationRow:
     """One (workload, np): its prediction and the bench runs measured so far."""
 
     def __init__(self, machine: Any, work: Any, procs: int, args: argparse.Namespace) -> None:
         self.machine, self.work, self.procs = machine, work, procs
-        self.prediction = predict_row(machine, work, procs, args)
+        self.prediction = self.predict(args, args.batch_per_rank)
         self.runs: list[dict[str, float]] = []
         self.last_wall_s: float | None = None
         self.label = f"{work.model}@{work.image_size} np={procs}"
@@ -288,8 +282,12 @@ class ValidationRow:
               f"{self.last_wall_s:.0f} s wall)", flush=True)
         batch = int(run.get("batch_per_rank", args.batch_per_rank))
         if batch != self.prediction.batch_per_rank:   # the model is a pure function: redo it
-            self.prediction = predict_row(self.machine, self.work, self.procs, args, batch)
+            self.prediction = self.predict(args, batch)
         return True
+
+    def predict(self, args: argparse.Namespace, batch: int) -> Any:
+        return predict_step(self.machine, self.work, self.procs, batch, args.allreduce,
+                            args.bucket_mb or CommConfig.bucket_mb)
 
     def record(self) -> dict[str, Any]:
         """The row as the JSON holds it: prediction against the median run."""
