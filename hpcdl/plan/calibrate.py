@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -435,18 +436,17 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
                           "source": f"single node: no network; same as intra_node ({v['source']})"}
                       for k, v in intra.items()}
     doc["cpu"] = cpu
-    doc["measured"] = {k: v for k, v in m.items() if not isinstance(v, dict | list)}
+    measured = {k: v for k, v in m.items() if not isinstance(v, dict | list)}
     if "allreduce" in m:
-        doc["measured"]["allreduce_fit"] = m["allreduce"]
-    doc["measured"]["gamma_s_per_byte"] = gamma
-    for key in ("class_samples", "class_samples_threads"):
-        if key in m:
-            doc["measured"][key] = list(m[key])
-    for key in ("class_rates", "class_rates_threads", "thread_speedups", "class_curves",
-                "class_rates_corun", "contention"):
-        if key in m:
-            doc["measured"][key] = dict(m[key])
+        measured["allreduce_fit"] = m["allreduce"]
+    measured["gamma_s_per_byte"] = gamma
+    doc["measured"] = measured | {k: m[k] for k in RAW_SAMPLES if k in m}
     return doc
+
+
+#: the per-class measurements kept under ``measured`` as they were taken
+RAW_SAMPLES = ("class_samples", "class_samples_threads", "class_rates", "class_rates_threads",
+               "thread_speedups", "class_curves", "class_rates_corun", "contention")
 
 
 def with_network(doc: Mapping[str, Any], net: Mapping[str, Any]) -> dict:
@@ -492,9 +492,7 @@ def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[
 
     fractions = class_fractions(m["class_rates"], core_peak, m["stream_Bps_1_thread"])
     load = _load_text(m)
-    counts: dict[str, int] = {}
-    for sample in m.get("class_samples", []):
-        counts[sample["op_class"]] = counts.get(sample["op_class"], 0) + 1
+    counts = Counter(sample["op_class"] for sample in m.get("class_samples", []))
     section = {}
     for op_class, fraction in fractions.items():
         rate = m["class_rates"][op_class]
