@@ -552,9 +552,8 @@ def thread_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
 
 
 def contention_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
-    """The ``contention`` figures: per class, one single-threaded rank's rate while ``ranks``
-    (the cores, at most CORUN_MAX_RANKS) run at once, over its rate alone
-    (hpcdl.plan.class_rates.contention)."""
+    """The ``contention`` figures: per class, a single-threaded rank's rate among ``ranks``
+    co-running ones over its rate alone (hpcdl.plan.class_rates.contention)."""
     ranks = m.get("corun_ranks", m["cores"])
     return ratio_section(
         "ranks", ranks, f"{stamp}: {ranks} single-threaded processes (os.cpu_count() = "
@@ -631,9 +630,8 @@ def write_and_show(doc: dict, directory: str, shown: Sequence[str]) -> int:
 
 
 def check_calibrate_inputs(args: argparse.Namespace, directory: str) -> None:
-    """What ``--calibrate`` would otherwise find bad only after minutes of measuring: the batch,
-    the directory it writes (single-node runs; across hosts world rank 0 writes) and the
-    machine file it keeps figures from."""
+    """What ``--calibrate`` would otherwise find bad after minutes of measuring: the batch, the
+    directory it writes (on one node) and the machine file it keeps figures from."""
     if args.batch_per_rank < 1:
         raise BadInputError(f"--calibrate: --batch-per-rank {args.batch_per_rank}: need at "
                             f"least 1 image per rank")

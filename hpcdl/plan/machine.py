@@ -162,10 +162,8 @@ class Machine:
 
     def class_fraction(self, op_class: str, work: float, rows: float = 0.0) -> float:
         """The fraction of peak (or stream) of ``op_class`` for a call of ``work`` FLOPs (or
-        bytes) and, for a convolution, ``rows`` GEMM rows: from its ``rate_curves`` points
-        where the file has them (larger GEMMs run nearer the peak) -- at ``rows`` on a
-        curve over rows, at ``work`` on one over work -- else the class's one ``compute``
-        figure (also where a curve is over rows and the layer has none counted)."""
+        bytes) and ``rows`` GEMM rows: interpolated on its ``rate_curves`` curve (over rows or
+        work), else its one ``compute`` figure (also for a rows curve and no rows counted)."""
         from hpcdl.plan.class_rates import ROWS_AXIS, interpolate_rate
 
         if op_class in self.curves:

@@ -46,11 +46,8 @@ def ring_allreduce_s(p: int, n: float, alpha: float, beta: float, gamma: float) 
 def rabenseifner_allreduce_s(p: int, n: float, alpha: float, beta: float,
                              gamma: float) -> float:
     """Rabenseifner: recursive-halving reduce-scatter + recursive-doubling allgather,
-    2·log2(p)·α + 2(p−1)/p·nβ + (p−1)/p·nγ for p a power of two (Thakur et al. 2005, §4.4).
-
-    For other p, MPICH first folds the r = p − 2^⌊log2 p⌋ extra ranks into partners (one send
-    of n bytes, reduced) and sends them the result at the end: + 2α + 2nβ + nγ.
-    """
+    2·log2(p)·α + 2(p−1)/p·nβ + (p−1)/p·nγ for p a power of two (Thakur et al. 2005, §4.4);
+    other p fold the extra ranks in and out first (MPICH): + 2α + 2nβ + nγ."""
     if p <= 1 or n <= 0:
         return 0.0
     p2 = 1 << (p.bit_length() - 1)
@@ -124,10 +121,8 @@ def allreduce_s(algorithm: str, machine: Machine, placement: Placement, n: float
 
 
 def gradient_buckets(work: Workload, bytes_per_element: float, bucket_mb: float) -> list[float]:
-    """Bytes of each fusion bucket of ``work``'s gradients at ``bytes_per_element``, in the
-    order the reducer launches them: :func:`hpcdl.buckets.bucket_bounds` over the parameters
-    in reverse registration order, ``bucket_mb`` MiB, the 1 MiB last bucket -- the boundaries
-    of hpcdl.comm.reducer.GradientReducer."""
+    """Bytes of each fusion bucket of ``work``'s gradients at ``bytes_per_element``, in launch
+    order: the reducer's own rule (:func:`hpcdl.buckets.bucket_bounds`)."""
     elements = work.parameter_elements or (work.parameters,)
     sizes = [n * bytes_per_element for n in reversed(elements)]
     return [sum(sizes[start:end]) for start, end in

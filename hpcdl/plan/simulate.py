@@ -124,9 +124,8 @@ def _fabric_value(path: str, key: str, raw: Any) -> Any:
 
 
 def load_fabric(machine: Machine, overrides: Mapping[str, str] | None = None) -> Fabric:
-    """The machine file's ``fabric:`` section (each figure ``{value, source}``), with
-    ``overrides`` (``--fabric-set KEY=VALUE``) on top; missing figures default to a single
-    non-blocking switch with the machine's ``network`` figures (sources say so)."""
+    """The machine file's ``fabric:`` section with ``overrides`` (``--fabric-set``) on top;
+    missing figures: one non-blocking switch at the machine's ``network`` figures."""
     path, block = machine.path, machine.fabric
     if block is not None and not isinstance(block, Mapping):
         raise SimulationError(f"{path}: fabric must be a mapping of {{value, source}} figures")
@@ -296,10 +295,8 @@ def rabenseifner_phases(where: Sequence[int], n: float, gamma: float) -> list[Ph
 
 def hierarchical_phases(node_where: Sequence[int], q: int, n: float,
                         gamma: float) -> list[Phase]:
-    """hpcdl.plan.model.hierarchical_allreduce_s as steps: a ring of the q ranks inside each
-    node (reduce-scatter, n/q per step), q rings of the node's slices across the N nodes
-    (n/(qN) per step, the q flows of a node sharing its link), the intra-node ring again
-    (allgather)."""
+    """hpcdl.plan.model.hierarchical_allreduce_s as steps: a ring inside each node, q rings
+    of n/q across the N nodes (sharing the node's link), the ring inside the node again."""
     big_n = len(node_where)
     if q * big_n <= 1 or n <= 0:
         return []
