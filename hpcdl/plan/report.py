@@ -22,9 +22,8 @@ from hpcdl.plan.workload import Workload
 from hpcdl.results import command_line, format_table
 
 SWEEP_COLUMNS = ("procs", "nodes", "batch_per_rank", "compute_s", "optimizer_s", "comm_s",
-                 "comm_exposed_s",
-                 "data_s", "iteration_s", "total_min", "images_per_s", "scaling_efficiency",
-                 "dominant")
+                 "comm_exposed_s", "data_s", "iteration_s", "total_min", "images_per_s",
+                 "scaling_efficiency", "dominant")
 
 
 def _si(value: float, unit: str) -> str:
