@@ -1,8 +1,5 @@
-"""The scaling planner: predict a data-parallel run from machine figures (docs/planner.md).
-
-``load_machine(name)`` reads ``hpcdl/plan/machines/NAME.yaml`` (every figure with its source),
-``workload(model, image_size)`` gives forward MACs and parameters (cached), and
-``plan(machine, workload, PlanInputs(...))`` returns the per-iteration breakdown and totals.
+"""The scaling planner: predict a data-parallel run from machine figures, every one with its
+source (docs/planner.md): ``plan(load_machine(name), workload(model, size), PlanInputs(...))``.
 """
 from hpcdl.plan.machine import Machine, MachineError, load_machine
 from hpcdl.plan.model import Plan, PlanInputs, plan, sweep

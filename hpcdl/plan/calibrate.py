@@ -1,37 +1,26 @@
 """``hpcdl plan --calibrate``: measure this machine into the ``local`` machine file.
 
 Each figure is written with ``source: measured DATE by hpcdl plan --calibrate`` and the
-numbers behind it (what is measured and how: docs/planner.md, "--calibrate"):
-
-* peak from the CPU flags (a spec derivation, not a measurement; fp32 matmul FLOP/s is
-  recorded beside it); ``core_stream_Bps`` / ``memory_bandwidth_Bps`` from ``a += b``;
-* ``compute``, ``rate_curves``, ``thread_scaling`` and ``contention``: representative layers
-  of every operator class (hpcdl.plan.class_rates), timed on one thread, on all cores as one
-  rank's threads, and as co-running single-threaded ranks. No model's step is timed, so
-  ``--validate`` on ResNet-50 and AlexNet-BN stays held out;
-* ``cpu``: the CPU the rates describe (hpcdl.plan.cpu), so a file used elsewhere warns;
-* ``intra_node`` α and β from ``mpiexec -n 2 hpcdl bench allreduce``'s JSON: at p = 2 every
-  algorithm costs 2α + nβ + (n/2)γ, so a line T(n) = c0 + c1·n gives α = c0/2, β = c1 − γ/2;
-* ``decode_images_per_s_per_core``: the loader's per-image work on a JPEG, one thread;
-* ``network`` α and β when launched across hosts (:func:`network_calibration`): Hockney's
-  point-to-point figures between two hosts (a shaper or a busy MPI progress engine distorts
-  small or fitted allreduce times); MPI_Allreduce times, their fit to the ring cost and the
-  per-interface byte counters are kept under ``measured.network``. The node's figures are
-  kept from the file already in ``--machines-dir``.
-
-The file is written atomically to ``--machines-dir`` or ``~/.config/hpcdl/machines/local.yaml``
-(the package directory may be read-only on a cluster).
+numbers behind it: peak from the CPU flags, stream rates from ``a += b``, the per-class rates
+of representative layers (hpcdl.plan.class_rates) on one thread, on all cores as one rank's
+threads and as co-running ranks, the CPU (hpcdl.plan.cpu), intra-node α and β fitted to
+``mpiexec -n 2 hpcdl bench allreduce``, the loader's decode rate, and across hosts the
+network's α and β (Hockney 1994, point to point). The file is written atomically to
+``--machines-dir`` or the user's config directory (the package may be read-only on a
+cluster). What each measurement is and how it is fitted: docs/planner.md, "--calibrate".
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -138,20 +127,14 @@ def fit_alpha_beta(records: Sequence[Mapping[str, Any]], gamma: float,
             "slope_s_per_byte": float(c1), "points": len(points)}
 
 
-def allreduce_records(mpiexec: str = "mpiexec", timeout_s: float = 600) -> list[dict]:
-    """Run ``hpcdl bench allreduce`` at 2 ranks and return its result records."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "allreduce.json")
-        # --backends mpi: the one the fit reads; the others cost time
-        cmd = [mpiexec, "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "bench", "allreduce",
-               "--json", out, "--sizes", ",".join(str(s) for s in ALLREDUCE_SIZES),
-               "--backends", "mpi"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
-                               f"{(proc.stderr or proc.stdout)[-800:]}")
-        with open(out, encoding="utf-8") as f:
-            return list(json.load(f).get("results", []))
+def allreduce_records(timeout_s: float = 600) -> list[dict]:
+    """Run ``hpcdl bench allreduce`` at 2 ranks (the mpi backend: the one the fit reads) and
+    return its result records."""
+    from hpcdl.plan.validate import run_bench_json
+
+    sizes = ",".join(str(s) for s in ALLREDUCE_SIZES)
+    report = run_bench_json(2, ("allreduce", "--sizes", sizes, "--backends", "mpi"), timeout_s)
+    return list(report.get("results", []))
 
 
 # --------------------------------------------------------------------------- across hosts
@@ -168,8 +151,6 @@ def launched_world_size() -> int:
 def sleeping_barrier(comm, poll_s: float = 0.05) -> None:
     """A barrier whose waiting ranks sleep (MPI_Barrier spins a core: on a shared node it would
     slow the rank being waited for)."""
-    import time
-
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(poll_s)
@@ -178,9 +159,6 @@ def sleeping_barrier(comm, poll_s: float = 0.05) -> None:
 def timed_allreduce_s(comm, nbytes: int, repeats: int) -> float:
     """Median over ``repeats`` of the slowest rank's seconds for one in-place MPI_Allreduce
     of ``nbytes`` of float32 (one untimed call first)."""
-    import statistics
-    import time
-
     import numpy as np
     from mpi4py import MPI
 
@@ -198,9 +176,6 @@ def timed_allreduce_s(comm, nbytes: int, repeats: int) -> float:
 def ping_pong_s(comm, nbytes: int, repeats: int) -> float | None:
     """Median one-way seconds of ``nbytes`` between ranks 0 and 1 of ``comm`` (half the round
     trip); None on ranks other than 0."""
-    import statistics
-    import time
-
     import numpy as np
 
     buffer = np.zeros(max(1, nbytes), dtype=np.uint8)
@@ -461,18 +436,17 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
                           "source": f"single node: no network; same as intra_node ({v['source']})"}
                       for k, v in intra.items()}
     doc["cpu"] = cpu
-    doc["measured"] = {k: v for k, v in m.items() if not isinstance(v, dict | list)}
+    measured = {k: v for k, v in m.items() if not isinstance(v, dict | list)}
     if "allreduce" in m:
-        doc["measured"]["allreduce_fit"] = m["allreduce"]
-    doc["measured"]["gamma_s_per_byte"] = gamma
-    for key in ("class_samples", "class_samples_threads"):
-        if key in m:
-            doc["measured"][key] = list(m[key])
-    for key in ("class_rates", "class_rates_threads", "thread_speedups", "class_curves",
-                "class_rates_corun", "contention"):
-        if key in m:
-            doc["measured"][key] = dict(m[key])
+        measured["allreduce_fit"] = m["allreduce"]
+    measured["gamma_s_per_byte"] = gamma
+    doc["measured"] = measured | {k: m[k] for k in RAW_SAMPLES if k in m}
     return doc
+
+
+#: the per-class measurements kept under ``measured`` as they were taken
+RAW_SAMPLES = ("class_samples", "class_samples_threads", "class_rates", "class_rates_threads",
+               "thread_speedups", "class_curves", "class_rates_corun", "contention")
 
 
 def with_network(doc: Mapping[str, Any], net: Mapping[str, Any]) -> dict:
@@ -518,9 +492,7 @@ def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[
 
     fractions = class_fractions(m["class_rates"], core_peak, m["stream_Bps_1_thread"])
     load = _load_text(m)
-    counts: dict[str, int] = {}
-    for sample in m.get("class_samples", []):
-        counts[sample["op_class"]] = counts.get(sample["op_class"], 0) + 1
+    counts = Counter(sample["op_class"] for sample in m.get("class_samples", []))
     section = {}
     for op_class, fraction in fractions.items():
         rate = m["class_rates"][op_class]
@@ -580,9 +552,8 @@ def thread_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
 
 
 def contention_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
-    """The ``contention`` figures: per class, one single-threaded rank's rate while ``ranks``
-    (the cores, at most CORUN_MAX_RANKS) run at once, over its rate alone
-    (hpcdl.plan.class_rates.contention)."""
+    """The ``contention`` figures: per class, a single-threaded rank's rate among ``ranks``
+    co-running ones over its rate alone (hpcdl.plan.class_rates.contention)."""
     ranks = m.get("corun_ranks", m["cores"])
     return ratio_section(
         "ranks", ranks, f"{stamp}: {ranks} single-threaded processes (os.cpu_count() = "
@@ -641,30 +612,26 @@ def calibrate_across_hosts(args: argparse.Namespace, directory: str) -> int:
                               repeats=3 if args.quick else 5)
     if world.rank != 0:
         return 0
-    doc = with_network(base, net)
-    path = write_machine_or_say(doc, directory)
-    if path is None:
+    return write_and_show(with_network(base, net), directory, ("network",))
+
+
+def write_and_show(doc: dict, directory: str, shown: Sequence[str]) -> int:
+    """Write the machine file and print its ``shown`` sections: 0, or 2 after one line saying
+    why it could not be written."""
+    try:
+        path = write_machine(doc, directory)
+    except OSError as exc:
+        print(f"hpcdl plan --calibrate: cannot write {directory}: {exc}; use --machines-dir",
+              file=sys.stderr)
         return 2
-    print(yaml.safe_dump({"network": doc["network"]}, sort_keys=False, width=100))
+    print(yaml.safe_dump({k: doc[k] for k in shown}, sort_keys=False, width=100))
     print(f"wrote {path}")
     return 0
 
 
-def write_machine_or_say(doc: dict, directory: str) -> str | None:
-    """The machine file's path, or None after one line saying why it could not be written
-    (bad input: the caller exits 2)."""
-    try:
-        return write_machine(doc, directory)
-    except OSError as exc:
-        print(f"hpcdl plan --calibrate: cannot write {directory}: {exc}; use --machines-dir",
-              file=sys.stderr)
-        return None
-
-
 def check_calibrate_inputs(args: argparse.Namespace, directory: str) -> None:
-    """What ``--calibrate`` would otherwise find bad only after minutes of measuring: the batch,
-    the directory it writes (single-node runs; across hosts world rank 0 writes) and the
-    machine file it keeps figures from."""
+    """What ``--calibrate`` would otherwise find bad after minutes of measuring: the batch, the
+    directory it writes (on one node) and the machine file it keeps figures from."""
     if args.batch_per_rank < 1:
         raise BadInputError(f"--calibrate: --batch-per-rank {args.batch_per_rank}: need at "
                             f"least 1 image per rank")
@@ -707,15 +674,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
         print("hpcdl plan --calibrate: mpiexec not found; allreduce figures are kept or assumed",
               file=sys.stderr)
     m = measure(quick=args.quick, batch=args.batch_per_rank)
-    doc = machine_document(m, previous)
-    path = write_machine_or_say(doc, directory)
-    if path is None:
-        return 2
-    print(yaml.safe_dump({k: doc[k] for k in ("node", "compute", "intra_node", "data", "cpu")},
-                         sort_keys=False,
-                         width=100))
-    print(f"wrote {path}")
-    if "allreduce" not in m:
+    written = write_and_show(machine_document(m, previous), directory,
+                             ("node", "compute", "intra_node", "data", "cpu"))
+    if written == 0 and "allreduce" not in m:
         print("hpcdl plan --calibrate: warning: allreduce figures not measured (see above)",
               file=sys.stderr)
-    return 0
+    return written

@@ -1,24 +1,11 @@
 """Calibrating the per-class rates of hpcdl.plan.model: time representative layers, fit rates.
 
-How: each operator class (hpcdl.plan.layers) is timed on two or three representative layers
-of its own -- built in isolation, forward + backward through autograd, ``batch`` images, the
-median of a few repeats after a warm-up (:func:`median_time`) -- and its rate is the work of
-those layers over their time less the per-layer overhead (a ratio estimator: Σ work ÷ Σ time,
-which weights the larger layers, whose time is least noisy). The overhead is timed directly:
-forward + backward of a one-element ReLU, which is dispatch and autograd bookkeeping alone.
-Every class is timed twice: on one thread (the rate per core) and on the node's cores as
-threads of one rank; the ratio is the class's measured thread speedup
-(:func:`thread_speedups`), which the model applies to a rank that gets several cores.
-
-Why this and not ``hpcdl bench train``'s profiled breakdown: the profiler's categories
-(convolution, matmul, batch_norm, elementwise, pooling) cannot tell a 1×1 from a 3×3 or a
-stem convolution apart without shape records that its backward kernels do not map back to
-layers, its per-operator overhead inflates exactly the small memory-bound operators being
-measured, and a breakdown of one model's step calibrates on that model, so a prediction of
-the same model would not be held out. Representative layers take seconds, need no model
-and are the same operators (same torch kernels, same layout) a model's step runs; the work
-of each is counted by the same code as a model's layer table (:func:`count_layers`), so
-calibration and prediction cannot disagree on what a FLOP or a byte is.
+Each operator class (hpcdl.plan.layers) is timed on representative layers of its own, forward
++ backward, the median of a few repeats (:func:`median_time`); its rate is Σ work ÷ Σ (time −
+per-layer overhead), the work counted by the code that costs a model (:func:`count_layers`),
+so calibration and prediction agree on what a FLOP or a byte is. No model's step is timed, so
+a prediction of one stays held out. Why representative layers and not the bench's profiled
+breakdown, and what each sample is: docs/planner.md, "--calibrate".
 """
 from __future__ import annotations
 
@@ -58,14 +45,12 @@ REPRESENTATIVE: tuple[tuple[str, str, tuple, tuple, bool], ...] = (
     ("conv_3x3", "conv", (64, 64, 3, 1, 1, 1), (64, 28, 28), True),
     ("conv_3x3", "conv", (128, 128, 3, 1, 1, 1), (128, 14, 14), True),
     ("conv_3x3", "conv", (256, 256, 3, 1, 1, 1), (256, 7, 7), True),
-    # Larger GEMMs run nearer the peak (measured for a 1×1 convolution:
-    # docs/results/notebook-planner-2026.md): one sample per class at 224 px-like sizes, so
-    # that RATE_CURVE_CLASSES' curves span both regimes.
+    # Larger GEMMs run nearer the peak: one sample per class at 224 px-like sizes, so that
+    # RATE_CURVE_CLASSES' curves span both regimes.
     ("conv_1x1", "conv", (96, 384, 1, 1, 0, 1), (96, 40, 40), True),
     ("conv_3x3", "conv", (96, 96, 3, 1, 1, 1), (96, 40, 40), True),
     # And at 4x4 positions (128 GEMM rows at batch 8), where a convolution runs furthest
-    # below its FLOP rate: the last stage of a 112 px ResNet (measured:
-    # docs/results/notebook-planner-2026.md).
+    # below its FLOP rate: the last stage of a 112 px ResNet.
     ("conv_1x1", "conv", (768, 192, 1, 1, 0, 1), (768, 4, 4), True),
     ("conv_3x3", "conv", (320, 320, 3, 1, 1, 1), (320, 4, 4), True),
     ("conv_grouped", "conv", (96, 128, 5, 1, 2, 2), (96, 14, 14), True),
@@ -98,8 +83,7 @@ REPRESENTATIVE: tuple[tuple[str, str, tuple, tuple, bool], ...] = (
 RATE_CURVE_CLASSES = ("conv_large", "conv_1x1", "conv_3x3", "conv_grouped", "batch_norm",
                       "relu", "add", LINEAR_WEIGHTS)
 # A convolution's curve is over the GEMM rows of one call (batch x output positions), the
-# others' over the work of one call (bytes). Over work, three 1x1 samples of 0.6 GFLOP at
-# 392-6,272 rows were one point, and a 4x4 layer of 128 rows was costed at the rate of 392.
+# others' over the work of one call (bytes); docs/planner.md says why.
 ROWS_AXIS, WORK_AXIS = "gemm_rows", "work"
 ROWS_CURVE_CLASSES = tuple(c for c in COMPUTE_CLASSES if c != "linear")   # the convolutions
 
@@ -110,8 +94,7 @@ def curve_axis(op_class: str) -> str:
 
 
 # Calls discarded before timing a layer: a new shape's first calls grow the (retained) heap
-# and fault its pages in; a step in a running job does not (measured on a 25 MB batch norm's
-# first calls: docs/results/notebook-planner-2026.md).
+# and fault its pages in; a step in a running job does not.
 LAYER_WARMUP = 3
 # Linear layers are timed at this many rows (images) so that they measure the matmul rate,
 # not the weight traffic that the model adds as a separate floor at small batch.
@@ -180,12 +163,11 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones.
+    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (which pay
+    oneDNN's primitive creation and the allocator's first touch).
 
-    The median, not the minimum: on a quiet machine both agree, and on a busy one the minimum
-    of a few calls is the one that happened to run alone, a rate the step being predicted
-    does not see; the median of an odd count is a real call, robust to one outlier each way.
-    The warm-up pays oneDNN's primitive creation and the allocator's first touch."""
+    The median, not the minimum: on a busy machine the minimum of a few calls is the one that
+    ran alone, a rate the step being predicted does not see."""
     for _ in range(warmup):
         fn()
     times = []
@@ -199,13 +181,10 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
 def time_layer(module: Any, shape: Sequence[int], rows: int, input_grad: bool,
                repeats: int) -> float:
     """Median forward + backward of ``module`` on ``rows`` inputs of ``shape``, in the calling
-    thread's torch thread count.
-
-    The backward is ``torch.autograd.grad`` with a gradient made once: ``out.backward`` would
-    accumulate into ``x.grad`` and every parameter's ``.grad`` from the second call on (an
-    extra read-read-write pass over the input, which a model's step never makes: its input
-    gradient flows on to the layer before), and a ``ones_like`` inside the timed call would
-    add a write of the output. Both would inflate the memory-bound passes."""
+    thread's torch thread count. The backward is ``torch.autograd.grad`` with a gradient made
+    once: ``out.backward`` would accumulate into ``.grad`` from the second call on, and a
+    ``ones_like`` inside the timed call would write the output again, passes a model's step
+    never makes."""
     x = torch.randn(rows, *shape, requires_grad=input_grad)
     module.train()
     inputs = ([x] if input_grad else []) + [p for p in module.parameters() if p.requires_grad]
@@ -226,7 +205,7 @@ def overhead_s(repeats: int = 21) -> float:
 
 def measure_samples(batch: int, repeats: int, threads: int = 1,
                     log: Callable[[str], None] = print,
-                    before_each: Callable[[], Any] | None = None,
+                    before_each: Callable[[], Any] = lambda: None,
                     layers: Sequence[tuple] = REPRESENTATIVE,
                     optimizer: bool = True) -> list[Sample]:
     """Time every layer of ``layers`` (and the optimizer) with ``threads`` torch threads and
@@ -236,8 +215,7 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
     samples = []
     with torch_threads(threads):
         for op_class, kind, args, shape, input_grad in layers:
-            if before_each is not None:
-                before_each()
+            before_each()
             module = build(kind, args)
             rows = LINEAR_ROWS if op_class == "linear" else batch
             layer_class = "linear" if op_class == LINEAR_WEIGHTS else op_class
@@ -252,8 +230,7 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
             log(f"  {op_class:<15}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
                 f"{seconds * 1e3:.2f} ms")
         if optimizer:
-            if before_each is not None:
-                before_each()
+            before_each()
             samples.append(optimizer_sample(repeats, threads))
             log(f"  {OPTIMIZER:<15}LARS step over {len(OPTIMIZER_SHAPES)} tensors, "
                 f"{threads} thread(s): {samples[-1].seconds * 1e3:.2f} ms")
@@ -385,13 +362,8 @@ def class_fractions(rates: Mapping[str, float], core_peak_flops: float,
 
 def thread_speedups(rates_1: Mapping[str, float], rates_t: Mapping[str, float],
                     threads: float | None = None) -> dict[str, float]:
-    """Per class: the rate of one rank on T = ``threads`` threads over its rate on one thread.
-
-    Measured, not assumed: intra-op threading splits a convolution's GEMM well, but a batch
-    norm or a small pooling layer much less (and on a loaded machine a multi-threaded rank
-    waits at every parallel region for a descheduled sibling; measured:
-    docs/results/notebook-planner-2026.md). A speedup is floored at a tenth: below that the
-    timing measured the scheduler; and capped at T: T threads do at most T cores' work, and
-    a super-linear speedup measured the one-thread pass paying the heap's first growth."""
+    """Per class: the rate of one rank on T = ``threads`` threads over its rate on one thread,
+    floored at a tenth (below that the timing measured the scheduler) and capped at T (a
+    super-linear speedup measured the one-thread pass paying the heap's first growth)."""
     cap = float(threads) if threads else math.inf
     return {c: min(cap, max(0.1, rates_t[c] / rates_1[c])) for c in rates_1 if c in rates_t}

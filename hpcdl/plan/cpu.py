@@ -1,10 +1,7 @@
-"""Which CPU a machine file was measured on, and a warning when it is used on another one.
-
-A calibrated machine file (``hpcdl plan --calibrate``) holds rates of *this* CPU: its vector
-ISA sets the convolution rates (AVX2 vs AVX-512 halves or doubles them, AMX or AVX512-BF16
-change bf16 by several times) and its memory system the memory-bound passes. So the file
-records the CPU (``lscpu``'s model name, ``torch.backends.cpu.get_cpu_capability()`` and the
-flags that move the rates) and the planner compares it with the CPU it runs on.
+"""Which CPU a machine file was measured on, and a warning when it is used on another one:
+a calibrated file holds rates of *its* CPU (the vector ISA sets the convolution rates, the
+memory system the passes), so it records ``lscpu``'s model name, torch's CPU capability and
+the flags that move the rates (docs/planner.md, "The CPU a file describes").
 """
 from __future__ import annotations
 

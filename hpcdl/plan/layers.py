@@ -1,37 +1,14 @@
 """A model's layer table: every operator of one training step, classed by how it is costed.
 
-One number per model (FLOPs ÷ one sustained fraction) cannot predict two models: a step of
-AlexNet-BN runs its convolutions and matmuls at ~0.79 of the matmul rate, ResNet-50's at
-0.55-0.69 (``hpcdl bench train``'s ``flops_fraction_of_matmul``), because the models spend
-their time in different kinds of operator. So the planner costs each operator by its class,
-following the roofline view (Williams, Waterman & Patterson, CACM 2009): dense operators by
-their FLOPs at a per-class rate, the rest by the bytes they move at the memory's stream rate.
-
-Classes (:func:`conv_class` decides a convolution's):
-
-* ``conv_large``: large early convolutions (kernel ≥ 5, or the stem on the image's ≤ 4
-  channels): ResNet's 7×7/2 stem, AlexNet's 11×11/4 and 5×5. Few channels in, large images.
-* ``conv_1x1``: 1×1 convolutions (ResNet bottlenecks' reduce/expand, projections): a GEMM.
-* ``conv_3x3``: the other dense convolutions, 3×3 at small spatial size (56 px down to 4).
-* ``conv_grouped``: ``groups > 1`` (the two-tower AlexNet's conv2/4/5): a GEMM per group.
-* ``linear``: fully connected layers, matmul-bound (or weight-bound at small batch).
-* memory-bound passes: ``batch_norm``, ``relu``, ``add`` (residual sums), ``pool``,
-  ``dropout``, ``lrn``. Their cost is bytes moved, forward + backward
-  (:data:`PASSES`), at the rank's stream bandwidth.
-
-Each :class:`Layer` holds per image: forward MACs, input and output activation bytes (fp32),
-parameter bytes, whether backward must compute a gradient for the input (not for the
-first layer, whose input is the image: its backward is the weight gradient alone), and for a
-convolution its output positions, the rows of its GEMMs per image: a convolution's rate
-follows its rows (batch × positions), not its FLOPs alone (ResNet-50's 4×4 layer4 at 112 px,
-128 rows at batch 8, runs well below what its FLOPs predict; measured:
-docs/results/notebook-planner-2026.md).
-
-The table is read from the model's profile (:func:`hpcdl.models.profile.profile`: one
-eval-mode forward with autograd on, hooks on the costed leaf modules, and the operators a
-model calls outside them, such as ResNet's ``out + identity`` or a functional ``F.relu``).
-Results are cached per (model, image size) in ``~/.cache/hpcdl/layers-v2.json`` by
-hpcdl.plan.cache.
+A roofline per operator (Williams, Waterman & Patterson, CACM 2009): dense operators by their
+FLOPs at a per-class rate, memory-bound passes by the bytes they move (:data:`PASSES`) at the
+stream rate. Each :class:`Layer` holds per image its forward MACs, fp32 activation and
+parameter bytes, whether backward computes the input's gradient (not for the first layer)
+and, for a convolution, its output positions (its GEMM rows per image: a convolution's rate
+follows its rows, not its FLOPs alone). The table is read from the model's profile
+(hpcdl.models.profile) and cached per (model, image size) by hpcdl.plan.cache. The classes
+and why one fraction of peak cannot cost two models: docs/planner.md, "Compute by operator
+class".
 """
 from __future__ import annotations
 
@@ -66,13 +43,9 @@ PASSES: dict[str, tuple[float, float]] = {
 # A linear layer's weight is read forward, read for the input gradient and its gradient
 # written backward: the floor on its time at small batch (the weights stream from memory).
 LINEAR_WEIGHT_PASSES = 3.0
-# That floor's rate is a figure of its own (``compute.linear_weights``, a fraction of the core
-# stream, calibrated on linear layers of 50-134 MB at a few rows), not the stream rate: a
-# weight gradient above glibc's 32 MiB mmap ceiling is a fresh mapping every step, so its
-# write pays first-touch page faults, and a GEMM with 8 rows streams its weight at a fraction
-# of ``a += b``'s rate: AlexNet-BN's fc6 (151 MB) forward + backward at batch 8 on one core
-# takes many times its three passes at the stream rate (measured:
-# docs/results/notebook-planner-2026.md).
+# That floor's rate is a figure of its own (``compute.linear_weights``), not the stream rate:
+# a weight gradient above glibc's 32 MiB mmap ceiling pays first-touch page faults every
+# step, and a GEMM of a few rows streams its weight below ``a += b``'s rate.
 LINEAR_WEIGHTS = "linear_weights"
 # The LARS update after the allreduce (You et al. ICPP'18, Alg. 1), memory-bound: ||w||, ||g||
 # read w, g (8 B); the update reads g, w, m (12 B), writes m, w (8 B); the final w -= m re-reads
@@ -107,7 +80,7 @@ class Layer:
 
 
 def conv_class(kernel: Sequence[int], in_channels: int, groups: int) -> str:
-    """The shape class of a convolution (module docstring)."""
+    """The shape class of a convolution (docs/planner.md's class table)."""
     if groups > 1:
         return "conv_grouped"
     if max(kernel) >= 5 or in_channels <= 4:
@@ -143,8 +116,8 @@ FUNCTION_CLASSES = {"add": "add", "add_": "add", "__add__": "add", "__iadd__": "
 
 def count_layers(model: Any, image_size: int, input_shape: Sequence[int] | None = None,
                  input_requires_grad: bool = False) -> list[Layer]:
-    """The layer table of ``model`` on one ``image_size`` image (module docstring), or on one
-    input of ``input_shape`` (C, H, W) or (features,) -- calibration's single layers."""
+    """The layer table of ``model`` on one ``image_size`` image, or on one input of
+    ``input_shape`` (C, H, W) or (features,) -- calibration's single layers."""
     from hpcdl.models.profile import profile
 
     shape = tuple(input_shape) if input_shape else (3, image_size, image_size)

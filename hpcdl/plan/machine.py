@@ -1,16 +1,9 @@
 """Machine descriptions for the planner: one YAML file per machine, every figure with its source.
 
-A figure is a ``{value: ..., source: "..."}`` leaf (spec sheet, paper, measurement, or a stated
-assumption with its reasoning) in a section: ``node``, ``network``, ``intra_node`` and ``data``
-(REQUIRED_FIGURES); ``compute`` (the per-operator-class fractions of hpcdl.plan.model, or the
-older single ``node.sustained_fraction``); the optional ``thread_scaling``, ``contention`` and
-``rate_curves`` that ``--calibrate`` writes; ``cpu`` (the CPU the figures describe) and
-``measured`` (raw calibration numbers, never read). The schema: docs/planner.md, "Machine
-files".
-
-Where machine files are looked up, first match wins: ``--machines-dir DIR``, then
-``$HPCDL_MACHINES_DIR``, then ``~/.config/hpcdl/machines`` (``$XDG_CONFIG_HOME``), then the files
-shipped in this package (``hpcdl/plan/machines``), which may be read-only on a cluster.
+A figure is a ``{value: ..., source: "..."}`` leaf in a section: the REQUIRED_FIGURES, the
+per-class ``compute`` fractions (or the older single ``node.sustained_fraction``), the optional
+sections ``--calibrate`` writes, ``cpu`` and ``measured`` (never read). The schema and the
+search path (:func:`machine_search_path`, first match wins): docs/planner.md, "Machine files".
 """
 from __future__ import annotations
 
@@ -169,10 +162,8 @@ class Machine:
 
     def class_fraction(self, op_class: str, work: float, rows: float = 0.0) -> float:
         """The fraction of peak (or stream) of ``op_class`` for a call of ``work`` FLOPs (or
-        bytes) and, for a convolution, ``rows`` GEMM rows: from its ``rate_curves`` points
-        where the file has them (larger GEMMs run nearer the peak) -- at ``rows`` on a
-        curve over rows, at ``work`` on one over work -- else the class's one ``compute``
-        figure (also where a curve is over rows and the layer has none counted)."""
+        bytes) and ``rows`` GEMM rows: interpolated on its ``rate_curves`` curve (over rows or
+        work), else its one ``compute`` figure (also for a rows curve and no rows counted)."""
         from hpcdl.plan.class_rates import ROWS_AXIS, interpolate_rate
 
         if op_class in self.curves:
@@ -186,13 +177,10 @@ class Machine:
 
     def contention_factor(self, op_class: str, procs_per_node: int) -> float:
         """A rank's rate of ``op_class`` among ``procs_per_node`` ranks of its node ÷ its rate
-        alone. ``contention`` holds the factor measured with ``ranks`` single-threaded
-        processes at once; a rank sees the share of it that the *other* ranks' busy cores
-        make, ``(busy cores − its threads) ÷ (ranks − 1)`` (at most 1; its own threads'
-        contention is in its thread speedup): a 1-thread rank among 2 on 2 cores gets all of
-        it, 2 ranks × 24 threads on 48 cores about half, one rank on every core none. Ranks
-        beyond the cores time-share them (core_share) and add none. 1 without the section or
-        the class (a spec file: its fractions are of a full node already)."""
+        alone: the share ``(busy cores − its threads) ÷ (ranks − 1)`` (at most 1) of the factor
+        measured with ``contention.ranks`` single-threaded processes (its own threads'
+        contention is in its thread speedup; ranks beyond the cores add none). 1 without the
+        section or the class (a spec file: its fractions are of a full node already)."""
         key = f"contention.{op_class}"
         if procs_per_node < 2 or key not in self.figures:
             return 1.0
@@ -205,13 +193,10 @@ class Machine:
         return 1.0 + (self[key] - 1.0) * share
 
     def thread_speedup(self, op_class: str, threads: float) -> float:
-        """Rate of ``op_class`` on ``threads`` threads of one rank ÷ its one-thread rate.
-
-        Measured speedup s at the calibrated T threads; linear in between (1 at one thread,
-        s at T); beyond T the efficiency s/T is kept (an assumption: T is the calibration
-        machine's core count, so only a file used for a larger node extrapolates). Without
-        ``thread_scaling`` (or without this class in it: an optional class that the file
-        predates): ``threads`` (linear)."""
+        """Rate of ``op_class`` on ``threads`` threads of one rank ÷ its one-thread rate: the
+        measured speedup s at the calibrated T threads, linear from 1 at one thread, the
+        efficiency s/T kept beyond T; ``threads`` (linear) without ``thread_scaling`` or this
+        class in it."""
         if threads <= 1:
             return 1.0
         if f"thread_scaling.{op_class}" not in self.figures:
@@ -315,7 +300,7 @@ def _optional_section(doc: Mapping[str, Any], path: str, section: str, keys: Seq
 
 
 def load_machine(name: str, machines_dir: str | None = None) -> Machine:
-    """Machine ``name`` from the search path (see module docstring), validated."""
+    """Machine ``name`` from the search path (:func:`machine_search_path`), validated."""
     path = find_machine_file(name, machines_dir)
     try:
         with open(path, encoding="utf-8") as f:

@@ -1,60 +1,13 @@
 """The planner's cost model: one synchronous data-parallel SGD iteration, term by term.
 
-An iteration on ``p`` ranks with global batch ``B`` (per-rank batch ``b = B / p``) is::
+    iteration = compute + optimizer + comm_exposed + data_exposed       (seconds)
 
-    iteration = compute + optimizer + comm_exposed + data_exposed
-
-* **compute** = Σ over the model's layer table (hpcdl.plan.layers) of each operator's time
-  at its class's rate (:func:`compute_by_class`), a roofline per operator (Williams,
-  Waterman & Patterson, CACM 2009): convolutions (by shape class) and linear layers cost
-  b × train FLOPs ÷ (the class's fraction of peak × the rank's peak); a linear layer at
-  least its weights' traffic; batch norm, ReLU, adds, pooling, dropout and LRN cost b × the
-  bytes they move forward + backward ÷ (the class's fraction × the rank's stream
-  bandwidth); each layer adds a fixed dispatch overhead. Train FLOPs are 2 × MACs × 3
-  (forward, input gradient, weight gradient; × 2 for the first layer, whose input needs no
-  gradient). A rank has cores ÷ ranks of its node as threads: its rate for a class is the
-  one-core rate × that class's *measured* thread speedup (``thread_scaling`` of the machine
-  file: a 2-thread rank is not twice a 1-thread one); more ranks than cores slow
-  each rank proportionally (they time-share the cores). A
-  legacy machine file without per-class rates uses b × 6 × MACs ÷ (peak × its one
-  ``sustained_fraction``).
-* **optimizer** = the LARS update after the allreduce (You et al. ICPP'18, Alg. 1): memory-
-  bound, ~32 bytes moved per parameter (norms read w and g; the update reads g, w, momentum,
-  writes momentum and w) at the rank's memory bandwidth (its cores' stream rate, capped by
-  its share of the node's bandwidth).
-* **comm** = the gradient allreduce, one per fusion bucket (laid out as the reducer lays them
-  out: :func:`gradient_buckets`), each costed with the α-β-γ model
-  (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in
-  MPICH", IJHPCA 2005; Patarasuk & Yuan 2009 for the ring): α per message, β per byte on the
-  wire, γ per byte reduced.
-* **overlap** (comm_exposed): the reducer (hpcdl/comm/reducer.py) launches a bucket's allreduce
-  as soon as backward has filled it, so every bucket but the last can run while backward is
-  still computing; backward is 2/3 of compute (forward = 1 of the 3 forwards). Hidden =
-  min(comm − comm of the last bucket, backward). When the ranks of a node leave no core free
-  and the transport is shared memory (one node), the copies and sums are done by the cores
-  that compute, so nothing is hidden.
-* **data**: a node decodes ``b × ranks_per_node`` images per iteration with its loader cores
-  (decode + augment rate per core from the machine file); loader workers prefetch in
-  parallel with the step, so only the part longer than the step is exposed.
-
-Epoch = floor(dataset / B) iterations (the loader drops the last partial batch); total =
-epochs × epoch. Evaluation, start-up and checkpointing are not modelled.
-
-Relaxed consistency (hpcdl/comm/policy.py, ``hpcdl plan --local-steps H / --compression-ratio``):
-* **local SGD** (``local_steps`` H > 1): no gradient allreduce; the fp32 model is averaged
-  every H steps after the optimizer step, so 1/H of that allreduce is added per iteration and
-  none of it hides behind backward. **hierarchical** (``hierarchical_local``): in addition,
-  the gradients are averaged inside each node every step (one node's allreduce, shared
-  memory), hidden behind backward as usual.
-* **compression** (``compression_ratio`` c, e.g. PowerSGD's dense bytes ÷ factor bytes): the
-  allreduce carries 1/c of the gradient bytes; hpcdl's PowerSGD compresses after backward,
-  so none of it hides. Its own work is costed as memory-bound passes over the gradient
-  (``COMPRESSION_BYTES_PER_PARAMETER``), like the LARS update: at small r its matmuls do
-  ~6·r FLOP per 4-byte element read several times, far below any CPU's FLOP/byte balance.
-* **synchronous warm-up** (``sync_warmup_steps`` w, post-local SGD's first phase and
-  PyTorch's ``start_powerSGD_iter``): the first w iterations are synchronous ones, so
-  total = w × (synchronous iteration) + (iterations − w) × (relaxed iteration); the per-
-  iteration breakdown and ``epoch_s`` are the relaxed phase's, ``warmup_s`` the first phase.
+compute: a roofline per operator of the layer table (Williams, Waterman & Patterson, CACM
+2009); optimizer: the LARS update (You et al., ICPP 2018, Alg. 1), memory-bound; comm: one
+α-β-γ allreduce per fusion bucket (Thakur, Rabenseifner & Gropp, IJHPCA 2005; Patarasuk &
+Yuan 2009), every bucket but the last hidden behind backward; data: decoding beyond the step.
+Local SGD, compression and their synchronous warm-up change the comm term. Every formula and
+the assumptions behind it: docs/planner.md, "The model of one iteration".
 """
 from __future__ import annotations
 
@@ -93,11 +46,8 @@ def ring_allreduce_s(p: int, n: float, alpha: float, beta: float, gamma: float) 
 def rabenseifner_allreduce_s(p: int, n: float, alpha: float, beta: float,
                              gamma: float) -> float:
     """Rabenseifner: recursive-halving reduce-scatter + recursive-doubling allgather,
-    2·log2(p)·α + 2(p−1)/p·nβ + (p−1)/p·nγ for p a power of two (Thakur et al. 2005, §4.4).
-
-    For other p, MPICH first folds the r = p − 2^⌊log2 p⌋ extra ranks into partners (one send
-    of n bytes, reduced) and sends them the result at the end: + 2α + 2nβ + nγ.
-    """
+    2·log2(p)·α + 2(p−1)/p·nβ + (p−1)/p·nγ for p a power of two (Thakur et al. 2005, §4.4);
+    other p fold the extra ranks in and out first (MPICH): + 2α + 2nβ + nγ."""
     if p <= 1 or n <= 0:
         return 0.0
     p2 = 1 << (p.bit_length() - 1)
@@ -110,17 +60,9 @@ def rabenseifner_allreduce_s(p: int, n: float, alpha: float, beta: float,
 def hierarchical_allreduce_s(nodes: int, local_size: int, n: float,
                              alpha: float, beta: float,
                              alpha_intra: float, beta_intra: float, gamma: float) -> float:
-    """Two-level allreduce: reduce-scatter inside each node (q = local_size ranks, shared
-    memory), then the q ranks of a node each allreduce their n/q slice with the same slice
-    on the other nodes (ring across nodes; the q flows share the node's NIC, so the wire
-    carries n per node), then an allgather inside the node.
-
-        intra RS: (q−1)α_i + (q−1)/q·nβ_i + (q−1)/q·nγ
-        inter:    2(N−1)α + 2(N−1)/N·nβ + (N−1)/N·(n/q)γ
-        intra AG: (q−1)α_i + (q−1)/q·nβ_i
-
-    With q = 1 it is the ring across nodes; with one rank in all it is zero.
-    """
+    """Two-level allreduce: reduce-scatter among the q = ``local_size`` ranks of a node
+    (α_i, β_i), a ring allreduce of each n/q slice across the N nodes (the q flows share the
+    NIC), an allgather inside the node (the formula: docs/planner.md's allreduce table)."""
     q, big_n = max(1, local_size), max(1, nodes)
     if q * big_n <= 1 or n <= 0:
         return 0.0
@@ -179,10 +121,8 @@ def allreduce_s(algorithm: str, machine: Machine, placement: Placement, n: float
 
 
 def gradient_buckets(work: Workload, bytes_per_element: float, bucket_mb: float) -> list[float]:
-    """Bytes of each fusion bucket of ``work``'s gradients at ``bytes_per_element``, in the
-    order the reducer launches them: :func:`hpcdl.buckets.bucket_bounds` over the parameters
-    in reverse registration order, ``bucket_mb`` MiB, the 1 MiB last bucket -- the boundaries
-    of hpcdl.comm.reducer.GradientReducer."""
+    """Bytes of each fusion bucket of ``work``'s gradients at ``bytes_per_element``, in launch
+    order: the reducer's own rule (:func:`hpcdl.buckets.bucket_bounds`)."""
     elements = work.parameter_elements or (work.parameters,)
     sizes = [n * bytes_per_element for n in reversed(elements)]
     return [sum(sizes[start:end]) for start, end in
@@ -295,11 +235,9 @@ def rank_cores(machine: Machine, op_class: str, procs_per_node: int) -> float:
 
 def pass_rate_Bps(machine: Machine, fraction: float, cores: float,
                   procs_per_node: int) -> float:
-    """Bytes/s of a memory-bound pass on one rank: its calibrated ``fraction`` of one core's
-    stream × the rank's ``cores`` (a measured thread speedup ÷ core sharing), capped by the
-    rank's share of the node's bandwidth. A roofline: alone the pass runs at its own rate and
-    no faster than its share of the node. (Scaling the *capped* stream by the fraction would
-    count the contention twice.)"""
+    """Bytes/s of a memory-bound pass on one rank: ``fraction`` of one core's stream ×
+    ``cores``, capped by the rank's share of the node's bandwidth (a roofline: scaling the
+    *capped* stream by the fraction would count the contention twice)."""
     return min(fraction * machine["node.core_stream_Bps"] * cores,
                machine["node.memory_bandwidth_Bps"] / procs_per_node)
 
@@ -314,20 +252,15 @@ def memory_pass_s(machine: Machine, op_class: str, nbytes: float, procs_per_node
 
 
 def optimizer_s(machine: Machine, work: Workload, procs_per_node: int) -> float:
-    """The LARS update of every parameter, memory-bound (see module docstring): its nominal
-    bytes at the calibrated ``compute.optimizer`` fraction of the rank's stream (1 where the
-    file has none), with its measured thread speedup, slowed by ranks sharing a core."""
+    """The LARS update of every parameter: a memory pass of its nominal bytes at the
+    ``compute.optimizer`` fraction (1 where the file has none)."""
     return memory_pass_s(machine, OPTIMIZER, OPTIMIZER_BYTES_PER_PARAMETER * work.parameters,
                          procs_per_node)
 
 
 def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_node: int) -> float:
-    """One operator's forward + backward time on one rank (module docstring, compute).
-
-    A rank gets ``threads`` = cores ÷ ranks of the node (at least one) and, with more ranks
-    than cores, a 1/``share`` of its core; its rate for a class is the one-core rate × the
-    class's measured thread speedup (hpcdl.plan.machine.Machine.thread_speedup) × its measured
-    contention among the node's ranks (Machine.contention_factor) ÷ share."""
+    """One operator's forward + backward seconds on one rank: its work at the class's
+    one-core rate × the rank's cores for the class (:func:`rank_cores`), plus the overhead."""
     overhead = machine["compute.layer_overhead_s"] * machine.core_share(procs_per_node)
     if layer.op_class in COMPUTE_CLASSES:
         work = batch_per_rank * layer.train_flops
@@ -342,10 +275,8 @@ def layer_s(machine: Machine, layer: Layer, batch_per_rank: float, procs_per_nod
 
 
 def linear_weights_s(machine: Machine, layer: Layer, procs_per_node: int) -> float:
-    """The weight-traffic floor of a linear layer (forward read, input-gradient read, weight
-    gradient written: hpcdl.plan.layers.LINEAR_WEIGHTS) at the calibrated
-    ``compute.linear_weights`` fraction of the rank's stream bandwidth; a file without the
-    figure streams at the full stream rate (the planner's earlier assumption)."""
+    """The weight-traffic floor of a linear layer (hpcdl.plan.layers.LINEAR_WEIGHTS) at the
+    ``compute.linear_weights`` fraction (1 where the file has none)."""
     return memory_pass_s(machine, LINEAR_WEIGHTS, LINEAR_WEIGHT_PASSES * layer.param_bytes,
                          procs_per_node)
 
@@ -422,7 +353,7 @@ def _check(machine: Machine, inp: PlanInputs) -> None:
 
 
 def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
-    """Predict one configuration (see the module docstring for the model)."""
+    """Predict one configuration (the model: docs/planner.md)."""
     _check(machine, inp)
     place = Placement(inp.procs, inp.procs_per_node)
     notes: list[str] = []

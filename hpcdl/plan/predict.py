@@ -1,10 +1,6 @@
-"""``hpcdl plan``: the run to predict from a recipe and flags, then the breakdown, the sweep,
-the optional simulation, plot and JSON.
-
-The run is read from a recipe through hpcdl.train.config (the trainer's own reader: its
-defaults, its validation, errors naming the file and the dotted key); without ``--recipe``,
-the shipped ResNet-50 run at 32K for 90 epochs on 2,048 KNL ranks (DEFAULT_RECIPE). Flags
-override the recipe.
+"""``hpcdl plan``: the run to predict from a recipe (read by hpcdl.train.config, the trainer's
+own reader; default DEFAULT_RECIPE) and flags over it, then the breakdown, the sweep, the
+optional simulation, plot and JSON.
 """
 from __future__ import annotations
 

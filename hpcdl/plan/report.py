@@ -1,15 +1,6 @@
-"""How a plan is shown: the per-iteration breakdown, the sweep table, the PNG, the JSON.
-
-The JSON keeps hpcdl.results' shape where it fits (``command``, ``results`` = one record
-per row of the table) and adds the prediction's own keys at the top level::
-
-    {"planner": "hpcdl plan", "command": ..., "machine": {name, path, figures{value, source}},
-     "workload": {...}, "inputs": {...},
-     "total_s", "images_per_s", "scaling_efficiency", "dominant",
-     "per_iteration": {compute_s, optimizer_s, comm_s, comm_hidden_s, comm_exposed_s,
-                       data_s, data_exposed_s, iteration_s},
-     "results": [sweep rows], "notes": [...]}
-"""
+"""How a plan is shown: the per-iteration breakdown, the sweep table, the PNG, the JSON (the
+bench's shape where it fits, ``command`` and ``results``, and the prediction's own keys:
+docs/planner.md, "The JSON of a prediction")."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -31,9 +22,8 @@ from hpcdl.plan.workload import Workload
 from hpcdl.results import command_line, format_table
 
 SWEEP_COLUMNS = ("procs", "nodes", "batch_per_rank", "compute_s", "optimizer_s", "comm_s",
-                 "comm_exposed_s",
-                 "data_s", "iteration_s", "total_min", "images_per_s", "scaling_efficiency",
-                 "dominant")
+                 "comm_exposed_s", "data_s", "iteration_s", "total_min", "images_per_s",
+                 "scaling_efficiency", "dominant")
 
 
 def _si(value: float, unit: str) -> str:

@@ -1,63 +1,14 @@
 """What a fat tree adds to the planner's allreduce: the planner's own schedule, run in SimGrid.
 
-The α-β formula of hpcdl.plan.model has no topology: every message gets the whole link
-(``network.bandwidth_Bps``), whatever else crosses the same cables. On a 2,048-rank fat tree
-three things change that: where the job's nodes sit (placement), how many leaf uplinks share
-the nodes' traffic (oversubscription), and which flows meet on one link (sharing).
-``hpcdl plan --simulate`` replays the communication schedule the planner costs (the same
-fusion buckets, the same algorithm, the same ranks per node) as flows on a fat tree in SimGrid
-(Casanova et al., "Versatile, scalable, and accurate simulation of distributed applications
-and platforms", JPDC 2014) and reports the allreduce and step time beside the formula's.
-
-Design choices, each with its reason:
-
-* **Schedule in Python, flows in SimGrid.** :func:`ring_phases`, :func:`rabenseifner_phases`
-  and :func:`hierarchical_phases` write each algorithm as the planner's formula counts it,
-  a list of bulk-synchronous steps (every rank sends its message, then reduces what it got),
-  as (source node, destination node, bytes) triples. They are pure functions, tested without
-  SimGrid. The ring is Patarasuk & Yuan's (2009): 2(p−1) steps of n/p bytes; Rabenseifner's
-  is MPICH's (Thakur, Rabenseifner & Gropp, IJHPCA 2005, §4.4): recursive halving from
-  distance 1, recursive doubling back, ranks beyond the largest power of two folded into
-  their even neighbour first; hierarchical is hpcdl.plan.model.hierarchical_allreduce_s: a
-  ring inside each node, q rings of n/q across the nodes, a ring inside the node again.
-* **Bulk-synchronous steps.** A step ends when its slowest message lands: in a ring a rank
-  cannot send step s+1 before it holds step s, so one slow link delays its successor and, a
-  step later, everyone. That is the formula's own assumption (2(p−1) equal steps); it is an
-  upper bound where link loads differ, since real ranks start their next send as soon as
-  their own message lands.
-* **Alike steps are simulated once and scaled.** Every ring step moves the same pattern
-  (rank r to rank r+1, n/p bytes): its time depends only on that pattern, so
-  ``simulated_steps`` (default 2) of the 2(p−1) are simulated and the mean × the count is
-  reported (tests check it against simulating every step). Rabenseifner's 2·log2(p) rounds
-  differ from each other and are all simulated. Cost: ~30 µs of CPU per simulated message.
-* **One driver, flows between hosts.** A SimGrid host is a *node*; one driver actor issues
-  ``Comm.sendto_async(src, dst, bytes)`` for every message of a step and waits for all (per-
-  rank Python actors are slower). Ranks of one node talk over the node's
-  loopback link: ``intra_node.bandwidth_Bps`` per message, not shared (FATPIPE), as the
-  formula's per-rank copy rate.
-* **The fluid model, factors stated.** CM02 (max-min fair sharing of each link's bandwidth,
-  cross-traffic off: a message's acks do not load the reverse link) with latency factor 1,
-  bandwidth factor 1 and no TCP window bound: a lone message takes exactly
-  latency + bytes ÷ bandwidth, the α-β formula's point-to-point term. SimGrid's default
-  (LV08) multiplies latencies by 13.01 and bandwidths by 0.97, calibrated for TCP on
-  Ethernet; it changes the answer several-fold here, and an MPI over Omni-Path is not TCP.
-* **Latency is split over the route.** Each node's link carries α/2 (``network.latency_s``
-  ÷ 2), so two nodes on one leaf are α apart as in the formula; a route through the core adds
-  ``fabric.switch_latency_s`` per leaf-core link (two of them).
-* **γ (reduction) is time on the rank**, added after each reduce step as the formula adds it
-  ((bytes reduced) × γ of hpcdl.plan.model.reduction_gamma); the network is idle meanwhile.
-* **The step around it is the planner's.** The simulated bucket times replace the formula's
-  in the same overlap rule (hpcdl.plan.model.exposed_comm_s: every bucket but the last hides
-  behind backward) and the same data-loading rule; compute and the LARS update are the
-  planner's. Local SGD and compression are not simulated (rejected with a message).
-* **SimGrid runs in a child process** (``python -m hpcdl.plan.simulate``, JSON in and out):
-  SimGrid allows one engine per process, and a library call must be repeatable.
-
-The fabric is the machine file's optional ``fabric:`` section (:func:`load_fabric`), each
-figure ``{value, source}``; a file without one is costed on a single switch (the flat network
-of a small test cluster). Where SimGrid comes from: ``import simgrid`` (PyPI ``simgrid``, a
-source build), else Debian's ``python3-simgrid`` extension when its ABI matches this Python
-(Debian 12: CPython 3.11); versions 3.32 and 4.1 give identical times (docs/planner.md).
+The α-β formula of hpcdl.plan.model gives every message the whole link. ``hpcdl plan
+--simulate`` replays the schedule the planner costs (the same buckets, algorithm and ranks per
+node) as flows on a fat tree in SimGrid (Casanova et al., JPDC 2014): placement,
+oversubscription and link sharing. The schedules are pure functions of bulk-synchronous steps
+of (source node, destination node, bytes) messages; one driver actor sends each step's
+messages host to host under CM02 with factors 1 (a lone message takes α + nβ, the formula's
+own term); alike ring steps are simulated once and scaled; the step around the allreduce is
+the planner's. SimGrid runs in a child process (one engine per process). The model, its
+choices and their reasons, the fabric figures and the install: docs/planner.md, "--simulate".
 """
 from __future__ import annotations
 
@@ -156,6 +107,9 @@ class Fabric:
 
 
 def _fabric_value(path: str, key: str, raw: Any) -> Any:
+    if key not in FABRIC_FIGURES:
+        raise SimulationError(f"{path}: fabric.{key} is not a fabric figure (known: "
+                              f"{sorted(FABRIC_FIGURES)})")
     kind, what = FABRIC_FIGURES[key]
     try:
         value = kind(float(raw)) if kind is int else kind(raw)
@@ -170,18 +124,14 @@ def _fabric_value(path: str, key: str, raw: Any) -> Any:
 
 
 def load_fabric(machine: Machine, overrides: Mapping[str, str] | None = None) -> Fabric:
-    """The machine file's ``fabric:`` section (each figure ``{value, source}``), with
-    ``overrides`` (``--fabric-set KEY=VALUE``) on top; missing figures default to a single
-    non-blocking switch with the machine's ``network`` figures (sources say so)."""
+    """The machine file's ``fabric:`` section with ``overrides`` (``--fabric-set``) on top;
+    missing figures: one non-blocking switch at the machine's ``network`` figures."""
     path, block = machine.path, machine.fabric
     if block is not None and not isinstance(block, Mapping):
         raise SimulationError(f"{path}: fabric must be a mapping of {{value, source}} figures")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key, leaf in (block or {}).items():
-        if key not in FABRIC_FIGURES:
-            raise SimulationError(f"{path}: fabric.{key} is not a fabric figure (known: "
-                                  f"{sorted(FABRIC_FIGURES)})")
         if not isinstance(leaf, Mapping) or "value" not in leaf \
                 or not str(leaf.get("source") or "").strip():
             raise SimulationError(f"{path}: fabric.{key} must be a mapping with 'value' and "
@@ -189,9 +139,6 @@ def load_fabric(machine: Machine, overrides: Mapping[str, str] | None = None) ->
         values[key] = _fabric_value(path, key, leaf["value"])
         sources[key] = str(leaf["source"]).strip()
     for key, raw in (overrides or {}).items():
-        if key not in FABRIC_FIGURES:
-            raise SimulationError(f"--fabric-set {key}=...: not a fabric figure (known: "
-                                  f"{sorted(FABRIC_FIGURES)})")
         values[key] = _fabric_value("--fabric-set", key, raw)
         sources[key] = "--fabric-set on the command line"
     return _fabric_from(values, sources, machine)
@@ -263,14 +210,8 @@ def _expand_one(item: str) -> list[str]:
 def node_positions(placement: str, nodes: int, fabric_nodes: int,
                    seed: int = 0) -> list[int]:
     """The fabric position (0-based host index, leaf = index // nodes_per_leaf) of each of
-    the job's ``nodes`` nodes, in rank order.
-
-    contiguous: the first nodes. scattered: a random set of the fabric's nodes in position
-    order, as Slurm lists a fragmented allocation (ranks follow the list). random: the same
-    set in random order (a hostfile shuffled, or ranks reordered: the worst case). A Slurm
-    node list: each name's digits read as one number, counted from 1 (``c001`` is position
-    0, ``c010`` position 9), on the assumption that numbered nodes fill leaves in order.
-    """
+    the job's ``nodes`` nodes, in rank order, for a ``placement`` of docs/planner.md's
+    "Placement" (a Slurm node list: each name's digits as a number counted from 1)."""
     if placement == "contiguous":
         return list(range(nodes))
     if placement in ("scattered", "random"):
@@ -354,10 +295,8 @@ def rabenseifner_phases(where: Sequence[int], n: float, gamma: float) -> list[Ph
 
 def hierarchical_phases(node_where: Sequence[int], q: int, n: float,
                         gamma: float) -> list[Phase]:
-    """hpcdl.plan.model.hierarchical_allreduce_s as steps: a ring of the q ranks inside each
-    node (reduce-scatter, n/q per step), q rings of the node's slices across the N nodes
-    (n/(qN) per step, the q flows of a node sharing its link), the intra-node ring again
-    (allgather)."""
+    """hpcdl.plan.model.hierarchical_allreduce_s as steps: a ring inside each node, q rings
+    of n/q across the N nodes (sharing the node's link), the ring inside the node again."""
     big_n = len(node_where)
     if q * big_n <= 1 or n <= 0:
         return []
@@ -720,11 +659,6 @@ def _main() -> int:
     json.dump({"seconds": seconds}, sys.stdout)
     return 0
 
-
-__all__ = ["Fabric", "Phase", "SimulatedRow", "Simulation", "SimulationError",
-           "allreduce_phases", "expand_nodelist", "find_simgrid", "hierarchical_phases",
-           "load_fabric", "node_positions", "rabenseifner_phases", "ring_phases",
-           "simulate", "simulate_plans", "simulation_table"]
 
 if __name__ == "__main__":
     sys.exit(_main())

@@ -1,16 +1,10 @@
 """``hpcdl plan --validate``: predict ``hpcdl bench train`` here, then measure it.
 
-For each workload (default VALIDATE_WORKLOADS: none of them timed by ``--calibrate``) and each
-rank count on this one machine (the ``local`` file): predict the step of the bench on
-synthetic data, run ``mpiexec -n NP hpcdl bench train`` ``--repeats`` times in rounds (every
-row once, then again: a validation cut short by ``--validate-budget`` still covers every row),
-and report predicted ÷ the median measurement (goal: 0.85-1.15 on every row) with the spread,
-in the bench JSON convention (docs/planner.md, "--validate"). bf16 rows are skipped with a line
-saying why; a calibrated file used on another CPU warns first (hpcdl.plan.cpu.cpu_warning).
-
-The bench's JSON is read tolerantly (:func:`measured_step`: the keys of STEP_KEYS, else batch
-per rank ÷ images/s). A bench that reports another per-rank batch than predicted gets the
-prediction redone for it (a pure function of its inputs: no measured time enters it).
+Per workload and rank count on this machine (the ``local`` file): predict the bench's step on
+synthetic data, run it ``--repeats`` times in rounds (so a run cut short by
+``--validate-budget`` still covers every row) and report predicted ÷ the median measurement
+with the spread, in the bench JSON convention. The bench's JSON is read tolerantly
+(:func:`measured_step`). What is run and reported: docs/planner.md, "--validate".
 """
 from __future__ import annotations
 
@@ -91,32 +85,34 @@ def measured_step(report: Mapping[str, Any], ranks: int) -> dict[str, float]:
     return out
 
 
-BENCH_TRAIN = (sys.executable, "-m", "hpcdl.cli.main", "bench", "train")
-
-
-def bench_train_command(procs: int, model: str, image_size: int, batch: int, steps: int,
-                        json_path: str, mpiexec: str = "mpiexec") -> list[str]:
-    """``hpcdl bench train`` as --validate runs it: ours only, synthetic data, no profiled
-    breakdown (it costs a step and is not read), cores ÷ ranks threads each."""
-    threads = max(1, (os.cpu_count() or 1) // procs)
-    return [mpiexec, "-n", str(procs), *BENCH_TRAIN, "--model", model, "--image-size",
-            str(image_size), "--synthetic", "--json", json_path, "--batch", str(batch),
-            "--steps", str(steps), "--warmup", "1", "--modes", "ours", "--threads",
-            str(threads), "--matmul-size", "256", "--no-breakdown"]
+def run_bench_json(procs: int, bench_args: Sequence[str], timeout_s: float,
+                   announce: bool = False) -> dict[str, Any]:
+    """``mpiexec -n PROCS hpcdl bench BENCH_ARGS --json F`` in a temporary directory, F parsed;
+    a failed run is a RuntimeError with its exit status and the tail of its output."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.json")
+        cmd = ["mpiexec", "-n", str(procs), sys.executable, "-m", "hpcdl.cli.main", "bench",
+               *bench_args, "--json", out]
+        if announce:
+            print("running:", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout)[-1000:]}")
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)
 
 
 def run_bench_train(procs: int, model: str, image_size: int, batch: int, steps: int,
                     timeout_s: float) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, f"train-np{procs}.json")
-        cmd = bench_train_command(procs, model, image_size, batch, steps, out)
-        print("running:", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"bench train at np={procs} failed (exit {proc.returncode}): "
-                               f"{(proc.stderr or proc.stdout)[-1000:]}")
-        with open(out, encoding="utf-8") as f:
-            return measured_step(json.load(f), procs)
+    """``hpcdl bench train`` as --validate runs it: ours only, synthetic data, no profiled
+    breakdown (it costs a step and is not read), cores ÷ ranks threads each."""
+    threads = max(1, (os.cpu_count() or 1) // procs)
+    report = run_bench_json(procs, (
+        "train", "--model", model, "--image-size", str(image_size), "--synthetic", "--batch",
+        str(batch), "--steps", str(steps), "--warmup", "1", "--modes", "ours", "--threads",
+        str(threads), "--matmul-size", "256", "--no-breakdown"), timeout_s, announce=True)
+    return measured_step(report, procs)
 
 
 def predict_step(machine: Any, work: Any, procs: int, batch: int, allreduce: str = "ring",
@@ -251,18 +247,12 @@ def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str 
     return report
 
 
-def predict_row(machine: Any, work: Any, procs: int, args: argparse.Namespace,
-                batch: int | None = None) -> Any:
-    return predict_step(machine, work, procs, batch or args.batch_per_rank, args.allreduce,
-                        args.bucket_mb or CommConfig.bucket_mb)
-
-
 class ValidationRow:
     """One (workload, np): its prediction and the bench runs measured so far."""
 
     def __init__(self, machine: Any, work: Any, procs: int, args: argparse.Namespace) -> None:
         self.machine, self.work, self.procs = machine, work, procs
-        self.prediction = predict_row(machine, work, procs, args)
+        self.prediction = self.predict(args, args.batch_per_rank)
         self.runs: list[dict[str, float]] = []
         self.last_wall_s: float | None = None
         self.label = f"{work.model}@{work.image_size} np={procs}"
@@ -292,8 +282,12 @@ class ValidationRow:
               f"{self.last_wall_s:.0f} s wall)", flush=True)
         batch = int(run.get("batch_per_rank", args.batch_per_rank))
         if batch != self.prediction.batch_per_rank:   # the model is a pure function: redo it
-            self.prediction = predict_row(self.machine, self.work, self.procs, args, batch)
+            self.prediction = self.predict(args, batch)
         return True
+
+    def predict(self, args: argparse.Namespace, batch: int) -> Any:
+        return predict_step(self.machine, self.work, self.procs, batch, args.allreduce,
+                            args.bucket_mb or CommConfig.bucket_mb)
 
     def record(self) -> dict[str, Any]:
         """The row as the JSON holds it: prediction against the median run."""

@@ -1,16 +1,10 @@
 """What one image costs a model: its layer table, forward multiply-adds and the gradient to
 allreduce.
 
-Units, once and for all: forward **multiply-accumulates** (MACs, as ``hpcdl.models.flops``
-counts them: the layer table's sum). One MAC is 2 floating-point operations, and a training
-step (forward + backward for activations + backward for weights) is counted as 3 forwards, the
-usual convention (Kaplan et al. 2020, §2.1; Goyal et al. 2017 count ResNet-50 as ~4 GMACs
-"FLOPs" forward), so::
-
-    train_flops_per_image = 3 × 2 × forward_macs
-
-The layer table is counted once per (model, image size) and cached (hpcdl.plan.layers); the
-parameters are read from the model built on PyTorch's ``meta`` device (shapes only).
+Units: forward **multiply-accumulates** (MACs, the layer table's sum); a MAC is 2 FLOPs and a
+training step counts as 3 forwards (Kaplan et al. 2020, §2.1), so
+``train_flops_per_image = 3 × 2 × forward_macs``. Parameters are read from the model built on
+PyTorch's ``meta`` device (shapes only).
 """
 from __future__ import annotations
 
