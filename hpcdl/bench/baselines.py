@@ -85,7 +85,7 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
         schedule = create_schedule(config.schedule, total_steps, total_steps)
         optimizer = create_optimizer(config.optimizer, model, lr=schedule(0))
         yield plain_step(lambda inputs: held["ddp"](inputs), optimizer, schedule,
-                         config.train.bf16, memory_format)
+                         config.train.precision == "bfloat16", memory_format)
         held.clear()
     finally:
         dist.destroy_process_group()
@@ -121,6 +121,6 @@ def horovod_stepper(config, total_steps: int) -> Iterator[Stepper]:
         optimizer = hvd.DistributedOptimizer(
             create_optimizer(config.optimizer, model, lr=schedule(0)),
             named_parameters=model.named_parameters())
-        yield plain_step(model, optimizer, schedule, config.train.bf16)
+        yield plain_step(model, optimizer, schedule, config.train.precision == "bfloat16")
     finally:
         hvd.shutdown()

@@ -28,7 +28,9 @@ DEFAULTS = {"model": "resnet50", "image_size": 224, "global_batch": 32768, "epoc
             "bucket_mb": 25.0, "wire_dtype": "float32", "local_steps": 1,
             "hierarchical_local": False, "compression_ratio": None, "powersgd_rank": None,
             "sync_warmup_steps": 0, "machine": "knl", "procs": 2048}
-WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# auto (a recipe's comm.wire_dtype) follows the compute dtype; the planner models float32
+# compute (its machine files hold float32 rates), so auto sends float32.
+WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}
 
 
 def _procs_list(text: str) -> list[int]:

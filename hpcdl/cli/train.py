@@ -253,13 +253,14 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
     from hpcdl.errors import agreed
     from hpcdl.train.checkpoint import resume_layout
     from hpcdl.train.launch import setup_run_process
+    from hpcdl.train.precision import run_wire_dtype
     from hpcdl.train.threads import configure_threads
     from hpcdl.train.trainer import Trainer
 
     with agreed(world):
         comm = hpcdl.comm.init(args.backend or config.comm.backend, world,
                                bucket_bytes=int(config.comm.bucket_mb * 2**20),
-                               wire_dtype=config.comm.wire_dtype)
+                               wire_dtype=run_wire_dtype(config, world, args.backend))
     setup_run_process(args.out, comm.rank, comm.size, args.log_level, world)
     configure_threads(comm)
     timeline = Timeline(args.timeline, comm.rank, world) if args.timeline else None

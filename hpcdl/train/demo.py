@@ -151,6 +151,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     )
     from hpcdl.io import atomic_write_text
     from hpcdl.train.config import load_recipe
+    from hpcdl.train.precision import run_wire_dtype
     from hpcdl.train.threads import configure_threads
     from hpcdl.train.trainer import Trainer, TrainOptions
 
@@ -168,7 +169,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     # preparation (the others wait at its broadcast), training, and the final barrier.
     comm = hpcdl.comm.init(options.backend or config.comm.backend, world,
                            bucket_bytes=int(config.comm.bucket_mb * 2 ** 20),
-                           wire_dtype=config.comm.wire_dtype)
+                           wire_dtype=run_wire_dtype(config, world, options.backend))
     trainer = None
     try:
         # heartbeats and stall dumps in RUN_DIR/logs/heartbeat (HPCDL_STALL_WARN_S/_ABORT_S)

@@ -40,6 +40,7 @@ from hpcdl.train import checkpoint as ckpt
 from hpcdl.train import signals
 from hpcdl.train.config import Config, resolve_batch
 from hpcdl.train.metrics import read_metrics, write_summary
+from hpcdl.train.precision import run_wire_dtype
 from hpcdl.train.tournament import (
     PartitionLoader,
     TrainerLayout,
@@ -123,7 +124,8 @@ class LTFB:
         self._stop_check = f"LTFB stop check ({self._where()})" if self.hosts else ""
         self.comm = hpcdl.comm.init(backend or config.comm.backend, self.layout.trainer_comm,
                                     bucket_bytes=int(config.comm.bucket_mb * 2**20),
-                                    wire_dtype=config.comm.wire_dtype)
+                                    wire_dtype=run_wire_dtype(config, self.layout.trainer_comm,
+                                                              backend))
         self.rounds: list[dict[str, Any]] = []
         self._scratch: torch.nn.Module | None = None
         self.tournament_loader = None
