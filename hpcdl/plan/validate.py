@@ -9,8 +9,8 @@ one machine (the ``local`` machine file):
    slows compute proportionally);
 2. run ``mpiexec -n NP python -m hpcdl.cli.main bench train --model M --image-size S
    --synthetic --json F``, adding ``--batch B --steps S --modes ours --threads T
-   --matmul-size 256 --no-breakdown`` (T = cores / np, at least 1, so ranks do not
-   oversubscribe threads as well as cores) for each flag the bench's ``--help`` lists,
+   --matmul-size 256 --precision float32 --no-breakdown`` (T = cores / np, at least 1, so
+   ranks do not oversubscribe threads as well as cores) for each flag the bench's ``--help`` lists,
    ``--repeats`` times, in rounds (every row once, then every row again: a validation cut
    short still covers every row); with ``--validate-budget S`` a run that would end past S
    seconds is not started, and rows never measured are listed under ``not_measured``;
@@ -128,8 +128,11 @@ def bench_train_command(procs: int, model: str, image_size: int, batch: int, ste
     cmd = [mpiexec, "-n", str(procs), *BENCH_TRAIN, "--model", model, "--image-size",
            str(image_size), "--synthetic", "--json", json_path]
     threads = max(1, (os.cpu_count() or 1) // procs)
+    # --precision float32: the machine files hold float32 rates (the bench's default, auto,
+    # computes in bf16 on a CPU with native bf16)
     for flag, value in (("--batch", batch), ("--steps", steps), ("--warmup", 1),
-                        ("--modes", "ours"), ("--threads", threads), ("--matmul-size", 256)):
+                        ("--modes", "ours"), ("--threads", threads), ("--matmul-size", 256),
+                        ("--precision", "float32")):
         if flag in help_text:
             cmd += [flag, str(value)]
     if "--no-breakdown" in help_text:   # the profiled breakdown costs a step and is not read
