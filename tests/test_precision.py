@@ -167,3 +167,18 @@ def test_the_wire_follows_the_compute_dtype_where_gradients_can_travel_in_bf16(
         precision, backend, comm, wire):
     config = config_from_dict(recipe(comm=comm))
     assert wire_dtype_for(config, precision, backend) == wire
+
+
+# -- hpcdl bench train ----------------------------------------------------------------------
+def test_the_train_bench_defaults_to_the_recipes_auto_and_bf16_is_its_explicit_form():
+    import argparse
+
+    from hpcdl.bench import train as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--synthetic"]).precision == "auto"
+    assert parser.parse_args(["--synthetic", "--bf16"]).precision == "bfloat16"
+    args = parser.parse_args(["--synthetic", "--precision", "float32"])
+    config = bench.bench_config(args, ranks=1, precision="float32")
+    assert config.train.precision == "float32" and config.comm.wire_dtype == "float32"
