@@ -15,7 +15,9 @@ in one dtype.
 
 ``comm.wire_dtype: auto`` follows the compute dtype: bf16 gradients on the wire (half the
 bytes) when the run computes in bf16, the consistency algorithm averages gradients every step
-(``sync``, unsharded) and the backend carries bf16 (``ring``, ``shm``); float32 otherwise.
+(``sync``, unsharded) and the backend sends bf16 and sums in float32 (``ring``, ``shm``);
+float32 otherwise. ``ccl`` carries bf16 too but lets oneCCL sum in bf16, one rounding per
+reduction step: it sends bf16 only when ``comm.wire_dtype: bfloat16`` says so.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ __all__ = ["BF16_WIRE_BACKENDS", "agreed_precision", "describe", "run_wire_dtype
 
 log = logging.getLogger("hpcdl.train")
 
-#: backends that send bf16 and sum in float32 (hpcdl.comm.init)
+#: backends that send bf16 and sum in float32 (docs/comm.md)
 BF16_WIRE_BACKENDS = ("ring", "shm")
 
 
