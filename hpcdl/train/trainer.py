@@ -932,7 +932,7 @@ class Trainer:
         import copy
 
         # The run as it ran: the per-rank batch, the compute and wire dtypes this job
-        # resolved (a resume keeps them even on another CPU).
+        # resolved (--recipe RUN_DIR/config.yaml repeats them on any CPU).
         config = copy.deepcopy(self.config)
         if config.batch.per_rank is None:
             config.batch.per_rank = self.per_rank
