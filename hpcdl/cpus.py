@@ -13,9 +13,10 @@ import os
 import subprocess
 from collections.abc import Iterable, Sequence
 
-__all__ = ["affinity_cores", "bf16_supported", "cpu_capability", "cpu_flags", "cpu_mhz",
-           "cpu_model_name", "cpu_socket", "cpuinfo_field", "format_cpu_list", "online_cpus",
-           "parse_cpu_list", "retain_freed_memory", "threads_per_rank"]
+__all__ = ["BF16_FLAGS", "affinity_cores", "bf16_native", "bf16_supported", "cpu_capability",
+           "cpu_flags", "cpu_mhz", "cpu_model_name", "cpu_socket", "cpuinfo_field",
+           "format_cpu_list", "online_cpus", "parse_cpu_list", "retain_freed_memory",
+           "threads_per_rank"]
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -127,13 +128,37 @@ def cpu_capability() -> str:
 
 
 def bf16_supported() -> bool:
-    """Whether oneDNN has bf16 kernels on this CPU (AVX512-BF16/AMX; emulated otherwise)."""
+    """Whether oneDNN has bf16 kernels on this CPU: native with AVX512-BF16/AMX, emulated on
+    other AVX-512 CPUs (:func:`bf16_native` tells the two apart)."""
     import torch
 
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+#: /proc/cpuinfo flags of bf16 arithmetic in hardware: AVX512-BF16 (Cooper Lake, Zen 4 and
+#: later) and AMX-BF16 (Sapphire Rapids and later)
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def bf16_native(flags: set[str] | None = None, capability: str | None = None) -> bool:
+    """Whether bf16 compute is native here: the CPU has AVX512-BF16 or AMX-BF16 *and* torch
+    dispatches its vector kernels at AVX-512, the ISA those instructions extend.
+
+    ``ATEN_CPU_CAPABILITY=default`` or ``avx2`` (how a job reproduces the AVX2 numeric path)
+    keeps the flags but lowers torch's own kernels to code without them: the elementwise and
+    normalisation passes of a bf16 step then convert in software, so that is not native
+    either. :func:`bf16_supported` is a weaker fact: oneDNN has bf16 kernels on any AVX-512
+    CPU, emulated with AVX512-BW where the instructions are missing (Skylake, Cascade Lake).
+    ``flags`` and ``capability`` default to this machine's (:func:`cpu_flags`,
+    :func:`cpu_capability`); tests pass another CPU's."""
+    flags = cpu_flags() if flags is None else flags
+    if not BF16_FLAGS & set(flags):
+        return False
+    capability = cpu_capability() if capability is None else capability
+    return capability.upper().startswith("AVX512")
 
 
 def retain_freed_memory() -> bool:

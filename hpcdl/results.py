@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hpcdl.cpus import bf16_supported, cpu_capability, cpu_model_name
+from hpcdl.cpus import bf16_native, cpu_capability, cpu_model_name
 from hpcdl.io import atomic_write_text
 
 
@@ -36,7 +36,7 @@ def machine_info(ranks: int = 1) -> dict[str, Any]:
         "cpu": cpu_model_name(fallback=platform.processor() or platform.machine()),
         # AVX2 vs AVX512 (and bf16) changes every kernel's speed and rounding: always record it.
         "cpu_capability": cpu_capability(),
-        "bf16_native": bf16_supported(),   # False: bf16 autocast is emulated (slow) here
+        "bf16_native": bf16_native(),   # False: bf16 autocast is emulated (slow) here
         "cores": os.cpu_count(),
         "ranks": ranks,
         "mpi": mpi,

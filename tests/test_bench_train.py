@@ -199,12 +199,13 @@ def test_matmul_reference_runs_in_bf16_for_a_bf16_step():
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 def test_bf16_mode_measures_every_mode_in_bf16_or_says_why_not(tmp_path):
-    from hpcdl.cpus import bf16_supported
+    from hpcdl.cpus import bf16_native
 
     proc, report = run_bench_train(tmp_path / "train_bf16.json", "--steps", "1", "--bf16",
                                    "--no-breakdown")
     assert report["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    if bf16_supported():
+    assert report["machine"]["bf16_native"] is bf16_native()
+    if bf16_native():
         assert {r["precision"] for r in report["results"]} == {"bfloat16"}
         assert {r["mode"] for r in report["results"]} == {"ours", "no_comm", "ddp_gloo"}
     else:  # one clear line, naming the CPU, and a JSON that says it was skipped

@@ -53,12 +53,12 @@ def test_recipes_compare_small_batch_sgd_with_large_batch_sgd_and_lars():
 def test_bf16_run_is_the_lars_recipe_in_bf16_autocast_only():
     recipes = bench.run_recipes(default_args(epochs=3))
     fp32, bf16 = recipes["lars"], recipes["lars_bf16"]
-    assert config_from_dict(bf16).train.bf16 and not config_from_dict(fp32).train.bf16
+    assert config_from_dict(bf16).train.precision == "bfloat16"
+    assert config_from_dict(fp32).train.precision == "float32"
     differ = {k for k in fp32 if fp32[k] != bf16[k]}
     assert differ == {"name", "train"}
     keys = set(fp32["train"]) | set(bf16["train"])
-    assert {k for k in keys if fp32["train"].get(k) != bf16["train"].get(k)} == {
-        "bf16", "bf16_emulated"}
+    assert {k for k in keys if fp32["train"].get(k) != bf16["train"].get(k)} == {"precision"}
     ratios = bench.convergence_ratios({"lars": {"top1": 0.880}, "lars_bf16": {"top1": 0.878}})
     assert ratios["lars_bf16_minus_lars_top1"] == pytest.approx(-0.2)
     assert bench.parse_runs("lars,lars_bf16") == ["lars", "lars_bf16"]
@@ -128,22 +128,17 @@ def test_two_rank_run_writes_the_table_json(tmp_path):
         "resumed_from"].endswith("ckpt-000000002.pt")
 
 
-def test_the_bf16_run_trains_in_bf16_even_where_it_is_emulated(monkeypatch):
-    # Without bf16_emulated the trainer falls back to float32 on such a CPU, and the check
-    # would compare float32 with itself.
-    from types import SimpleNamespace
+def test_the_bf16_run_trains_in_bf16_even_where_it_is_emulated():
+    # auto would fall back to float32 on such a CPU, and the check would compare float32 with
+    # itself: the run asks for bfloat16 by name.
+    from hpcdl.train.precision import agreed_precision
 
-    import torch
-
-    from hpcdl.train import trainer as trainer_module
-
-    monkeypatch.setattr(trainer_module, "bf16_supported", lambda: False)
-    recipe = bench.run_recipes(default_args(epochs=3))["lars_bf16"]
-    config = config_from_dict(recipe)
-    dtype = trainer_module.Trainer._autocast_dtype(SimpleNamespace(config=config))
-    assert dtype is torch.bfloat16
-    config.train.bf16_emulated = False
-    assert trainer_module.Trainer._autocast_dtype(SimpleNamespace(config=config)) is None
+    config = config_from_dict(bench.run_recipes(default_args(epochs=3))["lars_bf16"])
+    assert agreed_precision(config.train.precision, native=False) == "bfloat16"
+    for name, recipe in bench.run_recipes(default_args(epochs=3)).items():
+        if name != "lars_bf16":   # the others in float32 on every CPU
+            assert agreed_precision(config_from_dict(recipe).train.precision,
+                                    native=True) == "float32"
 
 
 def test_seed_reaches_every_recipe():

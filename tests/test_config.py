@@ -76,10 +76,10 @@ def test_wrong_type_names_key_and_value(recipe):
 
 
 def test_overrides_parse_yaml_scalars(recipe):
-    config = load_recipe(recipe(), ["batch.per_rank=4", "train.bf16=true", "epochs=2.5",
+    config = load_recipe(recipe(), ["batch.per_rank=4", "train.channels_last=true", "epochs=2.5",
                                     "schedule.base_lr=1e-3", "model.width=8"])
     assert config.batch.per_rank == 4
-    assert config.train.bf16 is True
+    assert config.train.channels_last is True
     assert config.epochs == 2.5
     assert config.schedule["base_lr"] == pytest.approx(1e-3)
     assert config.model["width"] == 8  # model-specific keys pass through to create_model

@@ -77,7 +77,7 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
         schedule = recipe_schedule(config, total_steps, total_steps)
         optimizer = recipe_optimizer(config, model, schedule)
         yield plain_step(lambda inputs: held["ddp"](inputs), optimizer, schedule,
-                         config.train.bf16, memory_format)
+                         config.train.precision == "bfloat16", memory_format)
         held.clear()
     finally:
         dist.destroy_process_group()
@@ -113,6 +113,6 @@ def horovod_stepper(config, total_steps: int) -> Iterator[Stepper]:
         optimizer = hvd.DistributedOptimizer(
             recipe_optimizer(config, model, schedule),
             named_parameters=model.named_parameters())
-        yield plain_step(model, optimizer, schedule, config.train.bf16)
+        yield plain_step(model, optimizer, schedule, config.train.precision == "bfloat16")
     finally:
         hvd.shutdown()

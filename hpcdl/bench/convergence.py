@@ -13,15 +13,17 @@ run             global batch  optimizer and schedule
 ``baseline``    128           momentum SGD, lr 0.1, poly(2) decay, no warm-up
 ``sgd_scaled``  1,536         momentum SGD, lr 0.1·1536/128 (linear scaling), warm-up
 ``lars``        1,536         LARS (η = 0.02, lr 2; η chosen with --holdout), warm-up, poly(2)
-``lars_bf16``   1,536         ``lars`` in bf16 autocast (``train.bf16``); only when asked for
+``lars_bf16``   1,536         ``lars`` in bf16 autocast (``train.precision: bfloat16``);
+                             only when asked for
 ==============  ============  =====================================================
 
 1,536 ≈ 60,000 / 40. Goal: ``lars_minus_baseline_top1`` ≥ −1 point. ``--runs lars,lars_bf16`` is
 the bf16 check: the same recipe, seed and data order, so the difference
-``lars_bf16_minus_lars_top1`` (goal ≥ −0.3 points) is bf16's rounding alone. On a CPU without
-AVX512-BF16/AMX the run sets ``train.bf16_emulated`` (the trainer would otherwise fall back to
-float32 and the check would compare fp32 with itself): slower, with the same rounding. Which
-of the two it was is in every bench JSON's ``machine.bf16_native``.
+``lars_bf16_minus_lars_top1`` (goal ≥ −0.3 points) is bf16's rounding alone. The other runs
+say nothing of precision and train in float32; ``lars_bf16`` says ``bfloat16``, not ``auto``,
+so on a CPU without AVX512-BF16/AMX it is emulated (``auto`` would fall back to float32 and the
+check would compare fp32 with itself): slower, with the same rounding. Which of the two it
+was is in every bench JSON's ``machine.bf16_native``.
 
 Every run computes each forward pass (hence batch norm) on the baseline's per-rank batch, 64 on
 2 ranks; the large batch accumulates 12 of them per step, as the paper's 32K batch is many
@@ -160,7 +162,7 @@ def run_recipes(args: argparse.Namespace, ranks: int = 2) -> dict[str, dict[str,
     }
     lars = recipes["lars"]
     recipes["lars_bf16"] = {**lars, "name": lars["name"] + "_bf16",
-                            "train": {**lars["train"], "bf16": True, "bf16_emulated": True}}
+                            "train": {**lars["train"], "precision": "bfloat16"}}
     return recipes
 
 

@@ -58,8 +58,10 @@ from hpcdl.bench.baselines import (
     horovod_stepper,
 )
 from hpcdl.buckets import DEFAULT_BUCKET_MB
-from hpcdl.cpus import bf16_supported, cpu_capability, cpu_model_name, retain_freed_memory
+from hpcdl.cpus import bf16_native, cpu_capability, cpu_model_name, retain_freed_memory
 from hpcdl.host import nic_bytes, thread_cpu_s
+from hpcdl.train.config import PRECISIONS
+from hpcdl.train.precision import agreed_precision
 
 COMMAND = "train"
 HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
@@ -117,10 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the gradients, LARS on each rank's slice, allgather the "
                              "parameters; Xu et al. 2020); no_comm still runs the whole "
                              "optimizer on every rank")
-    parser.add_argument("--bf16", action="store_true",
-                        help="every mode in bf16 autocast (torch.autocast('cpu')), the FLOP "
-                             "reference a bf16 matmul; skipped, with a line saying why, on a "
-                             "CPU without native bf16 (AVX512-BF16 or AMX)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="every mode's compute dtype, as the recipes' train.precision: "
+                             "auto (default, as every shipped recipe) = bfloat16 autocast "
+                             "where bf16 is native (AVX512-BF16 or AMX), float32 elsewhere; "
+                             "the FLOP reference is a matmul of that dtype. bfloat16 is "
+                             "skipped, with a line saying why, where bf16 is not native")
+    parser.add_argument("--bf16", dest="precision", action="store_const", const="bfloat16",
+                        help="the same as --precision bfloat16")
     parser.add_argument("--nic", default="eth0",
                         help="network interface whose byte counters each step records "
                              "(/sys/class/net/NIC/statistics; none recorded where it does not "
@@ -179,9 +185,10 @@ def endless(loader) -> Iterator:
 
 
 # -- the recipe every mode shares ----------------------------------------------------------
-def bench_config(args: argparse.Namespace, ranks: int):
+def bench_config(args: argparse.Namespace, ranks: int, precision: str = "float32"):
     """A recipe for timing: the ImageNet LARS recipe's optimizer, a small lr (random labels
-    must not diverge during the timed steps), the bench's batch and bucket size."""
+    must not diverge during the timed steps), the bench's batch and bucket size, and the
+    compute dtype ``--precision`` resolved to."""
     from hpcdl.train.config import config_from_dict
 
     return config_from_dict({
@@ -195,8 +202,9 @@ def bench_config(args: argparse.Namespace, ranks: int):
                       "trust_coefficient": 0.001},
         "schedule": {"name": "poly", "base_lr": 0.1, "warmup_epochs": 0, "power": 2.0},
         "train": {"channels_last": args.memory_format == "channels_last",
-                  "log_every_steps": 10 ** 9, "bf16": args.bf16},
-        "comm": {"backend": args.backend, "bucket_mb": args.bucket_mb,
+                  "log_every_steps": 10 ** 9, "precision": precision},
+        # ours sends float32 as DDP does; ours_bf16 is the bf16-on-the-wire mode
+        "comm": {"backend": args.backend, "bucket_mb": args.bucket_mb, "wire_dtype": "float32",
                  "shard_update": bool(getattr(args, "shard_update", False))},
     }, origin="hpcdl bench train")
 
@@ -574,12 +582,13 @@ def hosts_note(hosts: list[tuple[str, str | None]], nic: str) -> dict[str, Any]:
 
 
 def bf16_skip_reason() -> str | None:
-    """Why ``--bf16`` cannot be measured here, or None: emulated bf16 would time the emulation."""
-    if bf16_supported():
+    """Why ``--precision bfloat16`` cannot be measured here, or None: emulated bf16 would time
+    the emulation."""
+    if bf16_native():
         return None
-    return (f"hpcdl bench train --bf16: skipped: this CPU ({cpu_model_name()}, torch capability "
-            f"{cpu_capability()}) has no native bf16 (AVX512-BF16 or "
-            "AMX); run it on a Cooper Lake, Sapphire Rapids or Zen 4 node")
+    return (f"hpcdl bench train --precision bfloat16: skipped: this CPU ({cpu_model_name()}, "
+            f"torch capability {cpu_capability()}) has no native bf16 (AVX512-BF16 or AMX "
+            "with torch at AVX-512); run it on a Cooper Lake, Sapphire Rapids or Zen 4 node")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -587,7 +596,7 @@ def run(args: argparse.Namespace) -> int:
     modes = parse_modes(args)
     from mpi4py import MPI
 
-    if args.bf16 and (reason := bf16_skip_reason()) is not None:
+    if args.precision == "bfloat16" and (reason := bf16_skip_reason()) is not None:
         if MPI.COMM_WORLD.rank == 0:
             print(reason, flush=True)
             if args.json:
@@ -612,7 +621,8 @@ def run(args: argparse.Namespace) -> int:
     world = MPI.COMM_WORLD
     load_before = os.getloadavg()
     malloc = "retain" if args.malloc == "retain" and retain_freed_memory() else "default"
-    config = bench_config(args, world.size)
+    precision = agreed_precision(args.precision, world)
+    config = bench_config(args, world.size, precision)
     # no rank logs: the bench prints its own lines; fail-fast comes with the communicator
     with RunSession(world, config.comm, log_level=None, threads=args.threads) as session:
         comm = session.comm
@@ -658,7 +668,6 @@ def run(args: argparse.Namespace) -> int:
             per_rank = world.allgather(rank_means(samples[mode]))
             records[mode] = mode_record(mode, per_rank, args.batch, train_flops_per_image)
         world.Barrier()  # every rank multiplies at once, as every rank trained at once
-        precision = "bfloat16" if args.bf16 else "float32"
         matmul = statistics.fmean(world.allgather(
             matmul_flops_per_s(args.matmul_size, dtype=precision)))
         hosts = world.allgather((MPI.Get_processor_name(), link_shaping(args.nic)))

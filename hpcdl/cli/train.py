@@ -252,12 +252,14 @@ def _run(args: argparse.Namespace) -> int:
         raise
 
 
-def _session(args: argparse.Namespace, world, comm):
-    """The run session of ``hpcdl train`` (hpcdl/train/session.py)."""
+def _session(args: argparse.Namespace, world, config, communicator: bool = True):
+    """The run session of ``hpcdl train`` (hpcdl/train/session.py); ``communicator`` False:
+    none of its own (LTFB's trainers open theirs)."""
     from hpcdl.train.session import RunSession
 
-    return RunSession(world, comm, run_dir=args.out, backend=args.backend,
-                      log_level=args.log_level, timeline=args.timeline)
+    return RunSession(world, config.comm if communicator else None, run_dir=args.out,
+                      backend=args.backend, log_level=args.log_level, timeline=args.timeline,
+                      precision=config.train.precision)
 
 
 def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> int:
@@ -267,7 +269,7 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
     from hpcdl.train.checkpoint import resume_layout
     from hpcdl.train.trainer import Trainer
 
-    with _session(args, world, config.comm) as session:
+    with _session(args, world, config) as session:
         comm = session.comm
         try:
             # The checkpoint's rank count, batch and epoch length, read first: a resume on
@@ -314,7 +316,7 @@ def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> 
         if ltfb.trainers > 1 and args.resume not in ("auto", "none"):
             raise BadInputError(f"--resume {args.resume}: with {ltfb.trainers} LTFB trainers "
                                 f"use auto or none (all trainers resume from one common step)")
-    with _session(args, world, None) as session:
+    with _session(args, world, config, communicator=False) as session:
         with agreed(world):
             try:
                 runner = session.own(LTFB(config, args.data, args.out, world, ltfb,

@@ -14,7 +14,9 @@ from hpcdl.train.config import Config, RecipeError, load_recipe, resolve_recipe
 DEFAULT_RECIPE = "resnet50_lars_32k"
 #: Where a recipe without a ``plan`` section is planned.
 DEFAULT_MACHINE, DEFAULT_PROCS = "knl", 2048
-WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# auto (a recipe's comm.wire_dtype) follows the compute dtype; the planner models float32
+# compute (its machine files hold float32 rates), so auto sends float32.
+WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}
 #: What a flag of the same name overrides.
 RUN_KEYS = ("model", "image_size", "global_batch", "epochs", "bucket_mb", "wire_dtype",
             "local_steps", "hierarchical_local", "compression_ratio", "powersgd_rank",

@@ -111,7 +111,10 @@ def run_bench_train(procs: int, model: str, image_size: int, batch: int, steps: 
     report = run_bench_json(procs, (
         "train", "--model", model, "--image-size", str(image_size), "--synthetic", "--batch",
         str(batch), "--steps", str(steps), "--warmup", "1", "--modes", "ours", "--threads",
-        str(threads), "--matmul-size", "256", "--no-breakdown"), timeout_s, announce=True)
+        str(threads), "--matmul-size", "256", "--no-breakdown",
+        # float32: the machine files hold float32 rates (the bench's default, auto, computes
+        # in bf16 on a CPU with native bf16)
+        "--precision", "float32"), timeout_s, announce=True)
     return measured_step(report, procs)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -25,9 +26,13 @@ from hpcdl.buckets import DEFAULT_BUCKET_MB, bucket_bytes
 from hpcdl.errors import BadInputError
 from hpcdl.io import atomic_write_text
 
-__all__ = ["Config", "RecipeError", "load_recipe", "parse_overrides", "resolve_recipe",
-           "shipped_recipes", "resolve_batch", "elastic_batch", "rank_counts",
+__all__ = ["Config", "PRECISIONS", "RecipeError", "WIRE_DTYPES", "load_recipe",
+           "parse_overrides", "resolve_precision", "resolve_recipe", "shipped_recipes",
+           "resolve_batch", "elastic_batch", "rank_counts",
            "write_resolved_config", "config_from_dict"]
+
+
+log = logging.getLogger("hpcdl.train.config")
 
 
 class RecipeError(BadInputError, ValueError):
@@ -85,11 +90,12 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every_steps: int = 10
     channels_last: bool = False
-    bf16: bool = False
-    # bf16 on a CPU without native bf16 (AVX512-BF16/AMX): emulate it, several times slower
-    # with the same rounding, instead of training in float32. For accuracy checks (bench
-    # convergence's lars_bf16), never for speed.
-    bf16_emulated: bool = False
+    # The compute dtype (resolve_precision): auto = bf16 autocast where the CPU computes bf16
+    # natively (AVX512-BF16 or AMX), float32 elsewhere; bfloat16 = bf16 even where it is
+    # emulated (several times slower, the same rounding: accuracy checks, never speed).
+    # Master weights, gradients and LARS trust ratios stay float32 in every case. A recipe
+    # that omits the key trains in float32 as before; the shipped recipes say auto.
+    precision: str = "float32"
     # Goyal et al. (arXiv:1706.02677 §2.2): rescale the momentum buffer by lr(t)/lr(t-1)
     # for optimizers whose buffer holds lr·g (LARS); a no-op for torch's SGD.
     momentum_correction: bool = False
@@ -107,7 +113,10 @@ CONSISTENCY_ALGORITHMS = ("sync", "local_sgd", "hierarchical_local_sgd", "powers
 class CommConfig:
     backend: str = "auto"
     bucket_mb: float = DEFAULT_BUCKET_MB   # MiB; checked in validate (comm.bucket_mb > 0)
-    wire_dtype: str = "float32"
+    # The gradients' dtype on the wire: auto = bfloat16 when the run computes in bf16 and the
+    # backend carries bf16 (ring, shm), float32 otherwise (hpcdl.train.precision); float32
+    # or bfloat16 = that, whatever the compute dtype.
+    wire_dtype: str = "auto"
     # How replicas stay consistent (hpcdl/comm/policy.py, docs/comm.md): sync,
     # local_sgd, hierarchical_local_sgd or powersgd.
     algorithm: str = "sync"
@@ -130,7 +139,7 @@ class CommConfig:
                               f"comm.algorithm={self.algorithm!r}): {self.algorithm} does not "
                               f"average every gradient every step, so there is no allreduce "
                               f"to split around the update; set one of the two keys")
-        if self.shard_update and self.wire_dtype != "float32":
+        if self.shard_update and self.wire_dtype == "bfloat16":
             raise RecipeError(f"comm.shard_update: true needs comm.wire_dtype: float32 (got "
                               f"{self.wire_dtype!r}): the sharded reduce-scatter and the "
                               f"parameter allgather run in the parameters' dtype; set one of "
@@ -272,6 +281,7 @@ def config_from_dict(raw: Mapping[str, Any], origin: str = "<recipe>") -> Config
     if epochs <= 0:
         raise RecipeError(f"{origin}: epochs must be > 0, got {epochs}")
     named = {s: _named_section(raw[s], s, origin) for s in _NAMED_SECTIONS}
+    raw = {**raw, "train": _renamed_train_keys(raw.get("train"), origin)}
     sections = {s: _build_section(cls, raw.get(s), s, origin) for s, cls in _SECTIONS.items()}
     config = Config(name=name, source=_coerce(raw.get("source") or "", "str", f"{origin}: source"),
                     epochs=epochs, path=origin, expected=_expected(raw.get("expected"), origin),
@@ -347,9 +357,43 @@ def _check_values(config: Config, origin: str) -> None:
                           f"{config.data.input_scale}")
     if config.comm.bucket_mb <= 0:
         raise RecipeError(f"{origin}: comm.bucket_mb must be > 0, got {config.comm.bucket_mb}")
-    if config.comm.wire_dtype not in ("float32", "bfloat16"):
-        raise RecipeError(f"{origin}: comm.wire_dtype must be float32 or bfloat16, got "
-                          f"{config.comm.wire_dtype!r}")
+    if config.comm.wire_dtype not in WIRE_DTYPES:
+        raise RecipeError(f"{origin}: comm.wire_dtype must be one of {', '.join(WIRE_DTYPES)}, "
+                          f"got {config.comm.wire_dtype!r}")
+    if config.train.precision not in PRECISIONS:
+        raise RecipeError(f"{origin}: train.precision must be one of {', '.join(PRECISIONS)}, "
+                          f"got {config.train.precision!r}")
+
+
+#: train.precision's values and comm.wire_dtype's
+PRECISIONS = ("auto", "float32", "bfloat16")
+WIRE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_precision(requested: str, native_bf16: bool) -> str:
+    """The compute dtype a run uses: ``auto`` is ``bfloat16`` where bf16 is native
+    (hpcdl.cpus.bf16_native), else ``float32``; the other two are themselves."""
+    if requested == "auto":
+        return "bfloat16" if native_bf16 else "float32"
+    return requested
+
+
+def _renamed_train_keys(raw: Any, origin: str) -> Any:
+    """``train.bf16`` / ``train.bf16_emulated`` (recipes and run directories written before
+    ``train.precision``) -> ``train.precision`` with the meaning they had: bf16 where native
+    and float32 elsewhere is ``auto``; bf16 even where emulated is ``bfloat16``."""
+    if not isinstance(raw, Mapping) or not {"bf16", "bf16_emulated"} & set(raw):
+        return raw
+    if "precision" in raw:
+        raise RecipeError(f"{origin}: train.bf16 and train.bf16_emulated are replaced by "
+                          f"train.precision; give only train.precision")
+    train = dict(raw)
+    bf16 = _coerce(train.pop("bf16", False), "bool", f"{origin}: train.bf16")
+    emulated = _coerce(train.pop("bf16_emulated", False), "bool", f"{origin}: train.bf16_emulated")
+    train["precision"] = ("bfloat16" if emulated else "auto") if bf16 else "float32"
+    log.warning("%s: train.bf16=%s (train.bf16_emulated=%s) is read as train.precision: %s; "
+                "the old keys will go", origin, bf16, emulated, train["precision"])
+    return train
 
 
 def parse_overrides(overrides: Iterable[str]) -> list[tuple[list[str], Any]]:

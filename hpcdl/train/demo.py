@@ -128,7 +128,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     # at its broadcast), training, and the final barrier.
     with run_directory(world, options.out, "hpcdl-demo-") as run_dir, \
             RunSession(world, config.comm, run_dir=run_dir, backend=options.backend,
-                       log_level=options.log_level) as session:
+                       log_level=options.log_level,
+                       precision=config.train.precision) as session:
         def final_barrier() -> None:  # every rank is done with the files before removal
             with watch_region(session.comm, "final barrier"):
                 world.Barrier()

@@ -120,7 +120,8 @@ class LTFB:
         self.hosts: list[str] = world.allgather(socket.gethostname()) if ltfb.trainers > 1 \
             else []
         self._stop_check = f"LTFB stop check ({self._where()})" if self.hosts else ""
-        self.comm = open_communicator(config.comm, self.layout.trainer_comm, backend)
+        self.comm = open_communicator(config.comm, self.layout.trainer_comm, backend,
+                                      precision=config.train.precision)
         self.rounds: list[dict[str, Any]] = []
         self._scratch: torch.nn.Module | None = None
         self.tournament_loader = None

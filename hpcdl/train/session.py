@@ -92,14 +92,17 @@ def setup_run_process(run_dir: str | None, rank: int, size: int, level: str,
 
 
 def open_communicator(section: CommConfig, world: Any, backend: str | None = None,
-                      ranks_per_node: int | None = None):
+                      ranks_per_node: int | None = None, precision: str = "float32"):
     """The communicator a recipe's ``comm`` section describes, over ``world`` (any mpi4py
     Intracomm: COMM_WORLD, or an LTFB trainer's). ``backend`` overrides ``section.backend``
-    (``--backend``). Collective over ``world``."""
+    (``--backend``); ``precision`` is the recipe's ``train.precision``, which ``comm.wire_dtype:
+    auto`` follows (hpcdl.train.precision). Collective over ``world``."""
     import hpcdl.comm
+    from hpcdl.train.precision import run_wire_dtype
 
     return hpcdl.comm.init(backend or section.backend, world, bucket_bytes=section.bucket_bytes,
-                           wire_dtype=section.wire_dtype, ranks_per_node=ranks_per_node)
+                           wire_dtype=run_wire_dtype(section, precision, world, backend),
+                           ranks_per_node=ranks_per_node)
 
 
 class RunSession:
@@ -108,13 +111,15 @@ class RunSession:
     ``comm``: the recipe's ``comm`` section (None: no communicator, e.g. LTFB, whose trainers
     open their own and hand it to :meth:`watch`). ``log_level`` None: the process is already
     set up (a bench that runs several trainings). ``threads``: ``"node"`` (the rank's share
-    of its node's cores), a count, or None (torch's own). Collective over ``world``.
+    of its node's cores), a count, or None (torch's own). ``precision``: the recipe's
+    ``train.precision``, which its ``comm.wire_dtype: auto`` follows. Collective over ``world``.
     """
 
     def __init__(self, world: Any, comm: CommConfig | None = None, *,
                  run_dir: str | None = None, backend: str | None = None,
                  log_level: str | None = "info", threads: int | Literal["node"] | None = "node",
-                 timeline: str | None = None, ranks_per_node: int | None = None) -> None:
+                 timeline: str | None = None, ranks_per_node: int | None = None,
+                 precision: str = "float32") -> None:
         from hpcdl.errors import agreed
 
         self.world, self.run_dir = world, run_dir
@@ -123,7 +128,7 @@ class RunSession:
         self._owned = contextlib.ExitStack()
         if comm is not None:
             with agreed(world):
-                self.comm = open_communicator(comm, world, backend, ranks_per_node)
+                self.comm = open_communicator(comm, world, backend, ranks_per_node, precision)
         try:
             self._set_up(log_level, threads, timeline)
         except BaseException:

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from hpcdl.comm.policy import create_policy
-from hpcdl.cpus import bf16_supported
 from hpcdl.debug.inject import injected_pause
 from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.optim.factory import set_learning_rate
@@ -38,6 +37,7 @@ from hpcdl.train import checkpoint as ckpt
 from hpcdl.train import signals
 from hpcdl.train.config import Config, elastic_batch, resolve_batch, write_resolved_config
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
+from hpcdl.train.precision import agreed_precision, describe
 
 __all__ = ["Trainer", "TrainOptions", "NonFiniteLossError", "IpexUnavailableError",
            "EXIT_OK", "EXIT_NONFINITE_LOSS", "EXIT_STOPPED_BY_SIGNAL", "derive_seed",
@@ -195,7 +195,8 @@ class Trainer:
             recipe_schedule(config, self.steps_per_epoch, self.total_steps)
         self.optimizer = optimizer if optimizer is not None else \
             recipe_optimizer(config, self.model, self.schedule)
-        self.autocast_dtype = self._autocast_dtype()
+        self.precision = self._precision()
+        self.autocast_dtype = torch.bfloat16 if self.precision == "bfloat16" else None
         if self.options.ipex:
             self._apply_ipex()
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
@@ -281,18 +282,20 @@ class Trainer:
             return torch.contiguous_format
         return torch.channels_last
 
-    def _autocast_dtype(self) -> torch.dtype | None:
-        if not self.config.train.bf16:
-            return None
-        if not bf16_supported():
-            if self.config.train.bf16_emulated:
-                log.info("train.bf16: this CPU has no native bf16 (AVX512-BF16/AMX); "
-                         "emulated (train.bf16_emulated): slower, the same rounding")
-                return torch.bfloat16
-            log.warning("train.bf16: this CPU has no native bf16 (AVX512-BF16/AMX); training "
-                        "in float32 instead (train.bf16_emulated=true emulates it, slowly)")
-            return None
-        return torch.bfloat16
+    def _precision(self) -> str:
+        """train.precision as every rank of the communicator resolves it
+        (hpcdl/train/precision.py): logged, and kept in summary.json and config.yaml."""
+        requested = self.config.train.precision
+        precision = agreed_precision(requested, self.comm.mpi_comm)
+        if self.rank == 0:
+            log.info("%s", describe(requested, precision))
+        return precision
+
+    @property
+    def wire_dtype(self) -> str:
+        """The gradients' dtype on the wire, as the communicator was built."""
+        return "bfloat16" if getattr(self.comm, "wire_dtype", None) == torch.bfloat16 \
+            else "float32"
 
     def _apply_ipex(self) -> None:
         ipex = require_ipex()
@@ -937,12 +940,14 @@ class Trainer:
         if self.rank != 0 or not self.options.write_files:
             return
         os.makedirs(self.run_dir, exist_ok=True)
-        config = self.config
-        if config.batch.per_rank is None:
-            import copy
+        import copy
 
-            config = copy.deepcopy(config)
+        # The run as it ran: the per-rank batch, the compute and wire dtypes this job
+        # resolved (--recipe RUN_DIR/config.yaml repeats them on any CPU).
+        config = copy.deepcopy(self.config)
+        if config.batch.per_rank is None:
             config.batch.per_rank = self.per_rank
+        config.train.precision, config.comm.wire_dtype = self.precision, self.wire_dtype
         write_resolved_config(config, self.run_dir)
         self._metrics = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
         show = self.options.progress
@@ -1020,6 +1025,8 @@ class Trainer:
             "reducer": ("enabled" if self.policy.communicates else "disabled (no_comm)"
                         if self.options.no_comm else "not needed (1 rank)"),
             "shard_update": self.shard_update,
+            "precision": self.precision,
+            "wire_dtype": self.wire_dtype,
             "threads": torch.get_num_threads(),
             "wall_s": wall_s,
             "train_s": self._train_time_s,

@@ -2,6 +2,7 @@
 the run directory. Tiny model (resnet_small, width 4) on tiny synthetic shards."""
 import importlib.util
 import json
+import logging
 import os
 
 import pytest
@@ -152,7 +153,7 @@ def test_no_comm_leaves_each_rank_its_own_gradients(shards, comm, world, shared_
 @pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.max_ranks(2))])
 def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, caplog,
                                               threads):
-    from hpcdl.cpus import bf16_supported
+    from hpcdl.cpus import bf16_native
 
     if world.size * threads > (os.cpu_count() or 1):
         # Seen twice on 2 cores (2026-12-01, MPICH and Intel MPI): with 2 ranks x 2 threads,
@@ -161,7 +162,8 @@ def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, c
         # fit the cores; the one-thread path is refused for a torch heap bug already.
         pytest.skip(f"{world.size} ranks x {threads} threads oversubscribe "
                     f"{os.cpu_count()} cores: torch's channels_last backward can hang there")
-    config = recipe(world.size, channels_last=True, bf16=True)
+    caplog.set_level(logging.INFO, logger="hpcdl.train")   # the precision line
+    config = recipe(world.size, channels_last=True, precision="auto")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -176,11 +178,16 @@ def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, c
     else:  # torch's one-thread channels_last backward crashes: refused with a warning
         assert trainer.memory_format == torch.contiguous_format
         assert "channels_last" in caplog.text
-    if bf16_supported():
+    expected = "bfloat16" if world.allreduce(int(bf16_native()), op=MPI.MIN) else "float32"
+    assert summary["precision"] == trainer.precision == expected
+    if world.rank == 0:   # the run as it ran: a resume elsewhere keeps the dtype
+        with open(os.path.join(shared_tmp, "cl", "config.yaml"), encoding="utf-8") as f:
+            assert f"precision: {expected}" in f.read()
+    if expected == "bfloat16":
         assert trainer.autocast_dtype == torch.bfloat16
     else:  # said so, and trained in float32
         assert trainer.autocast_dtype is None
-        assert "no native bf16" in caplog.text
+        assert "no native bf16" in caplog.text or world.rank != 0
 
 
 def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog):
@@ -191,18 +198,19 @@ def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog
     import time
 
     import hpcdl.comm
-    from hpcdl.cpus import bf16_supported
+    from hpcdl.cpus import bf16_native
 
     threads = 2
     if (os.cpu_count() or 1) < threads:
         pytest.skip(f"{os.cpu_count()} core: channels_last needs {threads} threads on a rank")
     outcome = None
+    caplog.set_level(logging.INFO, logger="hpcdl.train")   # the precision line
     if world.rank == 0:
         before = torch.get_num_threads()
         alone = hpcdl.comm.init("mpi", MPI.COMM_SELF)
         torch.set_num_threads(threads)
         try:
-            trainer, summary = run_trainer(recipe(1, channels_last=True, bf16=True), shards,
+            trainer, summary = run_trainer(recipe(1, channels_last=True, precision="auto"), shards,
                                            os.path.join(shared_tmp, "cl2"), alone,
                                            max_steps=2, evaluate=False)
             conv = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d))
@@ -226,7 +234,7 @@ def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog
     assert outcome["steps"] == 2
     assert outcome["memory_format"] == str(torch.channels_last)
     assert outcome["conv_channels_last"]
-    if bf16_supported():
+    if world.bcast(bf16_native(), root=0):
         assert outcome["autocast"] == str(torch.bfloat16)
     else:
         assert outcome["autocast"] == "None" and outcome["said_no_bf16"]
