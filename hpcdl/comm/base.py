@@ -27,6 +27,7 @@ from mpi4py import MPI
 from hpcdl.buckets import DEFAULT_BUCKET_MB, bucket_bytes, check_bucket_bytes
 from hpcdl.debug import NULL_MONITOR, abort_on_unshared_error
 from hpcdl.env import env_flag, env_tristate
+from hpcdl.io import Closing
 from hpcdl.topology import ranks_per_node_from_env, split_nodes
 
 #: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
@@ -144,6 +145,15 @@ def wait_yielding(request: MPI.Request) -> None:
         delay = min(2 * delay, 2e-4)
 
 
+def sum_over(mpi_comm: Any, values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """The float64 sum over ``mpi_comm``'s ranks of a few control values (flags, losses,
+    counts): one small blocking MPI_Allreduce, collective."""
+    mine = np.asarray(values, dtype=np.float64)
+    total = np.empty_like(mine)
+    mpi_comm.Allreduce(mine, total, op=MPI.SUM)
+    return total
+
+
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's memory as a numpy array (zero-copy), what mpi4py's buffer methods take."""
     return tensor.detach().numpy()
@@ -174,7 +184,7 @@ def mismatch_message(name: str, descriptions: Sequence[str]) -> str:
             f"order:\n" + "\n".join(lines))
 
 
-class Communicator:
+class Communicator(Closing):
     """One process's view of a data-parallel world: ranks, nodes, and collectives on tensors.
 
     Build with :func:`hpcdl.comm.init`. ``world`` is any mpi4py Intracomm (COMM_WORLD, or an
@@ -449,12 +459,6 @@ class Communicator:
 
     def _release_threads(self) -> None:
         """Backends whose library runs its own threads drop them here (local, at exit)."""
-
-    def __enter__(self) -> Communicator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} backend={self.backend} rank={self.rank}/{self.size} "

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from hpcdl.comm.reducer import GradientReducer, layout_buckets, pack_gradient, unpack_gradient
+from hpcdl.io import Closing
 
 __all__ = ["PowerSGDReducer", "compressed_bytes", "matrix_shape"]
 
@@ -91,7 +92,7 @@ class _Matrix:
     m: int
 
 
-class PowerSGDReducer:
+class PowerSGDReducer(Closing):
     """Average gradients over ``comm`` as rank-``rank`` factors with error feedback.
 
     Use like :class:`~hpcdl.comm.reducer.GradientReducer`: ``arm()`` before backward,
@@ -173,12 +174,6 @@ class PowerSGDReducer:
 
     def close(self) -> None:
         """Nothing to release (no hooks, no thread); here for the reducer's surface."""
-
-    def __enter__(self) -> PowerSGDReducer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -48,6 +48,7 @@ import torch
 from hpcdl.buckets import LAST_BUCKET_BYTES, bucket_bounds, check_bucket_bytes, tail_start
 from hpcdl.comm.base import yield_waits_in_this_thread
 from hpcdl.debug import abort_on_unshared_error
+from hpcdl.io import Closing
 
 __all__ = ["GradientReducer", "build_reducer", "Bucket", "layout_buckets", "pack_gradient",
            "unpack_gradient", "DEFAULT_LAST_BUCKET_BYTES"]
@@ -139,7 +140,7 @@ def split_tail(named_params: list[tuple[str, torch.Tensor]], tail_bytes: int | N
     return named_params[:cut], named_params[cut:]
 
 
-class GradientReducer:
+class GradientReducer(Closing):
     """Average gradients over ``comm`` while backward runs; ``synchronize()`` before the step.
 
     Use::
@@ -333,12 +334,6 @@ class GradientReducer:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
-
-    def __enter__(self) -> GradientReducer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- hooks and the thread --------------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -101,6 +102,16 @@ def read_rows(images, rows: np.ndarray) -> np.ndarray:
 
 class ShardedImageNet:
     """Iterates this rank's batches of one split (docs/architecture.md, hpcdl/data)."""
+
+    @classmethod
+    def for_communicator(cls, comm: Any, shard_dir: str, split: str, batch_size: int,
+                         **options: Any) -> ShardedImageNet:
+        """This rank's loader, its node and local rank taken from ``comm`` (anything with
+        ``node_index``, ``num_nodes``, ``local_rank``, ``local_size``: an hpcdl communicator);
+        ``options``: the constructor's other keywords."""
+        return cls(shard_dir, split=split, node_index=comm.node_index, num_nodes=comm.num_nodes,
+                   local_rank=comm.local_rank, local_size=comm.local_size,
+                   batch_size=batch_size, **options)
 
     def __init__(self, shard_dir: str, split: str = "train", node_index: int = 0,
                  num_nodes: int = 1, local_rank: int = 0, local_size: int = 1,

@@ -31,10 +31,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcdl.comm.base import sum_over
 from hpcdl.debug.monitor import watch_region
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train import signals
@@ -244,11 +244,9 @@ class LTFB:
         """One integer summed over the world: has any rank been signalled? (A signal that
         lands after this check waits for the next one.)"""
         signalled = self.options.handle_signals and signals.pending() is not None
-        flag = np.array([1 if signalled else 0], dtype=np.int64)
-        total = np.empty_like(flag)
         # the stall watchdog sees it; its name says where the ranks it waits for run
         with watch_region(self.comm, self._stop_check):
-            self.world.Allreduce(flag, total, op=MPI.SUM)
+            total = sum_over(self.world, [1 if signalled else 0])
         return bool(total[0])
 
     def _where(self, trainer: int | None = None) -> str:

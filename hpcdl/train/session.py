@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from hpcdl.errors import BadInputError
+from hpcdl.io import Closing
 from hpcdl.train.config import CommConfig
 
 __all__ = ["OutputDirError", "RunSession", "check_output_dir", "open_communicator",
@@ -102,7 +103,7 @@ def open_communicator(section: CommConfig, world: Any, backend: str | None = Non
                            wire_dtype=section.wire_dtype, ranks_per_node=ranks_per_node)
 
 
-class RunSession:
+class RunSession(Closing):
     """The communicator, process set-up, threads, timeline and stall watchdog of one run.
 
     ``comm``: the recipe's ``comm`` section (None: no communicator, e.g. LTFB, whose trainers
@@ -178,9 +179,3 @@ class RunSession:
         finally:
             if self.comm is not None:
                 self.comm.close()
-
-    def __enter__(self) -> RunSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcdl.comm.base import sum_over
 from hpcdl.data.loader import ShardedImageNet
 from hpcdl.data.sampler import node_samples
 
@@ -246,8 +247,7 @@ def score_model(model: torch.nn.Module, loader, comm: MPI.Intracomm,
             logits = model(x.contiguous(memory_format=memory_format)).float()
             sums += [float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum")),
                      float(logits.argmax(dim=1).eq(labels).sum()), labels.numel()]
-    total = np.empty_like(sums)
-    comm.Allreduce(sums, total, op=MPI.SUM)
+    total = sum_over(comm, sums)
     model.train(was_training)
     n = max(total[2], 1.0)
     return {"loss": float(total[0] / n), "top1": float(total[1] / n), "samples": int(total[2])}

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcdl.comm.base import sum_over
 from hpcdl.comm.policy import create_policy
 from hpcdl.cpus import bf16_supported
 from hpcdl.debug.inject import injected_pause
@@ -257,16 +258,12 @@ class Trainer:
         # Collective: ranks of different nodes check different shards, and all must stop
         # together if any found a bad one (hpcdl/errors.py).
         with agreed(self.comm.mpi_comm):
-            return ShardedImageNet(self.data_dir, split=split, node_index=self.comm.node_index,
-                                   num_nodes=self.comm.num_nodes,
-                                   local_rank=self.comm.local_rank,
-                                   local_size=self.comm.local_size, batch_size=batch_size,
-                                   image_size=data.image_size, seed=self.config.train.seed,
-                                   workers=data.workers, rotate_shards=data.rotate_shards,
-                                   min_scale=data.min_scale, crop=data.crop,
-                                   resize=data.val_resize,
-                                   verify_shards=self.options.verify_shards,
-                                   num_classes=self.config.model.get("num_classes"))
+            return ShardedImageNet.for_communicator(
+                self.comm, self.data_dir, split, batch_size, image_size=data.image_size,
+                seed=self.config.train.seed, workers=data.workers,
+                rotate_shards=data.rotate_shards, min_scale=data.min_scale, crop=data.crop,
+                resize=data.val_resize, verify_shards=self.options.verify_shards,
+                num_classes=self.config.model.get("num_classes"))
 
     def _memory_format(self) -> torch.memory_format:
         if not self.config.train.channels_last:
@@ -448,15 +445,11 @@ class Trainer:
         is acted on at the same step everywhere; one landing after this call waits for the
         next step's. (``handle_signals=False``: this trainer's stop is decided elsewhere --
         LTFB's check across trainers -- or not at all, the benches.)"""
-        from mpi4py import MPI
-
         nonfinite = not math.isfinite(local_loss)
         signalled = self.options.handle_signals and signals.pending() is not None
-        flags = np.array([1.0 if signalled else 0.0,
-                          1.0 if nonfinite else 0.0,
-                          0.0 if nonfinite else local_loss], dtype=np.float64)
-        total = np.empty_like(flags)
-        self.comm.mpi_comm.Allreduce(flags, total, op=MPI.SUM)
+        total = sum_over(self.comm.mpi_comm, [1.0 if signalled else 0.0,
+                                              1.0 if nonfinite else 0.0,
+                                              0.0 if nonfinite else local_loss])
         return bool(total[0] > 0), bool(total[1] > 0), float(total[2])
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
@@ -494,8 +487,6 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Top-1/top-5 and loss on the validation split, each rank its part, summed over all
         ranks. BN running statistics are averaged first, so every rank evaluates one model."""
-        from mpi4py import MPI
-
         if not self.options.no_comm:
             stats = [b for n, b in self.model.named_buffers()
                      if b.is_floating_point() and b.numel() > 0]
@@ -516,8 +507,7 @@ class Trainer:
                 sums += [float(torch.nn.functional.cross_entropy(logits, labels,
                                                                  reduction="sum")),
                          float(hits[:, :1].sum()), float(hits.sum()), labels.numel()]
-        total = np.empty_like(sums)
-        self.comm.mpi_comm.Allreduce(sums, total, op=MPI.SUM)
+        total = sum_over(self.comm.mpi_comm, sums)
         self.model.train()
         count = max(total[3], 1.0)
         result = {"kind": "eval", "step": self.step,
@@ -665,14 +655,10 @@ class Trainer:
         """Collective: the mean over the ranks of every floating BN buffer (float64 sums, one
         Allreduce of the buffers' size), what an elastic resume starts every rank from. The
         ranks' own buffers are not changed."""
-        from mpi4py import MPI
-
         named = self._float_buffers()
         flat = np.concatenate([b.detach().double().reshape(-1).numpy() for _, b in named]) \
             if named else np.zeros(0)
-        total = np.empty_like(flat)
-        self.comm.mpi_comm.Allreduce(flat, total, op=MPI.SUM)
-        total /= self.size
+        total = sum_over(self.comm.mpi_comm, flat) / self.size
         mean, offset = {}, 0
         for name, b in named:
             mean[name] = torch.from_numpy(total[offset:offset + b.numel()].copy()).reshape(
