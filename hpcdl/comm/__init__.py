@@ -3,22 +3,14 @@
     comm = hpcdl.comm.init("auto")          # or "mpi", "ring", "shm", "gloo", "ccl"
     comm.allreduce_(grads)                  # averaged in place, fused into flat buckets
 
-``init`` runs under the start-up bound (hpcdl/debug/startup.py, ``HPCDL_STARTUP_TIMEOUT_S``, 300
-s), and so does MPI_Init when importing this package starts MPI. It also installs fail-fast
-(hpcdl/debug/faults.py) unless ``fail_fast=False``: an uncaught exception on one rank prints
-that rank's traceback and aborts the whole job, instead of leaving the other ranks blocked in
-their next allreduce until the scheduler's time limit. And it installs the stall watchdog
-(hpcdl/debug/stall.py) unless ``watchdog=False``: a collective that waits ``HPCDL_STALL_WARN_S``
-(60 s) gets a report naming the ranks and hosts not heard from, one that waits
-``HPCDL_STALL_ABORT_S`` (600 s) ends the job, and a rank whose MPI_Abort reaches no one ends
-itself ``HPCDL_STALL_EXIT_GRACE_S`` (10 s) later. The defaults are the trainer's: long enough
-for a checkpoint on a slow shared file system, short beside an allocation's hours; every entry
-point built on ``init`` (a user's own loop, the demo, LTFB, the benches) has it.
+``init`` (and MPI_Init when importing this package starts MPI) runs under the start-up bound
+(hpcdl/debug/startup.py). It installs fail-fast (hpcdl/debug/faults.py; ``fail_fast=False``
+to skip) and the stall watchdog (hpcdl/debug/stall.py; ``watchdog=False``), so every entry
+point built on it has them; their defaults and behaviour: docs/debugging.md, sections 4 and 5.
 
 Backends (one algorithm each): ``mpi`` (MPI_Allreduce), ``ring`` (bandwidth-optimal ring,
 Patarasuk & Yuan 2009), ``shm`` (hierarchical: node-shared-memory reduce-scatter, then
-across nodes), ``gloo`` (a torch.distributed process group) and ``ccl`` (Intel oneCCL's C API,
-through ctypes).
+across nodes), ``gloo`` (a torch.distributed process group) and ``ccl`` (Intel oneCCL).
 """
 from __future__ import annotations
 

@@ -11,20 +11,11 @@ Per matrix-shaped gradient (a conv weight ``(out, in, kh, kw)`` is reshaped to
     Q ← Mᵀ P̂;  Q ← allreduce_mean(Q)  (lines 6-7; Q is kept for the next step: warm start)
     G ← P̂ Qᵀ;  E ← M − G              (the decompressed average; the residual stays local)
 
-Vectors (biases, batch-norm γ/β) and matrices for which ``2·r·(n+m) ≥ n·m`` (too little to
-gain: PyTorch's ``min_compression_rate`` of 2) are sent uncompressed, fused with the P
-factors into one call. When the average ``Σᵢ Mᵢ/P``
-has rank ≤ r the result is exact: ``P̂`` spans its columns, so ``P̂ P̂ᵀ mean(M) = mean(M)``.
-
-``Q`` starts from one seeded Gaussian draw, identical on every rank (it must be: ``P`` is
-averaged, which is only meaningful for a common ``Q``). LARS runs after decompression, on
-``G``: its trust ratio needs the norm of the averaged gradient.
-
-This reducer is synchronous: it compresses after backward (compression needs the whole
-gradient of a tensor, and the error buffer), so nothing overlaps backward. At 4× to 100×
-fewer bytes the exposed allreduce is what it saves (docs/comm.md). Same surface as
-:class:`~hpcdl.comm.reducer.GradientReducer` (``arm``, ``synchronize``, ``suspended``,
-``close``), so the trainer does not know which one it holds.
+Vectors and matrices with ``2·r·(n+m) ≥ n·m`` (PyTorch's ``min_compression_rate`` of 2) are
+sent dense, fused with the P factors. When ``Σᵢ Mᵢ/P`` has rank ≤ r the result is exact.
+``Q`` starts from one seeded draw, identical on every rank (``P`` is averaged). Synchronous,
+after backward; same surface as :class:`~hpcdl.comm.reducer.GradientReducer`. The choices
+and the check against PyTorch's hook: docs/comm.md, "Consistency policies".
 """
 from __future__ import annotations
 

@@ -1,36 +1,19 @@
 """Gradient reduction that overlaps backward: fusion buckets on one communication thread.
 
-Horovod's design (Sergeev & Del Balso, arXiv:1802.05799) and PyTorch DDP's bucketing (Li et
-al., VLDB 2020): a hook fires when a parameter's gradient is ready; the gradient is copied into
-a fusion bucket; a full bucket is averaged over the world while autograd keeps computing the
-gradients of earlier layers. You et al. (ICPP'18) overlap the same way on Xeon clusters.
+Horovod's design (Sergeev & Del Balso, arXiv:1802.05799) and DDP's bucketing (Li et al., VLDB
+2020): a hook copies each ready gradient into a fusion bucket, and a full bucket is averaged
+over the world while autograd computes earlier layers (You et al., ICPP'18, on Xeon clusters).
+Each choice with its reason: docs/comm.md, "The gradient reducer" and "Threads".
 
-Choices that keep every rank in step:
-- Buckets are laid out once, in reverse registration order (the order backward produces
-  gradients for a sequential model), so the layout is the same on every rank.
-- Buckets are launched strictly in bucket order: a bucket that fills early waits until all
-  buckets before it are launched, so every rank issues the same collectives in the same order
-  whatever the timing of autograd (collectives issued in different orders deadlock).
-- One communication thread issues every collective the reducer makes; the main thread only
-  enqueues and, in :meth:`GradientReducer.synchronize`, waits.
-- A parameter that got no gradient this step (unused branch) contributes zeros when
-  ``synchronize`` launches what is left, so no rank waits for a bucket another never sends.
-
-Choices that keep the step fast:
-- The bucket holding the first layers is reduced last, after the whole backward: its
-  reduction cannot overlap anything. It is kept small (``last_bucket_bytes``, 1 MiB: the
-  stem and first stage of ResNet-50), so what stays exposed is one small allreduce; DDP caps
-  its first bucket for the mirror-image reason (Li et al., §3.2.3).
-- After the reduction ``p.grad`` becomes a view of the bucket (DDP's
-  ``gradient_as_bucket_view``): no copy back out, on the critical path after backward. A
-  gradient that already is that view (``zero_grad(set_to_none=False)``) is not copied in.
-- The communication thread's waits sleep between tests (:func:`~hpcdl.comm.base.
-  yield_waits_in_this_thread`): it waits for peers still in backward, and a spinning wait
-  would take a core from the compute.
+- Keeping ranks in step: buckets laid out once in reverse registration order and launched
+  strictly in bucket order, by one communication thread; a parameter without a gradient this
+  step contributes zeros, so no rank waits for a bucket another never sends.
+- Keeping the step fast: the first layers get a last bucket of at most ``last_bucket_bytes``
+  (1 MiB; DDP caps its first bucket likewise, Li et al. §3.2.3); ``p.grad`` becomes a view of
+  the bucket (DDP's ``gradient_as_bucket_view``); the thread's waits sleep between tests.
 - ``reduce_scatter=True`` (weight-update sharding, Xu et al. 2020; hpcdl/optim/sharded.py):
-  each bucket is reduce-scattered instead, ``p.grad`` keeps the rank's own gradient, and the
-  sharded step hands each bucket back for its parameter allgather
-  (:meth:`GradientReducer.start_allgather`) on the same thread, in bucket order.
+  buckets are reduce-scattered, and :meth:`GradientReducer.start_allgather` hands each back for
+  its parameter allgather on the same thread, in bucket order.
 
 This module speaks tensors and a communicator only: it never imports a model or an optimizer.
 """

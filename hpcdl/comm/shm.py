@@ -8,12 +8,9 @@ the ``ring`` with ``inter_node="ring"``), so every rank's NIC share is used; eac
 reads the other slices back from the window. With unequal ranks per node the node leaders
 carry the whole buffer across nodes instead.
 
-The main lever is :meth:`empty`: a gradient bucket allocated there already is window memory,
-so nothing is copied in. Any other buffer is first copied into a staging window (the
-``copy-in`` path, measured separately in ``hpcdl bench allreduce``).
-
-Synchronisation is ``Win.Sync`` + ``Barrier`` on the node communicator (the MPI-3 unified
-memory model's recipe); nothing spins on flags, which matters when ranks oversubscribe cores.
+A bucket from :meth:`empty` already is window memory (nothing copied in); any other buffer
+goes through a staging window. Synchronisation is ``Win.Sync`` + ``Barrier`` on the node
+communicator (the MPI-3 unified memory model's recipe); nothing spins on flags.
 """
 from __future__ import annotations
 

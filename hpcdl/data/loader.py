@@ -2,15 +2,11 @@
 threads and not worker processes, and why shards open with HDF5 file locking off
 (``locking=False``): docs/data.md, "Workers are threads" and "Lustre and NFS".
 
-The shards this rank's node reads are checked against the manifest when the loader is built:
-their sizes always (a ``stat`` each), their sha256 with ``verify_shards=True`` (each local rank
-hashes its share of the node's shards). A shard that still fails to open or read later raises
-:class:`~hpcdl.data.format.ShardError` naming it, never a bare HDF5 error; so does a shard
-whose labels fall outside the manifest's classes (checked when its labels are read, the whole
-shard at once) and a sample whose stored bytes do not decode (HDF5 keeps no checksum of them,
-so a damaged shard of the right size is found only here: the error names shard and sample).
-Given the model's ``num_classes``, the loader refuses a manifest of another class count when
-it is built, before any step.
+Checks (docs/data.md, "The shard format"): the node's shards' sizes when built (sha256 with
+``verify_shards=True``, each local rank its share), the manifest's class count against the
+model's ``num_classes``; later a shard that fails to open or read, labels outside the classes
+or bytes that do not decode raise :class:`~hpcdl.data.format.ShardError` naming shard (and
+sample), never a bare HDF5 error.
 """
 from __future__ import annotations
 

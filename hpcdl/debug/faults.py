@@ -1,22 +1,13 @@
-"""Fail fast on a dead rank, and dump stacks of a live one.
+"""Fail fast on a dead rank, and dump stacks of a live one (docs/debugging.md, section 4).
 
-A rank that raises and simply exits leaves every other rank blocked in its next allreduce
-until Slurm's time limit: hours of allocation for nothing. ``install_fail_fast`` makes an
-uncaught exception, in the main thread or the communication thread, print its traceback with
-the rank and then ``MPI_Abort`` the whole job with a non-zero code.
+``install_fail_fast``: an uncaught exception, in the main or the communication thread, prints
+its traceback with the rank and ``MPI_Abort``s the job, instead of leaving the others blocked
+in their next allreduce until the time limit. Every teardown that needs peers (a window free,
+a barrier) starts with ``abort_on_unshared_error()``, since a ``finally`` runs before the hook:
+an error the peers do not share aborts there; only an agreed end reaches the teardown.
 
-A rank that raises inside a ``try``/``finally`` (or a ``with`` block) would run its teardown
-before the hook: freeing a shared-memory window, a barrier, finalizing a library -- each needs
-the peers, who wait in the step's collective for this rank, so the job hung to the stall abort
-and the traceback was never printed. Every teardown that needs peers therefore starts with
-``abort_on_unshared_error()``: a rank unwinding an error its peers do not share prints the
-traceback there, once, naming rank and host, and aborts the world; only an agreed end (success,
-or an error every rank raised together) goes on to the collective teardown.
-
-``install_stack_dump`` lets a person look inside a hang without a debugger: ``SIGUSR2`` makes a
-rank write every thread's Python stack to its log (``faulthandler``), and ``HPCDL_DUMP=1`` at
-start makes every rank do so every ``HPCDL_DUMP_EVERY_S`` seconds (default 60) for launchers that
-do not forward signals.
+``install_stack_dump``: ``SIGUSR2`` writes every thread's Python stack to the log
+(``faulthandler``); ``HPCDL_DUMP=1`` does so every ``HPCDL_DUMP_EVERY_S`` seconds.
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """What ``Communicator._collective`` calls around every collective (hpcdl/comm/base.py).
 
-``NULL_MONITOR`` is the default: ``watch`` returns one shared object whose enter/exit do
-nothing. ``watch_collectives(comm, run_dir)`` installs a live ``CollectiveMonitor``, whose fast
-path is a counter and one tuple store per collective (the stall watchdog reads that tuple from its
-own thread); in debug mode (``HPCDL_DEBUG=1``) it also keeps a record of every collective --
-name, bucket id, shapes, dtype, bytes, seconds -- logs it, and writes the last ones to the log
-when a collective fails (the communicator's signature check names the first call on which the
-ranks disagree, with each rank's shapes). With a ``Timeline`` every collective is a span on the
-thread that issued it, so the communication thread's bucket reductions get their own row.
-
-``HPCDL_INJECT=RANK:SEQ:raise`` or ``RANK:SEQ:sleep=SECONDS`` makes rank RANK raise (or sleep)
-just before its SEQ-th collective: how the tests (and a curious user) rehearse a dead or stuck
-rank without editing the trainer (the other kinds: hpcdl/debug/inject.py).
+``NULL_MONITOR`` (default) does nothing. ``watch_collectives(comm, run_dir)`` installs a live
+``CollectiveMonitor``: its fast path is a counter and one tuple store per collective, which the
+stall watchdog reads from its own thread; with ``HPCDL_DEBUG=1`` it also records and logs every
+collective and writes the last ones when one fails; with a ``Timeline`` each collective is a
+span on its issuing thread. ``HPCDL_INJECT=RANK:SEQ:raise|sleep=S`` acts before collective SEQ
+(hpcdl/debug/inject.py).
 """
 from __future__ import annotations
 

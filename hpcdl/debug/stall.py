@@ -1,23 +1,15 @@
 """Stall reports: which ranks have not arrived at a collective, and what they last did; past
 ``abort_s``, the end of the job.
 
-Why the channel between ranks is a directory of heartbeat files (``RUN_DIR/logs/heartbeat/
-rank-XXXX.json``, written by each rank's watchdog thread) and not an MPI RMA window, how a
-waiting rank tells a peer that is alive from one that is gone without a working collective, and
-how a rank ends itself when MPI_Abort reaches no one: docs/debugging.md, "How it works, and why
-files" and the paragraphs after it. A rank writes its file only when its state has been
-unchanged for ``quiet_s``, and at most once per ``beat_s``; a report says "not heard from",
-never more than it knows.
+Heartbeat files (``RUN_DIR/logs/heartbeat/rank-XXXX.json``) are the channel between ranks, not
+an MPI RMA window; why, and how a rank ends itself when MPI_Abort reaches no one:
+docs/debugging.md, section 5. A rank writes its file only when its state has been unchanged
+for ``quiet_s``, at most once per ``beat_s``; a report says "not heard from", never more.
 
-The watchdog decides from memory: its clock, the monitor's state tuple, and the peers' hosts
-from start-up. Everything that touches a file system -- writing the heartbeat, reading the
-peers', the dump, a log line to ``RUN_DIR/logs`` -- runs on a short-lived thread of its own
-that the deciding thread waits for at most ``IO_WAIT_S`` (a heartbeat write: not at all). A run
-directory whose file system stops answering (a Lustre hang: ``open()`` blocks, nothing fails)
-then costs the report its peers' heartbeats and the dump, never the abort.
-
-The fast path (``hpcdl.debug.monitor``) only stores a tuple per collective; this module's thread
-does the rest. The report logic is pure functions over heartbeat dicts (unit-testable).
+The watchdog decides from memory (its clock, the monitor's state tuple, peers' hosts); all
+file-system work runs on a short-lived thread it waits for at most ``IO_WAIT_S``, so a hung
+file system costs the report its details, never the abort. The report logic is pure
+functions over heartbeat dicts.
 """
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """A bound on start-up: MPI_Init and the communicator's creation end within
 ``HPCDL_STARTUP_TIMEOUT_S`` (300 s; 0: no bound), or the rank says where it was stuck and what
-to try, and ends itself.
+to try, and ends itself (docs/debugging.md, the variables' table and the faults' table).
 
-Before its communicator exists nothing watches a rank: the stall watchdog
-(hpcdl/debug/stall.py) is installed by ``hpcdl.comm.init`` at its end, and a launcher whose
-PMI never answers (a PMI-2 exchange the site's Slurm mis-parses, a PMIx server that never
-comes up) holds MPI_Init, ``Win.Allocate_shared`` or oneCCL's init forever -- the allocation
-sits silent to its time limit. The bound is a daemon thread with its own clock: it needs no
-MPI (which is what is stuck), no peer and no file system; it prints one line on stderr, kills
-this rank's children and calls ``os._exit`` with the stall exit code, and the launcher ends
-the other ranks. Start-up on many ranks is slow but not that slow: MPI_Init and a
-communicator at 2,048 ranks take tens of seconds, so 300 s only ends a job that would not
-have started.
+Nothing else watches a rank before its communicator exists, and a PMI that never answers holds
+MPI_Init, ``Win.Allocate_shared`` or oneCCL's init to the time limit. The bound is a daemon
+thread with its own clock: no MPI, no peer, no file system; one line on stderr, this rank's
+children killed, ``os._exit`` with the stall exit code. 300 s is far above the tens of seconds
+MPI_Init and a communicator take at 2,048 ranks.
 """
 from __future__ import annotations
 

@@ -6,13 +6,11 @@ in the reverse order (``hpcdl train``, the demo, LTFB's runs, the training bench
                                       timeline=session.timeline))
         trainer.train()
 
-Opening, collective over ``world``: (1) the communicator of the recipe's ``comm`` section,
-agreed by every rank (:func:`open_communicator`: ``comm.bucket_bytes``, the one conversion of
-``comm.bucket_mb``); (2) the process (:func:`setup_run_process`); (3) compute threads, each
-rank's share of its node's cores (hpcdl/train/threads.py) or a fixed count; (4) the timeline and
-the stall watchdog, heartbeats in ``RUN_DIR/logs/heartbeat``. Closing: ``abort_on_unshared_error``
-first (an error of this rank alone ends the job before any teardown that waits for peers),
-then the timeline is saved, what the session owns is closed (last first), the communicator last.
+Opening, collective over ``world``: the recipe's communicator (:func:`open_communicator`), the
+process (:func:`setup_run_process`), compute threads (hpcdl/train/threads.py), the timeline and
+the stall watchdog. Closing: ``abort_on_unshared_error`` first (an error of this rank alone ends
+the job before any teardown waits for peers), the timeline saved, owned objects closed last
+first, the communicator last.
 """
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""The pieces of an LTFB tournament (Jacobs et al., "Towards Scalable Parallel Training of Deep
-Neural Networks", MLHPC'17), each usable and testable alone:
-
-- ``TrainerLayout`` / ``split_world``: COMM_WORLD -> K trainer communicators (contiguous ranks)
-  and "peer" communicators linking rank i of every trainer;
-- ``tournament_partners``: the pairing of a round, from a seed every rank shares (no messages);
-- ``partition_samples``: each trainer's training shards and its held-out tournament samples;
-- ``PartitionLoader``: ShardedImageNet restricted to an explicit sample pool (one trainer's);
-- ``flatten_state`` / ``load_flat_state`` / ``exchange_flat``: a model (and optimizer) state as
-  one byte vector, swapped slice by slice over the peer communicator and rebuilt by an
-  allgather within the trainer;
-- ``score_model``: loss and top-1 of a model on a loader, summed over the trainer's ranks.
+"""The pieces of an LTFB tournament (Jacobs et al., MLHPC'17; docs/ltfb.md), each usable and
+testable alone: ``split_world`` (K trainer and "peer" communicators), ``tournament_partners``
+(a round's pairs from a shared seed), ``partition_samples`` (each trainer's shards and held-out
+samples), ``PartitionLoader`` (ShardedImageNet over one trainer's pool), ``flatten_state`` /
+``load_flat_state`` / ``exchange_flat`` (a state as one byte vector, swapped over the peer
+communicator) and ``score_model`` (loss and top-1 summed over the trainer's ranks).
 """
 from __future__ import annotations
 
