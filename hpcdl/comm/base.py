@@ -90,19 +90,11 @@ _created = iter(range(1 << 62))
 
 
 def release_open_communicators() -> None:
-    """At exit, release what a communicator the program left open must not keep past the
-    interpreter's end (``atexit``), newest first.
-
-    Why: a torch process group (``gloo``) owns C++ worker threads that drop their last tensor
-    references *after* ``work.wait()`` returns. Dropping a tensor needs the GIL; once
-    ``Py_FinalizeEx`` has begun, CPython 3.11 ends any thread that asks for it with
-    ``pthread_exit``, whose unwinding through torch's ``noexcept`` destructor is
-    ``std::terminate`` -- "terminate called without an active exception", exit 9 under
-    mpiexec, about 1 run in 4 at -n 3 (docs/debugging.md). ``atexit`` runs before finalization
-    (and before mpi4py's MPI_Finalize), while threads may still take the GIL. Local only -- no
-    barrier, no MPI_Comm_free: a rank that exits alone (its error not shared) must not wait at
-    exit for ranks that never come; MPI_Finalize reclaims the MPI objects.
-    """
+    """At exit (``atexit``: before interpreter finalization and MPI_Finalize), release what
+    a communicator left open must not keep past the interpreter's end, newest first: gloo's
+    C++ threads take the GIL to drop tensors after ``work.wait()``, and during finalization
+    CPython ends such a thread into ``std::terminate`` (docs/debugging.md). Local only, no
+    barrier: a rank exiting alone must not wait for peers; MPI_Finalize reclaims the rest."""
     for number in sorted(_open_communicators.keys(), reverse=True):
         comm = _open_communicators.get(number)
         if comm is not None:
@@ -114,12 +106,8 @@ atexit.register(release_open_communicators)
 
 def yield_waits_in_this_thread() -> None:
     """Mark the calling thread as one whose collectives overlap compute (the gradient
-    reducer's communication thread): its waits test and sleep instead of busy-polling.
-
-    Such a thread waits most of a step for peers still in backward; spinning meanwhile takes
-    a core from the compute threads of this rank or the next (measured on 2 cores, 2 ranks,
-    ResNet-50: docs/performance.md). A wake-up up to 200 us late costs nothing there: the
-    main thread is still computing."""
+    reducer's communication thread): its waits test and sleep instead of busy-polling, which
+    would take a core from compute (docs/comm.md, "Threads")."""
     _thread_waits.yielding = True
 
 
@@ -129,10 +117,8 @@ def waits_yield_in_this_thread() -> bool:
 
 def wait_yielding(request: MPI.Request) -> None:
     """Wait for ``request`` without holding the core: ``Test`` (which drives MPI progress)
-    for 50 us, then sleep between tests, backing off from ~50 us to 200 us. MPICH's own
-    ``Wait`` busy-polls, which with 4 ranks on 2 cores spends half the machine spinning while
-    the peer it waits for is descheduled (measured, shm at p=4 on 2 cores, 16 MB: 0.45/0.68
-    GB/s busbw yielding vs 0.38/0.52 spinning, two alternating pairs; docs/performance.md)."""
+    for 50 us, then sleep between tests, backing off from ~50 us to 200 us; MPICH's own
+    ``Wait`` busy-polls, spinning while the peer it waits for is descheduled."""
     spin_until = time.perf_counter() + 5e-5  # a peer that is running answers within ~50 us
     while not request.Test():
         if time.perf_counter() > spin_until:

@@ -27,9 +27,8 @@ from hpcdl.comm.base import Communicator, numpy_view, scale_, segment_bounds
 
 TAG_REDUCE_SCATTER = 71
 TAG_ALLGATHER = 72
-#: Chunk of the pipeline. Small enough that a 16 MB bucket at p=4 has 4 chunks per step to
-#: overlap, large enough that per-message Python/MPI overhead stays small (256 KiB-4 MiB measured
-#: within noise at p=4 on 2 busy cores; docs/performance.md).
+#: Chunk of the pipeline: a 16 MB bucket at p=4 has 4 chunks per step to overlap, and
+#: per-message Python/MPI overhead stays small.
 DEFAULT_CHUNK_BYTES = 2**20
 
 

@@ -419,14 +419,10 @@ FINALIZE_MIN_S = 60.0
 def guard_mpi_finalize(environ: Mapping[str, str] = os.environ) -> float:
     """Arm SIGALRM so this process ends if MPI_Finalize outlasts ``HPCDL_STALL_ABORT_S`` (at
     least :data:`FINALIZE_MIN_S`: an exit under load may be slow, not stuck); returns the limit
-    armed (0: none). Call once the command's work is done.
-
-    MPI_Finalize waits for every peer (MPICH: a barrier through the process manager); a host
-    cut off in that last moment holds every rank there forever, outside any watchdog (the
-    watchdog has stopped; Python's own signal handlers no longer run). SIGALRM's default
-    action ends the process from the kernel, whatever the interpreter is doing: the launcher
-    sees a rank killed by signal 14 and ends the job. ``HPCDL_INJECT=RANK:exit:sleep=S``
-    rehearses it: rank RANK sleeps S s first (docs/debugging.md)."""
+    armed (0: none). Call once the command's work is done. MPI_Finalize waits for every peer,
+    outside any watchdog; SIGALRM's default action ends the process from the kernel whatever
+    the interpreter does (docs/debugging.md, the faults' table). ``HPCDL_INJECT=RANK:exit:
+    sleep=S`` rehearses it."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return 0.0

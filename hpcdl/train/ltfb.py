@@ -187,8 +187,7 @@ class LTFB:
                              f"none (all trainers resume from one common step)")
         mine = None
         if self.layout.trainer_rank == 0:
-            mine = {int(os.path.basename(p)[5:-3])
-                    for p in ckpt.list_checkpoints(self.trainer.run_dir)}
+            mine = {ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(self.trainer.run_dir)}
         found = [s for s in self.world.allgather(mine) if s is not None]
         common = set.intersection(*found) if found else set()
         if not common:

@@ -76,16 +76,11 @@ def own_process() -> None:
 
 @contextlib.contextmanager
 def until_exit() -> Iterator[None]:
-    """A command's whole life: the flag from the start (:func:`install`). Once the command has
-    decided its outcome, in the ``hpcdl`` executable (:func:`own_process`) the signals are
-    discarded (:func:`ignore`) until the process ends: not restored to their default action,
-    since the interpreter's shutdown and MPI_Finalize still follow, and a late signal --
-    srun's skewed deliveries reach some ranks after the others have stopped -- would kill the
-    rank there (seen: exit by SIGUSR1, and a segfault, on a rank still finalizing), turning a
-    checkpointed stop or a finished run into a failure. Called in-process (``main()`` from
-    Python), the handlers before are restored: an ignored disposition would outlive the
-    command and pass to every child the caller starts (a shell cannot trap a signal ignored
-    at its start)."""
+    """A command's whole life: the flag from the start (:func:`install`). Once the outcome is
+    decided, in the ``hpcdl`` executable (:func:`own_process`) the signals are ignored until
+    the process ends (a late, skewed delivery must not kill a rank still finalizing); called
+    in-process the previous handlers are restored (an ignored disposition would pass to every
+    child the caller starts)."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if _on_main_thread() else {}
     install()
     try:

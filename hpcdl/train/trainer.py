@@ -584,17 +584,9 @@ class Trainer:
         self._last_checkpoint_step = self.step
 
     def _adopt_other_layout(self, state: dict[str, Any], source: str) -> None:
-        """Elastic resume: a checkpoint of P ranks continued on P' != P (docs/training.md).
-
-        - epoch length: the run's, from the checkpoint (same global batch, so the same images
-          per epoch); the schedule, a function of the step, continues where it stopped;
-        - BN running statistics: every rank starts from their mean over the P saved ranks
-          (what evaluation uses, :meth:`evaluate`), stored in ``model.pt`` at the save, so no
-          rank reads another rank's file;
-        - RNG states: reseeded on every rank from (seed, epoch, step, rank) -- a P-rank stream
-          has no P'-rank counterpart; the loader's order and augmentation draws are functions
-          of (seed, epoch, sample), so they need no RNG state.
-        """
+        """Elastic resume: a checkpoint of P ranks continued on P' != P (docs/training.md,
+        "Resuming on another rank count"): the run's epoch length, BN statistics from their
+        mean in ``model.pt``, RNG states reseeded from (seed, epoch, step, rank)."""
         saved_spe = int(state.get("steps_per_epoch", self.steps_per_epoch))
         if saved_spe != self.steps_per_epoch:
             self._set_steps_per_epoch(saved_spe, source)
@@ -759,12 +751,8 @@ class Trainer:
     def resume(self, spec: str = "auto") -> str | None:
         """``auto``: the newest valid checkpoint of the current line in RUN_DIR/checkpoints
         (none: start fresh); ``none``: start fresh; a path: that checkpoint. Collective.
-        Returns the path used.
-
-        Rank 0 reads the manifest and ``model.pt`` and broadcasts the latter's bytes; each
-        rank reads only its own file (none at another rank count), so what a rank reads does
-        not grow with the rank count. A checkpoint that fails anywhere (a sha256 mismatch, a
-        torn file, on any rank) is reported by name and the previous one is tried."""
+        Returns the path used. Who reads what, and the fall-back to the previous checkpoint:
+        docs/training.md, "Checkpoints and resume"."""
         start_io = _io_counters()
         candidates: list[str] = []
         if self.rank == 0 and self.options.write_files:
