@@ -99,11 +99,9 @@ def set_wheel_mpi_root(env: MutableMapping[str, str] = os.environ,
                        prefix: str = sys.prefix) -> str | None:
     """Point Intel MPI at the tuning files of the ``impi-rt`` wheel in this environment.
 
-    Intel MPI's library reads its collective tuning tables (``opt/mpi/etc/tuning_*.dat``) from
-    ``$I_MPI_ROOT``, which a site's ``vars.sh`` exports and the wheel's own ``mpiexec`` makes
-    unnecessary, but nothing sets under ``srun``: there, MPI_Init of impi-rt 2021.13.1 spins
-    forever in ``MPIU_Selection_find_entry`` (seen on the test cluster, docs/mpi.md). Called
-    before mpi4py starts MPI; a value the user set is kept. Returns the value it set, if any.
+    Intel MPI reads its tuning tables from ``$I_MPI_ROOT``, which nothing sets under ``srun``
+    (MPI_Init then spins forever: docs/mpi.md). Called before mpi4py starts MPI; a value the
+    user set is kept. Returns the value it set, if any.
     """
     if env.get("I_MPI_ROOT") or not glob.glob(os.path.join(prefix, "opt", "mpi", "etc",
                                                               "tuning_*.dat")):

@@ -55,14 +55,9 @@ class BackendError(BadInputError, ValueError):
 
 
 def auto_backend(world: MPI.Intracomm) -> str:
-    """The rule behind ``backend="auto"`` (measured, docs/performance.md ## Allreduce).
-
-    ``shm`` whenever some node holds more than one rank of ``world``: reducing through the
-    node's shared memory reads each byte once instead of copying it through MPI's eager
-    buffers, and keeps only one rank per node slice on the network. With one rank per node
-    (or one rank) ``mpi``: the vendor's allreduce is tuned for the interconnect.
-    Collective over ``world``.
-    """
+    """The rule behind ``backend="auto"`` (docs/comm.md, "The auto rule"): ``shm`` whenever
+    some node holds more than one rank of ``world``, else ``mpi`` (the vendor's allreduce).
+    Collective over ``world``."""
     node = split_nodes(world)  # honours HPCDL_RANKS_PER_NODE, like the topology
     try:
         most = world.allreduce(node.size, op=MPI.MAX)

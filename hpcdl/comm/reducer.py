@@ -59,12 +59,9 @@ class Bucket:
 def layout_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: int,
                    wire_dtype: torch.dtype | None = None,
                    last_bucket_bytes: int | None = None) -> list[Bucket]:
-    """Group parameters (already in reverse registration order) into buckets of at most
-    ``bucket_bytes`` on the wire; a parameter larger than a bucket gets one of its own.
-    A change of dtype starts a new bucket (a buffer has one dtype). With
-    ``last_bucket_bytes``, the parameters at the end of the order (the first layers, whose
-    gradients come last) that fit in that many bytes form the last bucket on their own.
-    The boundaries are :func:`hpcdl.buckets.bucket_bounds`', which ``hpcdl plan`` costs."""
+    """Group parameters (already in reverse registration order) into buckets by bytes on the
+    wire: the boundaries of :func:`hpcdl.buckets.bucket_bounds` (its rule), which ``hpcdl plan``
+    costs."""
     sizes = [_wire_bytes(p, wire_dtype) for _, p in named_params]
     bounds = bucket_bounds(sizes, bucket_bytes, last_bucket_bytes,
                            kinds=[p.dtype for _, p in named_params])
@@ -135,15 +132,11 @@ class GradientReducer(Closing):
         reducer.synchronize()          # p.grad now holds the world's average
         optimizer.step()
 
-    ``enabled=False`` keeps the hooks but never communicates (each rank keeps its own
-    gradients): the compute-only ceiling of ``hpcdl bench train``. ``wire_dtype`` (e.g.
-    ``torch.bfloat16``) is the dtype of the fusion buffers, hence of what the backend sends.
-    ``comm_wait_s`` is the time the main thread blocked in the last ``synchronize``.
-    ``last_bucket_bytes`` caps the bucket of the first layers (None: no cap).
-
-    After ``synchronize``, a ``p.grad`` of the bucket's dtype is a view into the bucket: valid
-    until the next step's reduction overwrites it (``close`` gives every such gradient its
-    own memory, since the backend may free the buckets).
+    ``enabled=False`` keeps the hooks but never communicates (the compute-only ceiling).
+    ``wire_dtype`` is the fusion buffers' dtype; ``last_bucket_bytes`` caps the first layers'
+    bucket (None: no cap); ``comm_wait_s`` is the main thread's wait in the last
+    ``synchronize``. A ``p.grad`` of the bucket's dtype is then a view into the bucket until
+    the next reduction (``close`` gives each its own memory).
     """
 
     def __init__(self, comm, named_params: Iterable[tuple[str, torch.Tensor]],

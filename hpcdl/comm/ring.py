@@ -6,14 +6,10 @@ segments; a reduce-scatter of ``p-1`` steps leaves rank ``r`` owning the full su
 ``r+1``; an allgather of ``p-1`` steps circulates the owned segments. Each rank sends and
 receives ``2(p-1)/p`` of the buffer, the lower bound (that factor is nccl-tests' busbw).
 
-Pipelining: each segment travels as chunks of ``chunk_bytes`` with non-blocking
-``Isend``/``Irecv``. A chunk is added the moment it arrives and forwarded to the right
-neighbour at once, so the reduction of one chunk overlaps the transfer of the next, and the
-next step's receives are posted one step ahead. Messages between one pair on one tag match in
-posting order (MPI's non-overtaking rule), which is what keeps chunks in order.
-
-``wire_dtype=torch.bfloat16`` sends bf16 (half the bytes) and accumulates in fp32; the owner
-rounds its segment to bf16 before the allgather so every rank ends with identical values.
+Pipelining: each segment travels as ``chunk_bytes`` chunks (``Isend``/``Irecv``), each added
+on arrival and forwarded at once, receives posted a step ahead; MPI's non-overtaking rule keeps
+chunks in order. ``wire_dtype=torch.bfloat16`` sends bf16, accumulates in fp32, and the owner
+rounds its segment before the allgather so every rank ends identical (docs/comm.md).
 """
 from __future__ import annotations
 

@@ -106,9 +106,8 @@ def crop_resize(data: np.ndarray, shape: tuple[int, int, int], image_format: str
     """Decode, crop ``box`` (top, left, h, w in stored pixels), resize to image_size^2 into
     ``out`` (a 3 x image_size x image_size uint8 tensor: a batch slot), flip if asked.
 
-    The resize is torch's uint8 bilinear kernel written straight into the batch (no
-    intermediate tensor): antialiased when shrinking, which is Pillow's filter (what
-    torchvision's v2 transforms use), at about half Pillow's time."""
+    The resize is torch's uint8 bilinear kernel written straight into the batch, antialiased
+    when shrinking (Pillow's filter, as torchvision's v2 transforms use)."""
     import torch
 
     height, width = int(shape[0]), int(shape[1])

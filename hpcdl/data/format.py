@@ -1,10 +1,9 @@
 """The shard directory format shared by data_prep (writer) and the loader (reader).
 
-``DIR/manifest.json`` lists classes, per-split counts and every shard's name, sample count,
-size in bytes and sha256; shards are ``DIR/{split}-{index:05d}-of-{count:05d}.h5``
-(docs/data.md). A reader checks what it is about to open against the manifest: the size always
-(one ``stat`` per shard, so a truncated copy is named before training starts, not found as a
-bare HDF5 error in a loader thread hours in), the sha256 when asked (``--verify-shards``).
+``DIR/manifest.json`` lists classes, per-split counts and each shard's name, sample count, size
+and sha256; shards are ``DIR/{split}-{index:05d}-of-{count:05d}.h5`` (docs/data.md). A reader
+checks a shard's size before opening it (a truncated copy is named before training), its
+sha256 when asked (``--verify-shards``).
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Which samples each rank reads, epoch by epoch, computed without communication.
 
-Shards go to nodes (node k of K reads shards i with (i + shift) mod K == k, shift = epoch when
-``rotate_shards`` else 0), so each node reads only what it staged; the ranks of a node split
-that node's samples. Every quantity here is a function of the manifest, (seed, epoch) and the
-rank's place, so every rank computes every other rank's counts identically -- which is how
-``num_batches`` is the same on all ranks without a collective.
-
-Assumes the same number of ranks on every node (``--ntasks-per-node``), as Slurm gives.
+Node k of K reads shards i with (i + shift) mod K == k (shift = epoch with ``rotate_shards``,
+else 0); the ranks of a node split its samples. Everything is a function of the manifest,
+(seed, epoch) and the rank's place, so ``num_batches`` agrees on all ranks without a
+collective. Assumes the same number of ranks on every node (docs/data.md, "Node assignment").
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """A chrome://tracing (Perfetto) timeline of one training run.
 
-Events use the Trace Event Format's complete events (``"ph": "X"``, start ``ts`` and ``dur`` in
-microseconds), ``pid`` = rank and ``tid`` = the recording thread, so the communication thread's
-bucket reductions sit on their own row under the backward pass and overlap can be seen.
-``Timeline(None)`` is disabled: ``span`` returns a shared no-op context and costs one attribute
-test, so the trainer can always write ``with timeline.span(...)``.
+Complete events (``"ph": "X"``, ``ts``/``dur`` in microseconds), ``pid`` = rank, ``tid`` = the
+recording thread, so the communication thread's reductions sit on their own row under the
+backward pass. ``Timeline(None)`` is disabled: ``span`` returns a shared no-op context.
 """
 from __future__ import annotations
 

@@ -55,12 +55,10 @@ class DistributedOptimizer(OptimizerWrapper, Closing):
     """Wrap ``optimizer`` so that ``step()`` applies the world's average gradient.
 
     ``model`` is the module (or its ``named_parameters()``) whose gradients are averaged over
-    ``comm``; every parameter of ``optimizer`` must be among them. ``bucket_bytes`` is the fusion
-    bucket size (default: the communicator's), ``wire_dtype`` the buckets' dtype
-    (``torch.bfloat16`` halves the bytes sent; default: the parameters' dtype).
-    ``shard_update=True`` shards the weight update (Xu et al. 2020; LARS or SGD only). Any
-    ``torch.optim.Optimizer`` works, hpcdl's LARS included; attributes the wrapper does not
-    define (``scale_momentum_`` of LARS, for example) are the wrapped optimizer's.
+    ``comm``; every parameter of ``optimizer`` must be among them. ``bucket_bytes`` (default:
+    the communicator's) and ``wire_dtype`` (default: the parameters') shape the buckets;
+    ``shard_update=True`` shards the weight update (LARS or SGD only). Attributes the wrapper
+    lacks (LARS's ``scale_momentum_``) are the wrapped optimizer's.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | NamedTensors,

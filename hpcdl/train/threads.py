@@ -1,10 +1,8 @@
 """How many compute threads a rank uses: its share of the cores it is bound to.
 
-You et al. (ICPP'18) run one MPI rank per Xeon socket, each using that socket's cores. With
-``mpiexec --bind-to socket`` each rank's affinity mask is its socket, shared by the ranks of
-the node bound to the same socket; without binding every rank sees every core of the node.
-Either way a rank takes ``cores in its mask / ranks of the node with the same mask`` threads,
-never more than the cores it owns, so intra-op threads do not oversubscribe the node.
+One MPI rank per socket using that socket's cores (You et al., ICPP'18): a rank takes ``cores
+in its mask / ranks of the node with the same mask`` threads, never more than it owns, with or
+without binding (docs/training.md, "Threads").
 """
 from __future__ import annotations
 

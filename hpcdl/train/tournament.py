@@ -114,12 +114,9 @@ class PartitionLoader(ShardedImageNet):
     """ShardedImageNet over an explicit pool of training samples (one trainer's partition, or
     its tournament set), dealt round-robin to the ``local_size`` ranks of the trainer.
 
-    ``train=True``: the pool is permuted by (seed, epoch, trainer) each epoch, with the
-    training augmentation, and ``batches`` (the same on every rank of every trainer, so all
-    trainers step in lock-step to each tournament) per epoch. ``train=False``: the pool in
-    order, centre crops, every sample exactly once (the last batch may be short or empty).
-    Every rank of the trainer must be able to read the pool's shards (shared file system, or
-    the trainer's shards staged on each of its nodes).
+    ``train=True``: permuted by (seed, epoch, trainer) each epoch, augmented, ``batches`` per
+    epoch (the same in every trainer: they meet at the same steps). ``train=False``: in order,
+    centre crops, every sample once. Every rank of the trainer must read the pool's shards.
     """
 
     def __init__(self, shard_dir: str, pool: np.ndarray, trainer_index: int, local_rank: int,
@@ -197,11 +194,9 @@ def slice_counts(nbytes: int, parts: int) -> tuple[list[int], list[int]]:
 def exchange_flat(flat: torch.Tensor, layout: TrainerLayout, partner: int) -> torch.Tensor:
     """Swap a flat state with trainer ``partner``; returns the partner's full vector.
 
-    Rank i of the trainer sends only slice i of its vector to rank i of the partner (over the
-    peer communicator) and receives the partner's slice i, so each rank moves 1/trainer_size
-    of the model across the machine; an allgather within the trainer then rebuilds the
-    partner's whole vector on every rank (Jacobs et al. 2017: the exchange is pairwise, never
-    a global collective).
+    Rank i swaps slice i with rank i of the partner (peer communicator), so each rank moves
+    1/trainer_size of the model; an allgather within the trainer rebuilds the whole vector
+    (Jacobs et al. 2017: pairwise, never a global collective).
     """
     peer, group = layout.peer_comm, layout.trainer_comm
     nbytes = int(flat.numel())
