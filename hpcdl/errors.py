@@ -25,9 +25,8 @@ class BadInputError(Exception):
     """Input a person can fix: the message names what is wrong and what to do.
 
     ``agreed`` is True once every rank is known to raise it (after :func:`agree_on`, or a
-    broadcast decision): a command may then exit cleanly on every rank, rank 0 printing the
-    line. An error that is not agreed may be this rank's alone, so the command must abort the
-    job instead (the other ranks could be waiting in a collective).
+    broadcast decision): every rank may then exit cleanly. One not agreed may be this rank's
+    alone, so the command must abort the job (the others may wait in a collective).
     """
 
     agreed: bool = False
@@ -42,10 +41,8 @@ def mark_agreed(error: BadInputError) -> BadInputError:
 def agree_on(mpi_comm: Any, error: BaseException | None) -> None:
     """Collective over ``mpi_comm``: raise on every rank if ``error`` is set on any rank.
 
-    The raised error is this rank's own when it failed, else a :class:`BadInputError` carrying
-    the lowest failing rank's message prefixed with that rank and its host (``rank 3 of 8 on
-    c401-002: ...``), so the one line rank 0 prints names where the problem is (a host that
-    lacks its staged shards, say).
+    The raised error is this rank's own when it failed, else a :class:`BadInputError` with
+    the lowest failing rank's message, prefixed ``rank 3 of 8 on c401-002: `` to name where.
     """
     size = mpi_comm.Get_size() if mpi_comm is not None else 1
     if size == 1:

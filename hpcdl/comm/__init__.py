@@ -73,16 +73,11 @@ def init(backend: str = "auto", world: MPI.Intracomm | None = None,
          watchdog: bool = True) -> Communicator:
     """Build the communicator for ``world`` (default COMM_WORLD). Collective over ``world``.
 
-    ``bucket_bytes`` is the fusion bucket size of :meth:`Communicator.allreduce_`;
-    ``wire_dtype=torch.bfloat16`` sends bf16 and sums in fp32 (``ring``, ``shm``).
-    ``ranks_per_node=k`` treats groups of k consecutive world ranks as nodes (to exercise the
-    multi-node paths on one machine); None (the default) reads the testing switch
-    ``HPCDL_RANKS_PER_NODE``, and without it asks MPI which ranks share memory.
-    ``fail_fast=False`` leaves ``sys.excepthook``/``threading.excepthook`` alone (a caller that
-    handles a dead rank itself); by default an uncaught exception aborts the whole job.
-    ``watchdog=False`` installs no stall watchdog (``HPCDL_STALL_WARN_S=0 HPCDL_STALL_ABORT_S=0``
-    does the same from outside); ``hpcdl.debug.watch_collectives(comm, run_dir)`` replaces the
-    default one to keep heartbeats and stall dumps in a run directory.
+    ``bucket_bytes``: the fusion bucket of :meth:`Communicator.allreduce_`; ``wire_dtype=
+    torch.bfloat16`` sends bf16 and sums in fp32. ``ranks_per_node=k``: groups of k consecutive
+    world ranks act as nodes (None: ``HPCDL_RANKS_PER_NODE``, else MPI's shared-memory groups).
+    ``fail_fast=False`` leaves the excepthooks alone; ``watchdog=False`` installs no stall
+    watchdog (``hpcdl.debug.watch_collectives(comm, run_dir)`` replaces the default one).
     Unknown names raise :class:`BackendError`; a backend whose optional library is missing
     raises its own :class:`~hpcdl.errors.BadInputError` saying how to get it.
     """

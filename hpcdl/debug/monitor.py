@@ -184,13 +184,11 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
                       timeline: Any = None, abort: Any = None) -> CollectiveMonitor:
     """Install a live monitor on ``comm`` (collective: call on every rank) and return it.
 
-    Replaces the monitor ``hpcdl.comm.init`` installed by default. ``record`` defaults to debug
-    mode (``HPCDL_DEBUG=1``); stall thresholds default to ``HPCDL_STALL_WARN_S`` /
-    ``HPCDL_STALL_ABORT_S`` or 60 s / 600 s (0 = off). Heartbeats and stall dumps go to
-    ``RUN_DIR/logs/heartbeat/``, without ``run_dir`` to ``HPCDL_HEARTBEAT_DIR/JOB`` or this
-    host's temporary directory (removed again when the communicator closes cleanly).
-    ``abort(code)`` defaults to MPI_Abort on COMM_WORLD, followed ``HPCDL_STALL_EXIT_GRACE_S``
-    later by the rank ending itself if MPI_Abort has not; a caller's ``abort`` owns the end.
+    Replaces ``hpcdl.comm.init``'s default. ``record`` defaults to debug mode; thresholds to
+    ``HPCDL_STALL_WARN_S`` / ``HPCDL_STALL_ABORT_S``. Heartbeats and stall dumps go to
+    ``RUN_DIR/logs/heartbeat/``, else ``HPCDL_HEARTBEAT_DIR/JOB`` or the host's temporary
+    directory (removed on a clean close). ``abort(code)`` defaults to MPI_Abort on COMM_WORLD,
+    then the rank ending itself ``HPCDL_STALL_EXIT_GRACE_S`` later; a caller's owns the end.
     """
     import socket
 

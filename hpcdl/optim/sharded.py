@@ -59,11 +59,9 @@ def sharding_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
 class ShardedOptimizer(OptimizerWrapper):
     """Step ``optimizer`` on this rank's slice of every bucket of ``reducer``, then allgather.
 
-    ``reducer`` must be a :class:`~hpcdl.comm.reducer.GradientReducer` built with
-    ``reduce_scatter=True`` over every parameter of ``optimizer``. Call ``step()`` after
-    ``reducer.synchronize()``. Like :class:`hpcdl.DistributedOptimizer` this composes: the
-    wrapped optimizer's ``param_groups`` (the learning rate the schedule sets) are shared.
-    """
+    ``reducer``: a :class:`~hpcdl.comm.reducer.GradientReducer` with ``reduce_scatter=True``
+    over every parameter of ``optimizer``; ``step()`` after ``reducer.synchronize()``. The
+    wrapped optimizer's ``param_groups`` are shared (the schedule sets their rate)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer, comm) -> None:
         # No super().__init__: groups and defaults are the wrapped optimizer's.

@@ -206,13 +206,7 @@ def write_part(directory: str, name: str, state: Mapping[str, Any]) -> dict[str,
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as exc:
-        # torch.save reports a failed write as RuntimeError("unexpected pos ..."), with the
-        # OSError (ENOSPC, EFBIG) only as its context: name the OSError, the cause a person
-        # can act on.
-        cause = _os_error_of(exc)
-        if cause is None:
-            raise
-        raise cause from exc
+        raise _os_error_of(exc) from exc
     return {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
 
 
@@ -231,9 +225,7 @@ def commit(tmp: str, path: str, manifest: Mapping[str, Any],
     manifest["digest"] = _digest(manifest)
     atomic_write(os.path.join(tmp, MANIFEST),
                  lambda f: f.write(json.dumps(manifest, indent=1, sort_keys=True).encode()))
-    if pause_s > 0:
-        log.warning("pausing %.1f s inside the write of %s (HPCDL_INJECT)", pause_s, path)
-        time.sleep(pause_s)
+    _rehearsed_pause(pause_s, path)
     fsync_directory(tmp)
     replaced = None
     if os.path.lexists(path):  # a checkpoint of this step from another line: this one wins
@@ -260,27 +252,35 @@ def save_checkpoint(path: str, state: Mapping[str, Any], pause_s: float = 0.0) -
 
     def write(f: Any) -> None:
         torch.save(dict(state), f)
-        if pause_s > 0:
-            f.flush()
-            log.warning("pausing %.1f s inside the write of %s (HPCDL_INJECT)", pause_s, path)
-            time.sleep(pause_s)
+        f.flush()
+        _rehearsed_pause(pause_s, path)
 
     try:
         atomic_write(path, write)
     except (OSError, RuntimeError) as exc:
-        cause = _os_error_of(exc)
+        raise CheckpointWriteError(f"could not write checkpoint {path}: "
+                                   f"{_os_error_of(exc)}") from exc
+
+
+def _rehearsed_pause(pause_s: float, path: str) -> None:
+    """A rehearsed slow write (``HPCDL_INJECT=RANK:checkpointN:sleep=S``)."""
+    if pause_s > 0:
+        log.warning("pausing %.1f s inside the write of %s (HPCDL_INJECT)", pause_s, path)
+        time.sleep(pause_s)
+
+
+def _os_error_of(exc: BaseException) -> BaseException:
+    """The OSError (ENOSPC, EFBIG) behind a failed write, the cause a person can act on:
+    torch.save reports one as RuntimeError("unexpected pos ...") with the OSError only as its
+    context. Re-raises ``exc`` when there is none."""
+    cause: BaseException | None = exc
+    for _ in range(8):
         if cause is None:
-            raise
-        raise CheckpointWriteError(f"could not write checkpoint {path}: {cause}") from exc
-
-
-def _os_error_of(exc: BaseException | None) -> OSError | None:
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, OSError):
-            return exc
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return None
+            break
+        if isinstance(cause, OSError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    raise exc
 
 
 # -- reading: every file checked against the manifest --------------------------------------

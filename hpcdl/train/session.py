@@ -52,10 +52,8 @@ def check_output_dir(run_dir: str) -> None:
 
 @contextlib.contextmanager
 def run_directory(world: Any, out: str | None, prefix: str) -> Iterator[str]:
-    """``out`` (kept), or a temporary directory rank 0 makes and removes at the end. Every
-    rank reads what rank 0 writes there, so across hosts it must be on a shared file system: a
-    rank that cannot see rank 0's temporary directory (each host has its own /tmp) stops every
-    rank with one line. Collective over ``world``."""
+    """``out`` (kept), or a temporary directory rank 0 makes and removes at the end; a rank
+    that cannot see it (node-local /tmp) stops every rank with one line. Collective."""
     from hpcdl.errors import agree_on
 
     made = None if out is not None or world.rank != 0 else tempfile.mkdtemp(prefix=prefix)

@@ -53,10 +53,9 @@ class TrainerLayout:
 
 
 def split_world(world: MPI.Intracomm, trainers: int) -> TrainerLayout:
-    """Split ``world`` into ``trainers`` trainers of consecutive ranks (so a trainer stays on as
-    few nodes as possible: its allreduce is the one that runs every step) and the peer
-    communicators. Collective over ``world``; raises ValueError naming the sizes when
-    ``trainers`` does not divide the world."""
+    """Split ``world`` into ``trainers`` trainers of consecutive ranks (few nodes each: theirs
+    is the every-step allreduce) and the peer communicators. Collective; ValueError naming the
+    sizes when ``trainers`` does not divide the world."""
     if trainers < 1:
         raise ValueError(f"--trainers {trainers}: need at least 1")
     if world.size % trainers:
