@@ -62,11 +62,8 @@ def identify(library_version: str) -> MpiLibrary:
 
 
 def loaded_library(initialize: bool = True) -> MpiLibrary:
-    """The library mpi4py is linked to.
-
-    ``initialize=False`` is for a process that names the library and exits (the job body asks
-    ``hpcdl doctor --mpi-flavor`` before it knows which launcher to use): if mpi4py.MPI is not
-    imported yet it is imported without MPI_Init, which then never happens in this process."""
+    """The library mpi4py is linked to. ``initialize=False`` (a process that names the library
+    and exits: ``hpcdl doctor --mpi-flavor``) imports mpi4py.MPI without MPI_Init."""
     import mpi4py
 
     if not initialize and "mpi4py.MPI" not in sys.modules:
@@ -79,10 +76,8 @@ def loaded_library(initialize: bool = True) -> MpiLibrary:
 def launcher_of(env: Mapping[str, str]) -> str:
     """What started this rank, from the environment a launcher gives its ranks:
     "hydra" (MPICH's / Intel MPI's mpiexec), "prterun" (Open MPI 5's mpirun), "srun",
-    "ompi-mpirun" (Open MPI 4's orterun) or "unknown" (a singleton, or an unknown launcher).
-
-    Hydra and mpirun inside a Slurm allocation start their proxies with srun, so their ranks
-    carry Slurm's step variables as well: the MPI launchers' own variables are asked first."""
+    "ompi-mpirun" (Open MPI 4's orterun) or "unknown". The MPI launchers' own variables are
+    asked first: inside Slurm their proxies start with srun, so ranks carry Slurm's too."""
     if "MPI_LOCALNRANKS" in env:
         return "hydra"
     if any(key.startswith("PRTE_") for key in env):

@@ -22,11 +22,8 @@ def ranks_per_node_from_env() -> int | None:
 
 
 def split_nodes(world, ranks_per_node: int | None = None):
-    """The communicator of this rank's node within ``world`` (the caller frees it).
-
-    ``ranks_per_node`` None reads :data:`RANKS_PER_NODE_ENV`; still None: the ranks that share
-    memory. Collective over ``world``.
-    """
+    """The communicator of this rank's node within ``world`` (the caller frees it); nodes of
+    ``ranks_per_node`` (None: :data:`RANKS_PER_NODE_ENV`, else shared memory). Collective."""
     from mpi4py import MPI
 
     k = ranks_per_node if ranks_per_node is not None else ranks_per_node_from_env()
@@ -36,11 +33,8 @@ def split_nodes(world, ranks_per_node: int | None = None):
 
 
 def node_layout(world=None, ranks_per_node: int | None = None) -> tuple[int, int, int, int]:
-    """(node_index, num_nodes, local_rank, local_size) of this rank, by :func:`split_nodes`.
-
-    Nodes are numbered in the order of their lowest rank in ``world`` (default COMM_WORLD),
-    as the communicator numbers them. Collective over ``world``.
-    """
+    """(node_index, num_nodes, local_rank, local_size) of this rank, by :func:`split_nodes`,
+    numbered as the communicator numbers them. Collective over ``world`` (default COMM_WORLD)."""
     from mpi4py import MPI
 
     world = world or MPI.COMM_WORLD

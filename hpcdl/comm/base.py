@@ -172,11 +172,8 @@ def mismatch_message(name: str, descriptions: Sequence[str]) -> str:
 
 class Communicator(Closing):
     """One process's view of a data-parallel world: ranks, nodes, and collectives on tensors.
-
-    Build with :func:`hpcdl.comm.init`. ``world`` is any mpi4py Intracomm (COMM_WORLD, or an
-    LTFB trainer's sub-communicator); this object duplicates it, so its traffic never matches
-    a user's messages on ``mpi_comm``.
-    """
+    Build with :func:`hpcdl.comm.init`; ``world`` (any mpi4py Intracomm) is duplicated, so this
+    object's traffic never matches a user's messages on ``mpi_comm``."""
 
     backend = "base"
     #: hpcdl.debug.watch_collectives(comm, run_dir) installs a live monitor; default no-op.
@@ -222,11 +219,8 @@ class Communicator(Closing):
 
     # -- topology ------------------------------------------------------------------------
     def _init_topology(self) -> None:
-        """Nodes are the groups of ranks that can share memory (MPI_COMM_TYPE_SHARED).
-
-        ``ranks_per_node=k`` (or ``HPCDL_RANKS_PER_NODE=k`` when it is None) pretends that
-        consecutive groups of k world ranks are nodes: it exercises the multi-node paths on one
-        machine (tests, benchmarks). hpcdl.topology holds the rule, shared with staging."""
+        """Nodes are the groups of ranks that can share memory, or with ``ranks_per_node=k``
+        (``HPCDL_RANKS_PER_NODE``) groups of k: hpcdl.topology's rule, shared with staging."""
         if self.ranks_per_node is None:
             self.ranks_per_node = ranks_per_node_from_env()
         self.node_comm = split_nodes(self._comm, self.ranks_per_node)
@@ -243,12 +237,11 @@ class Communicator(Closing):
     def _collective(self, name: str, meta: dict[str, Any], fn: Callable[[], Any]) -> Any:
         """Run one collective: ``fn()`` does the communication; ``meta`` describes it.
 
-        ``meta`` keys: ``shapes`` (list of shapes), ``dtype``, ``bytes``, ``numel``,
-        ``bucket`` (an id, or None), plus arguments that must agree (``average``, ``root``).
-        Every collective of every backend passes here exactly once, on the thread that
-        issues it, in the same order on all ranks -- hpcdl/debug wraps this method to record
-        and to watch for stalls. The signature check runs first for a layout's first call
-        (and on every call with HPCDL_DEBUG=1), so a mismatch raises instead of hanging.
+        ``meta`` keys: ``shapes``, ``dtype``, ``bytes``, ``numel``, ``bucket`` (an id, or None),
+        plus arguments that must agree (``average``, ``root``). Every collective passes here
+        once, on its issuing thread, in the same order on all ranks; the signature check runs
+        first for a layout's first call (every call with HPCDL_DEBUG=1), so a mismatch raises
+        instead of hanging (docs/comm.md, "The mismatch check").
         """
         self._check_open()
         self._check_signature(name, meta)
@@ -316,10 +309,8 @@ class Communicator(Closing):
     def reduce_scatter_flat_(self, buffer: torch.Tensor, average: bool = True,
                              bucket: int | None = None) -> None:
         """Sum (or average) ``buffer`` over the ranks, leaving only this rank's slice
-        (:meth:`shard_bounds`) final; the rest of ``buffer`` is undefined afterwards. Half
-        the traffic of an allreduce, which is this and :meth:`allgather_flat_` (Xu et al.,
-        "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training",
-        arXiv:2004.13336). Same thread rule as :meth:`allreduce_flat_`."""
+        (:meth:`shard_bounds`) final, the rest undefined: an allreduce's first half, the
+        second being :meth:`allgather_flat_` (Xu et al., arXiv:2004.13336)."""
         self._check_sharded(buffer, "reduce_scatter_flat_")
         meta = self._flat_meta(buffer, bucket, average=bool(average))
         self._collective("reduce_scatter", meta,
@@ -415,11 +406,8 @@ class Communicator(Closing):
         return torch.empty(int(numel), dtype=dtype)
 
     def close(self) -> None:
-        """Free the duplicated communicators (idempotent). Collective over the world.
-
-        Called while this rank unwinds an error the others do not share, it prints the
-        traceback and aborts the job instead (the peers wait in a collective for this rank,
-        not in close)."""
+        """Free the duplicated communicators (idempotent). Collective over the world; while
+        this rank unwinds an error the others do not share, it aborts the job instead."""
         if self._closed:
             return
         abort_on_unshared_error()

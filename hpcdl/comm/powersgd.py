@@ -86,11 +86,9 @@ class _Matrix:
 class PowerSGDReducer(Closing):
     """Average gradients over ``comm`` as rank-``rank`` factors with error feedback.
 
-    Use like :class:`~hpcdl.comm.reducer.GradientReducer`: ``arm()`` before backward,
-    ``synchronize()`` after it, then the optimizer step. ``bytes_reduced`` sums what this
-    rank passed to allreduce. ``state_dict()`` holds Q (equal on every rank);
-    ``rank_state_dict()`` holds this rank's error buffers (a checkpoint needs both for an
-    exact resume).
+    Use like :class:`~hpcdl.comm.reducer.GradientReducer`. ``bytes_reduced``: what this rank
+    passed to allreduce. An exact resume needs ``state_dict()`` (Q, equal on every rank) and
+    ``rank_state_dict()`` (this rank's error buffers).
     """
 
     def __init__(self, comm, named_params: Iterable[tuple[str, torch.Tensor]], rank: int = 4,

@@ -220,11 +220,9 @@ class GradientReducer(Closing):
 
     def average_parameters(self, comm=None) -> int:
         """Replace every parameter by its average over ``comm`` (default the reducer's):
-        local SGD's model average (Lin et al., ICLR'20, Alg. 1), sent through the gradient
-        fusion buckets on the communication thread, in bucket order. Call between steps.
-        Buckets whose wire dtype is not the parameter's (bf16 on the wire) are averaged in
-        the parameter's dtype instead: rounding the weights themselves would drift the model.
-        Returns the bytes this rank passed to allreduce."""
+        local SGD's model average (Lin et al., ICLR'20, Alg. 1) through the fusion buckets,
+        in bucket order, between steps; in the parameter's dtype where the wire's differs
+        (rounded weights would drift). Returns the bytes this rank passed to allreduce."""
         comm = comm if comm is not None else self.comm
         if self._thread is None:  # built disabled (one rank, --no-comm): nothing to average
             return 0
@@ -382,11 +380,9 @@ def _aliases(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
 def build_reducer(comm, named_params: Iterable[tuple[str, torch.Tensor]], *,
                   bucket_bytes: int | None = None, wire_dtype: torch.dtype | None = None,
                   enabled: bool = True, shard_update: bool = False) -> GradientReducer:
-    """The one way hpcdl builds a gradient reducer (the consistency policies of
-    hpcdl/comm/policy.py and the own-loop ``DistributedOptimizer``). ``bucket_bytes`` None:
-    the communicator's own, which a run session opened with the recipe's ``comm.bucket_mb``.
-    ``enabled=False`` (one rank, ``--no-comm``) communicates nothing; ``shard_update``
-    reduce-scatters (weight-update sharding, hpcdl/optim/sharded.py)."""
+    """The one way hpcdl builds a gradient reducer (the consistency policies and
+    ``DistributedOptimizer``). ``bucket_bytes`` None: the communicator's own. ``enabled=False``
+    communicates nothing; ``shard_update`` reduce-scatters (hpcdl/optim/sharded.py)."""
     return GradientReducer(comm, named_params,
                            comm.bucket_bytes if bucket_bytes is None else bucket_bytes,
                            wire_dtype, enabled=enabled, reduce_scatter=shard_update and enabled)

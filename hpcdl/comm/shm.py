@@ -76,11 +76,8 @@ class SharedMemoryCommunicator(Communicator):
 
     # -- buffers ---------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A flat buffer in a new node-shared window: reduced with no copy in.
-
-        Collective over the node (every rank calls it with the same ``numel`` and ``dtype``,
-        in the same order, as the reducer does when it builds its buckets). The memory is
-        freed by :meth:`close`; do not use the tensor after that."""
+        """A flat buffer in a new node-shared window: reduced with no copy in. Collective over
+        the node (same ``numel``, ``dtype`` and order on every rank); freed by :meth:`close`."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
         window = SharedWindow(self.node_comm, int(numel) * itemsize)
         self._windows.append(window)

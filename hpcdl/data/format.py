@@ -94,11 +94,8 @@ def read_manifest(shard_dir: str) -> dict:
 
 def _check_entries(path: str, entries: list[dict], redo: str) -> None:
     """Every entry is a shard the format defines: a known split, an index below its split's
-    shard count, and exactly that shard's name (:func:`shard_name`), once.
-
-    The names become paths (the loader opens them, ``prep stage`` writes them on every node),
-    so a name that is anything else -- ``../../x``, an absolute path, another file of the
-    directory -- is refused here, before any path is built from it."""
+    shard count, and exactly that shard's name (:func:`shard_name`), once. Names become paths
+    (opened, staged on every node), so ``../../x`` or an absolute path is refused here."""
     counts = {split: sum(1 for e in entries if e["split"] == split) for split in SPLITS}
     seen: set[str] = set()
     for position, entry in enumerate(entries):

@@ -70,12 +70,9 @@ PREFETCH_PER_WORKER = 2
 
 
 def normalize(images_uint8, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    """uint8 NCHW -> float32 (x/255 - mean) / std, on the tensor (in the trainer, not the loader,
-    so batches cross threads as 1 byte per pixel).
-
-    One allocation and two in-place passes, x * (1/(255 std)) + (-mean/std), not
-    ``(x - 255 mean) / (255 std)``, whose two temporary float batches are fresh memory (page
-    faults) every call."""
+    """uint8 NCHW -> float32 (x/255 - mean) / std, in the trainer (batches cross threads as 1
+    byte per pixel): one allocation and two in-place passes, x * (1/(255 std)) + (-mean/std),
+    no temporary float batches (fresh memory, page faults) per call."""
     import torch
 
     std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)

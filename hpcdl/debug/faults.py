@@ -55,9 +55,8 @@ def _log_to_files(text: str) -> None:
             handler.handle(record)
 
 
-# MPI_Abort makes the launcher kill every process at once, and a line a rank has written but
-# the launcher's proxy has not yet forwarded is lost with it (seen in CI: the bad-input line
-# of the aborting rank missing from mpiexec's output). A moment's grace lets it through.
+# MPI_Abort makes the launcher kill every process at once, losing lines its proxy has not yet
+# forwarded (an aborting rank's bad-input line): a moment's grace lets them through.
 OUTPUT_GRACE_S = 0.5
 
 
@@ -136,11 +135,8 @@ def install_fail_fast(mpi_comm: Any) -> None:
 
 
 def install_stack_dump(path: str | None = None) -> str:
-    """Register ``SIGUSR2`` to dump all threads' Python stacks to this rank's log.
-
-    ``path`` defaults to the log file ``setup_rank_logging`` opened, else stderr. Returns where
-    dumps go. ``py-spy dump --pid PID`` gives the same view plus native frames (docs/debugging.md).
-    """
+    """Register ``SIGUSR2`` to dump all threads' Python stacks to ``path`` (default: this
+    rank's log file, else stderr); returns where dumps go."""
     global _dump_file
     path = path or current_log_file()
     if _dump_file is not None and _dump_file is not sys.stderr:

@@ -51,11 +51,8 @@ def _parse_level(level: int | str) -> int:
 def setup_rank_logging(
     run_dir: str | None, rank: int, size: int, level: int | str = "info"
 ) -> logging.Logger:
-    """Configure the ``hpcdl`` logger for this rank and return it.
-
-    ``run_dir=None`` logs to the terminal only (rank 0). Calling it again replaces the handlers
-    it installed before, so tests and repeated runs in one process do not duplicate lines.
-    """
+    """Configure the ``hpcdl`` logger for this rank and return it. ``run_dir=None``: the
+    terminal only (rank 0). Calling it again replaces the handlers it installed before."""
     global _log_file
     level_no = logging.DEBUG if debug_enabled() else _parse_level(level)
     formatter = logging.Formatter(_FORMAT.format(rank=rank, size=size, host=socket.gethostname()))

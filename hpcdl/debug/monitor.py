@@ -231,12 +231,8 @@ def unwatch_collectives(comm: Any) -> None:
 
 
 def watch_region(comm: Any, name: str, meta: dict[str, Any] | None = None) -> Any:
-    """Count a collective made directly on ``comm.mpi_comm`` (a control Allreduce, a gather of
-    RNG states) as one, so the stall report covers it too::
-
-        with watch_region(comm, "agree on stop/loss"):
-            comm.mpi_comm.Allreduce(flags, total, op=MPI.SUM)
-
+    """Count a collective made directly on ``comm.mpi_comm`` (a control Allreduce, a gather)
+    as one, so the stall report covers it (``with watch_region(comm, "agree on stop"): ...``).
     Every rank must enter the same regions in the same order (like any collective)."""
     return comm.monitor.watch(name, meta or {})
 

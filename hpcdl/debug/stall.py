@@ -446,11 +446,9 @@ def guard_mpi_finalize(environ: Mapping[str, str] = os.environ) -> float:
 # -- the watchdog thread ----------------------------------------------------------------------
 class StallWatchdog(threading.Thread):
     """Publishes this rank's heartbeat when quiet; reports and aborts a collective that waits
-    past the thresholds. ``monitor`` is the rank's CollectiveMonitor (its state is read here).
-
-    ``abort(code)`` ends the job (MPI_Abort); ``exit_process(code)``, when given, ends this
-    process if ``abort`` has not done so ``exit_grace_s`` later (``end_process``; None trusts
-    ``abort``). ``hosts[r]`` is rank r's host, for reports without heartbeats."""
+    past the thresholds; ``monitor``: the rank's CollectiveMonitor. ``abort(code)`` ends the job
+    (MPI_Abort); ``exit_process(code)`` (None: trust ``abort``) ends this process if ``abort``
+    has not ``exit_grace_s`` later. ``hosts[r]``: rank r's host, for reports."""
 
     def __init__(self, monitor: Any, thresholds: StallThresholds, heartbeat_dir: str | None,
                  job: str, abort: Any, poll_s: float | None = None,

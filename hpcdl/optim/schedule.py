@@ -158,11 +158,8 @@ def _warmup_steps(cfg: Mapping[str, Any], steps_per_epoch: int) -> int:
 
 
 def create_schedule(cfg: Mapping[str, Any], steps_per_epoch: int, total_steps: int) -> Schedule:
-    """A schedule from a recipe's ``schedule`` section (docs/architecture.md).
-
-    Epoch quantities (``warmup_epochs``, ``milestones``) become steps with ``steps_per_epoch``.
-    Keys that do not belong to the named schedule are an error, so a typo is not ignored.
-    """
+    """A schedule from a recipe's ``schedule`` section (docs/architecture.md); epoch
+    quantities become steps; a key the named schedule lacks is an error (a typo is not ignored)."""
     name = cfg.get("name")
     if name not in SCHEDULES:
         raise ValueError(f"schedule.name={name!r} is not one of {sorted(SCHEDULES)}")

@@ -565,11 +565,9 @@ LAYOUT_KEYS = ("world_size", "global_batch", "per_rank", "accumulation", "step",
 
 def resume_layout(spec: str | None, run_dir: str, mpi_comm) -> dict[str, int] | None:
     """The layout (:data:`LAYOUT_KEYS`) of the checkpoint ``--resume spec`` will load, or None
-    (fresh start, or a checkpoint that does not load: the resume itself reports that).
-
-    Read before the trainer is built, so that the per-rank batch at a new rank count is
-    chosen, or refused, before any rank loads data. Rank 0 reads the manifest (no tensor) and
-    broadcasts. Collective over ``mpi_comm``."""
+    (fresh start, or one that does not load: the resume reports that). Read before the
+    trainer is built, so a new rank count's batch is chosen or refused before any rank loads
+    data: rank 0 reads the manifest and broadcasts. Collective over ``mpi_comm``."""
     layout = None
     if mpi_comm.rank == 0 and spec not in (None, "", "none"):
         try:

@@ -54,10 +54,8 @@ def demo_recipe_path() -> str:
 
 
 def prepare_demo_data(data_dir: str, source: str = "demo", shards: int = 4) -> dict[str, Any]:
-    """Fashion-MNIST -> ``data_dir/tree`` (JPEG, ImageNet layout) -> ``data_dir/shards``.
-
-    Serial (one rank): the subset is 7,000 images of 28×28, seconds of work. Returns what was
-    written and how long it took."""
+    """Fashion-MNIST -> ``data_dir/tree`` (JPEG, ImageNet layout) -> ``data_dir/shards``, on one
+    rank (7,000 images of 28×28); returns what was written and how long it took."""
     from hpcdl.data_prep.fashion_mnist import write_tree
     from hpcdl.data_prep.shard import shard_tree
 
@@ -96,11 +94,8 @@ def _prepare_on_rank0(world, run_dir: str, options: DemoOptions, comm) -> dict[s
 
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:
-    """Prepare, train, evaluate; returns the run's summary (every rank).
-
-    Collective over MPI.COMM_WORLD. The summary is the trainer's (``summary.json``) plus a
-    ``demo`` section: data preparation time, total time, and the goal it is measured against.
-    """
+    """Prepare, train, evaluate; returns the run's summary (every rank): the trainer's plus
+    a ``demo`` section (preparation and total time, the goal). Collective over COMM_WORLD."""
     import logging
 
     from mpi4py import MPI

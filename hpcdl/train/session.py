@@ -102,10 +102,9 @@ def open_communicator(section: CommConfig, world: Any, backend: str | None = Non
 class RunSession(Closing):
     """The communicator, process set-up, threads, timeline and stall watchdog of one run.
 
-    ``comm``: the recipe's ``comm`` section (None: no communicator, e.g. LTFB, whose trainers
-    open their own and hand it to :meth:`watch`). ``log_level`` None: the process is already
-    set up (a bench that runs several trainings). ``threads``: ``"node"`` (the rank's share
-    of its node's cores), a count, or None (torch's own). Collective over ``world``.
+    ``comm``: the recipe's ``comm`` section (None: LTFB's trainers open their own and hand it
+    to :meth:`watch`). ``log_level`` None: the process is already set up. ``threads``:
+    ``"node"`` (the rank's share of its node's cores), a count, or None. Collective.
     """
 
     def __init__(self, world: Any, comm: CommConfig | None = None, *,

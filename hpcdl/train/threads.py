@@ -26,11 +26,8 @@ def _env_threads() -> int | None:
 
 
 def configure_threads(world) -> int:
-    """Set ``torch.set_num_threads`` for this rank from the node's affinity masks.
-
-    ``world`` is an mpi4py Intracomm of every rank of the run (MPI_COMM_TYPE_SHARED gives the
-    node). Collective. Logs a warning when ranks × threads exceed the node's cores.
-    """
+    """Set ``torch.set_num_threads`` for this rank from the node's affinity masks; a warning
+    when ranks × threads exceed the node's cores. Collective over ``world`` (every rank)."""
     import torch
     from mpi4py import MPI
 

@@ -71,10 +71,9 @@ def split_world(world: MPI.Intracomm, trainers: int) -> TrainerLayout:
 
 # -- pairing ----------------------------------------------------------------------------------
 def tournament_partners(seed: int, round_index: int, trainers: int) -> list[int | None]:
-    """``partners[t]``: the trainer t meets in round ``round_index``, or None (the odd one out
-    keeps its model this round). Consecutive entries of a permutation drawn from
-    (seed, round) are paired, so every rank computes the same pairing without a message and
-    the pairing changes from round to round (Jacobs et al. 2017, Sec. 3: random pairs)."""
+    """``partners[t]``: the trainer t meets in round ``round_index``, or None (the odd one out).
+    Consecutive entries of a permutation drawn from (seed, round) pair up: the same on every
+    rank without a message, new each round (Jacobs et al. 2017, Sec. 3: random pairs)."""
     order = np.random.default_rng([seed, round_index, EXCHANGE_TAG]).permutation(trainers)
     partners: list[int | None] = [None] * trainers
     for a, b in zip(order[0::2], order[1::2], strict=False):
@@ -85,10 +84,9 @@ def tournament_partners(seed: int, round_index: int, trainers: int) -> list[int 
 # -- data -------------------------------------------------------------------------------------
 def partition_samples(counts: Sequence[int], trainers: int, holdout_fraction: float,
                       seed: int, min_holdout: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
-    """For each trainer t, (training samples, tournament samples): global sample indices of
-    the training shards i with i mod K == t, a seeded ``holdout_fraction`` of them (at least
-    ``min_holdout``) held out for tournaments and never trained on. A pure function of the
-    manifest's counts and the seed: every rank derives every trainer's split alone."""
+    """For each trainer t, (training samples, tournament samples): the global indices of
+    training shards i with i mod K == t, a seeded ``holdout_fraction`` (at least
+    ``min_holdout``) held out, never trained on. A pure function of counts and seed."""
     if len(counts) < trainers:
         raise ValueError(f"the training split has {len(counts)} shards, fewer than the "
                          f"{trainers} trainers: re-shard with at least {trainers} shards "
