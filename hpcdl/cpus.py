@@ -137,8 +137,7 @@ def bf16_supported() -> bool:
 def retain_freed_memory() -> bool:
     """Ask glibc to keep freed blocks up to 32 MiB (its maximum mmap threshold on 64-bit) in the
     heap and never trim it, so each step's activations reuse memory instead of mmap/munmap and
-    first-touch page faults. Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in
-    the environment. Returns False where glibc's mallopt is unavailable."""
+    page faults (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_). False without mallopt."""
     import ctypes
     import ctypes.util
 

@@ -81,9 +81,8 @@ def _bucket(index: int, members: list[tuple[str, torch.Tensor]],
 
 def pack_gradient(bucket: Bucket, position: int, grad: torch.Tensor | None) -> None:
     """Copy ``grad`` (of ``bucket.params[position]``) into its place in ``bucket.buffer``:
-    zeros when it has none (a parameter unused this step still sends, so every rank sends the
-    same bytes), nothing when it already is that place. The reducer's and PowerSGD's
-    packing (hpcdl/comm/powersgd.py)."""
+    zeros when it has none (every rank sends the same bytes), nothing when it already is
+    that place. The reducer's and PowerSGD's packing."""
     p = bucket.params[position]
     start = bucket.offsets[position]
     view = bucket.buffer[start:start + p.numel()]
@@ -253,9 +252,8 @@ class GradientReducer(Closing):
 
     def start_allgather(self, bucket: Bucket) -> None:
         """Weight-update sharding: publish ``bucket`` (every rank's slice, now holding its
-        updated parameters; ``Communicator.publish_flat_``) on the communication thread, so
-        the next bucket's update overlaps it. Call in bucket order on every rank, then
-        :meth:`wait_allgather`, read, :meth:`release` and :meth:`wait_released` each."""
+        updated parameters) on the communication thread, overlapping the next bucket's update.
+        In bucket order on every rank; then :meth:`wait_allgather`, read, :meth:`release`."""
         self._queue.put((bucket, self.gradient_comm, "allgather"))
 
     def wait_allgather(self, bucket: Bucket) -> list[torch.Tensor]:

@@ -160,10 +160,9 @@ class SharedMemoryCommunicator(Communicator):
         return window, window.views(offset, buffer.numel(), numpy_view(buffer[:0]).dtype)
 
     def _reduce_scatter(self, buffer: torch.Tensor, average: bool) -> None:
-        """The first half of :meth:`_reduce_in_window` alone: rank j sums slice j of every
-        peer's region into its own and stops there, with no copy back (that is the
-        allgather's job, after the sharded update). One node and a window buffer only;
-        otherwise MPI's Reduce_scatter (ranks on several nodes own world slices)."""
+        """The first half of :meth:`_reduce_in_window`: rank j sums slice j of every peer's
+        region into its own, no copy back (the allgather's job). One node and a window buffer
+        only; otherwise MPI's Reduce_scatter."""
         one_node = self._one_node_views(buffer)
         if one_node is None:
             super()._reduce_scatter(buffer, average)

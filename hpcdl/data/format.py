@@ -124,9 +124,8 @@ def _check_entries(path: str, entries: list[dict], redo: str) -> None:
 
 def check_num_classes(shard_dir: str, manifest: dict, num_classes: int | None) -> None:
     """Raise :class:`ManifestError` when the model's ``num_classes`` (the recipe's
-    ``model.num_classes``; None: the recipe does not say, nothing to compare) differs from the
-    manifest's class count: labels would index past the model's outputs mid-run, or a class
-    would never be trained."""
+    ``model.num_classes``; None: nothing to compare) differs from the manifest's class count
+    (labels past the model's outputs, or a class never trained)."""
     have = len(manifest["classes"])
     if num_classes is not None and num_classes != have:
         raise ManifestError(f"manifest {os.path.join(shard_dir, MANIFEST)} has {have} classes, "

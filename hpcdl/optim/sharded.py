@@ -215,10 +215,9 @@ class ShardedOptimizer(OptimizerWrapper):
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
-        """Within, steps allreduce and run the whole update on every rank, as without
-        sharding, on the same model and buffers (``hpcdl bench train``'s ``ours_allreduce``,
-        so both are timed on one instance). The whole update keeps its own momentum (the
-        wrapped optimizer's), apart from the slices': for timing, not for training."""
+        """Within, steps allreduce and run the whole update on every rank, on the same model
+        and buffers (``hpcdl bench train``'s ``ours_allreduce``), with the wrapped optimizer's
+        own momentum: for timing, not for training."""
         self.reducer.reduce_scatter = False
         try:
             yield

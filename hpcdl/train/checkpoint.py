@@ -584,9 +584,8 @@ def resume_layout(spec: str | None, run_dir: str, mpi_comm) -> dict[str, int] | 
 # -- pruning and what a kill leaves behind -------------------------------------------------
 def prune_checkpoints(run_dir: str, keep: int, line: str | None = None) -> list[str]:
     """Rank 0: take all but the newest ``keep`` checkpoints of ``line`` (by write order) out
-    of the run: each is renamed to a temporary name (it stops counting at once) and returned.
-    The caller removes them (:func:`remove_pruned`; each rank its own file first). ``line``
-    None: the line of the newest checkpoint."""
+    of the run, renamed to temporary names (they stop counting at once) that the caller
+    removes (:func:`remove_pruned`). ``line`` None: the newest checkpoint's."""
     index = checkpoint_index(run_dir)
     known = [e for e in index if e.line is not None]
     if line is None and known:

@@ -35,9 +35,8 @@ HOLDOUT_SALT = 0x70C4
 @dataclass
 class TrainerLayout:
     """Where this rank sits: trainer ``index`` of ``trainers``, rank ``trainer_rank`` of
-    ``trainer_size`` within it. ``trainer_comm`` joins the ranks of one trainer (its
-    data-parallel group); ``peer_comm`` joins rank ``trainer_rank`` of every trainer, ranked by
-    trainer index (so a partner trainer's index is its rank there)."""
+    ``trainer_size`` within it. ``trainer_comm``: one trainer's ranks; ``peer_comm``: rank
+    ``trainer_rank`` of every trainer, ranked by trainer index (a partner's index is its rank)."""
 
     trainers: int
     index: int
