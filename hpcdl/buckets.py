@@ -1,22 +1,12 @@
 """Where gradient fusion buckets begin and end: one rule for the reducer and the planner.
 
-``hpcdl.comm.reducer.GradientReducer`` lays out its buckets with :func:`bucket_bounds` over
-its parameters' bytes on the wire, and ``hpcdl plan`` costs the allreduce of the very same
-buckets from a model's parameter sizes, so the two cannot disagree on a boundary. The rule
-(DDP's bucketing, Li et al., VLDB 2020, §3.2.3):
-
-- parameters come in the order backward produces their gradients (reverse registration);
-- a bucket holds at most ``bucket_bytes``; a parameter larger than that gets one of its own;
-- a change of ``kind`` (the dtype: a buffer has one) starts a new bucket;
-- with ``last_bucket_bytes``, the parameters at the end of the order (the first layers, whose
-  gradients come last and whose reduction nothing can hide) that fit in that many bytes form
-  the last bucket on their own, unless every parameter fits.
-
-A recipe gives the bucket in MiB (``comm.bucket_mb``); the communicator and the reducer take
-bytes: the default, the one conversion and the one check live here too.
-
-Pure arithmetic on byte counts: no torch, no MPI, so the recipe reader and the planner can
-import it.
+:class:`~hpcdl.comm.reducer.GradientReducer` lays out its buckets with :func:`bucket_bounds`
+and ``hpcdl plan`` costs the very same buckets, so the two cannot disagree on a boundary. The
+rule (DDP's bucketing, Li et al., VLDB 2020, §3.2.3): parameters in backward's order (reverse
+registration); at most ``bucket_bytes`` a bucket, a larger parameter alone; a change of
+``kind`` (dtype) starts a bucket; with ``last_bucket_bytes``, the first layers that fit in it
+form the last bucket on their own, unless every parameter fits. The MiB -> bytes conversion of
+``comm.bucket_mb``, the default and the check live here too. Pure arithmetic: no torch, no MPI.
 """
 from __future__ import annotations
 

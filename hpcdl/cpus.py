@@ -1,10 +1,8 @@
 """A node's CPUs as the kernel and Slurm write them, how many threads a rank takes, what the
-CPU is (model, flags, clock, torch's vector ISA), whether it has bf16 kernels, and the heap
-policy a compute process runs with. The host's other counters are in hpcdl/host.py.
+CPU is (model, flags, clock, torch's vector ISA), its bf16 kernels and the heap policy.
 
-The ground floor under both ``hpcdl doctor`` (hpcdl/debug) and the trainer's thread set-up
-(hpcdl/train/threads.py): the doctor predicts the thread count the trainer will use, so the
-rule lives here, below both, and neither imports the other.
+The ground floor under both ``hpcdl doctor`` and the trainer's thread set-up: the doctor
+predicts the trainer's thread count, so the rule lives below both.
 """
 from __future__ import annotations
 
@@ -164,8 +162,7 @@ def bf16_native(flags: set[str] | None = None, capability: str | None = None) ->
 def retain_freed_memory() -> bool:
     """Ask glibc to keep freed blocks up to 32 MiB (its maximum mmap threshold on 64-bit) in the
     heap and never trim it, so each step's activations reuse memory instead of mmap/munmap and
-    first-touch page faults. Same effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in
-    the environment. Returns False where glibc's mallopt is unavailable."""
+    page faults (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_). False without mallopt."""
     import ctypes
     import ctypes.util
 

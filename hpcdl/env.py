@@ -1,21 +1,14 @@
 """Every ``HPCDL_*`` environment variable: one table, one parser, one error.
 
-Why one place: ``sbatch``'s default ``--export=ALL`` carries whatever the submitting shell held
-into every rank, so a variable is input like a command-line flag and must be parsed like one.
-Two readers of one variable with two rules disagree silently (``HPCDL_DEBUG=no`` was debug mode
-in the communicator and not in the log); here each variable has one kind, its documented values
-and its default, and anything else is a :class:`EnvVarError` naming the variable and the value
-(``hpcdl CMD`` prints it as one line and exits 2).
+``sbatch --export=ALL`` carries the submitting shell into every rank, so a variable is input
+like a flag: each has one kind, its documented values and default, and anything else is an
+:class:`EnvVarError` naming variable and value (``hpcdl CMD`` exits 2 with one line).
 
 Kinds: ``flag`` (``1/true/yes/on`` or ``0/false/no/off``, any case; empty = the default),
 ``seconds`` (a number >= 0; empty = the default), ``count`` (an integer >= 1; empty = unset),
 ``path`` and ``text`` (any string; empty = unset), ``0/1`` (the job script's switches).
-Variables read by the sbatch job script (``slurm/job_body.sh``) rather than by Python are listed
-with ``reader="job script"`` so the table in docs/debugging.md is complete; Python does not
-parse those.
-
-This module is the ground floor (like ``hpcdl.errors``): it imports nothing of hpcdl above it,
-so data, comm, debug and train can all read through it.
+``reader="job script"`` marks variables only slurm/job_body.sh reads, so the table in
+docs/debugging.md is complete. Ground floor: imports nothing of hpcdl above it.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Bad input: errors a person fixes by changing what they passed, and how every rank agrees.
 
-A run started wrong (no shards at ``--data``, a truncated shard, a checkpoint of another model,
-an accelerator that is not installed) must end with one line that names the file, rank or value
-and says what to do -- not a traceback, and not a hang. Two rules give that:
-
-- every such error is a :class:`BadInputError` (the library's own kinds derive from it as well
-  as from the builtin they always were, so ``except ValueError`` callers keep working), and a
-  command prints it as ``hpcdl CMD: message`` and exits :data:`EXIT_BAD_INPUT`;
-- where ranks may see different things (node-local shards, a directory one node cannot write),
-  :func:`agreed` is a collective after which every rank holds the same outcome: if any rank
-  failed, every rank raises the lowest failing rank's error. A rank that exited alone would
-  leave the others blocked in their next collective (MPI has no timeout).
-
-This module is the ground floor (like ``hpcdl.io``): it imports nothing of hpcdl.
+A run started wrong ends with one line naming the file, rank or value and what to do: not a
+traceback, not a hang. Every such error is a :class:`BadInputError` (the library's kinds also
+derive from their builtin, so ``except ValueError`` keeps working), printed as
+``hpcdl CMD: message`` with exit :data:`EXIT_BAD_INPUT`; where ranks may see different things,
+:func:`agreed` is a collective after which every rank raises the lowest failing rank's error
+(a rank exiting alone would leave the others blocked: MPI has no timeout).
+Ground floor: imports nothing of hpcdl.
 """
 from __future__ import annotations
 
@@ -31,9 +25,8 @@ class BadInputError(Exception):
     """Input a person can fix: the message names what is wrong and what to do.
 
     ``agreed`` is True once every rank is known to raise it (after :func:`agree_on`, or a
-    broadcast decision): a command may then exit cleanly on every rank, rank 0 printing the
-    line. An error that is not agreed may be this rank's alone, so the command must abort the
-    job instead (the other ranks could be waiting in a collective).
+    broadcast decision): every rank may then exit cleanly. One not agreed may be this rank's
+    alone, so the command must abort the job (the others may wait in a collective).
     """
 
     agreed: bool = False
@@ -48,10 +41,8 @@ def mark_agreed(error: BadInputError) -> BadInputError:
 def agree_on(mpi_comm: Any, error: BaseException | None) -> None:
     """Collective over ``mpi_comm``: raise on every rank if ``error`` is set on any rank.
 
-    The raised error is this rank's own when it failed, else a :class:`BadInputError` carrying
-    the lowest failing rank's message prefixed with that rank and its host (``rank 3 of 8 on
-    c401-002: ...``), so the one line rank 0 prints names where the problem is (a host that
-    lacks its staged shards, say).
+    The raised error is this rank's own when it failed, else a :class:`BadInputError` with
+    the lowest failing rank's message, prefixed ``rank 3 of 8 on c401-002: `` to name where.
     """
     size = mpi_comm.Get_size() if mpi_comm is not None else 1
     if size == 1:

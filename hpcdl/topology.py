@@ -1,16 +1,12 @@
 """Which node a rank is on: the one rule behind the communicator's topology and staging.
 
-Ranks sharing memory form a node (``Split_type(COMM_TYPE_SHARED)``); nodes are numbered in the
-order of their lowest rank. The communicator (:class:`hpcdl.comm.Communicator`: ``node_index``,
-``num_nodes``, ``local_rank``, ``local_size``) is built from :func:`split_nodes`, and so is
-:func:`node_layout` for the commands that have no communicator yet, so the loader, staging,
-doctor, the trainer and LTFB give one answer (docs/architecture.md).
+Ranks sharing memory form a node (``Split_type(COMM_TYPE_SHARED)``), numbered in the order of
+their lowest rank. The communicator and :func:`node_layout` (for commands without one) both use
+:func:`split_nodes`, so loader, staging, doctor, trainer and LTFB agree.
 
-Testing aid: ``HPCDL_RANKS_PER_NODE=k`` (or ``ranks_per_node=k``) makes P ranks on one machine
-act as ceil(P/k) nodes: consecutive COMM_WORLD ranks fill nodes of k, the last node holding the
-remainder (3 ranks as 2 + 1 with k=2). The rule keys on the COMM_WORLD rank, so a
-sub-communicator (an LTFB trainer) sees the same nodes as the world does, as it would on real
-nodes. Never set it on a real cluster: ranks of different machines would share a "node".
+Testing aid: ``HPCDL_RANKS_PER_NODE=k`` makes consecutive COMM_WORLD ranks nodes of k (the last
+holds the remainder), keyed on the world rank so sub-communicators see the same nodes
+(docs/data.md, "Several nodes on one machine"). Never set it on a real cluster.
 """
 from __future__ import annotations
 
@@ -26,11 +22,8 @@ def ranks_per_node_from_env() -> int | None:
 
 
 def split_nodes(world, ranks_per_node: int | None = None):
-    """The communicator of this rank's node within ``world`` (the caller frees it).
-
-    ``ranks_per_node`` None reads :data:`RANKS_PER_NODE_ENV`; still None: the ranks that share
-    memory. Collective over ``world``.
-    """
+    """The communicator of this rank's node within ``world`` (the caller frees it); nodes of
+    ``ranks_per_node`` (None: :data:`RANKS_PER_NODE_ENV`, else shared memory). Collective."""
     from mpi4py import MPI
 
     k = ranks_per_node if ranks_per_node is not None else ranks_per_node_from_env()
@@ -40,11 +33,8 @@ def split_nodes(world, ranks_per_node: int | None = None):
 
 
 def node_layout(world=None, ranks_per_node: int | None = None) -> tuple[int, int, int, int]:
-    """(node_index, num_nodes, local_rank, local_size) of this rank, by :func:`split_nodes`.
-
-    Nodes are numbered in the order of their lowest rank in ``world`` (default COMM_WORLD),
-    as the communicator numbers them. Collective over ``world``.
-    """
+    """(node_index, num_nodes, local_rank, local_size) of this rank, by :func:`split_nodes`,
+    numbered as the communicator numbers them. Collective over ``world`` (default COMM_WORLD)."""
     from mpi4py import MPI
 
     world = world or MPI.COMM_WORLD

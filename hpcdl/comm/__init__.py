@@ -3,22 +3,14 @@
     comm = hpcdl.comm.init("auto")          # or "mpi", "ring", "shm", "gloo", "ccl"
     comm.allreduce_(grads)                  # averaged in place, fused into flat buckets
 
-``init`` runs under the start-up bound (hpcdl/debug/startup.py, ``HPCDL_STARTUP_TIMEOUT_S``, 300
-s), and so does MPI_Init when importing this package starts MPI. It also installs fail-fast
-(hpcdl/debug/faults.py) unless ``fail_fast=False``: an uncaught exception on one rank prints
-that rank's traceback and aborts the whole job, instead of leaving the other ranks blocked in
-their next allreduce until the scheduler's time limit. And it installs the stall watchdog
-(hpcdl/debug/stall.py) unless ``watchdog=False``: a collective that waits ``HPCDL_STALL_WARN_S``
-(60 s) gets a report naming the ranks and hosts not heard from, one that waits
-``HPCDL_STALL_ABORT_S`` (600 s) ends the job, and a rank whose MPI_Abort reaches no one ends
-itself ``HPCDL_STALL_EXIT_GRACE_S`` (10 s) later. The defaults are the trainer's: long enough
-for a checkpoint on a slow shared file system, short beside an allocation's hours; every entry
-point built on ``init`` (a user's own loop, the demo, LTFB, the benches) has it.
+``init`` (and MPI_Init when importing this package starts MPI) runs under the start-up bound
+(hpcdl/debug/startup.py). It installs fail-fast (hpcdl/debug/faults.py; ``fail_fast=False``
+to skip) and the stall watchdog (hpcdl/debug/stall.py; ``watchdog=False``), so every entry
+point built on it has them; their defaults and behaviour: docs/debugging.md, sections 4 and 5.
 
 Backends (one algorithm each): ``mpi`` (MPI_Allreduce), ``ring`` (bandwidth-optimal ring,
 Patarasuk & Yuan 2009), ``shm`` (hierarchical: node-shared-memory reduce-scatter, then
-across nodes), ``gloo`` (a torch.distributed process group) and ``ccl`` (Intel oneCCL's C API,
-through ctypes).
+across nodes), ``gloo`` (a torch.distributed process group) and ``ccl`` (Intel oneCCL).
 """
 from __future__ import annotations
 
@@ -63,14 +55,9 @@ class BackendError(BadInputError, ValueError):
 
 
 def auto_backend(world: MPI.Intracomm) -> str:
-    """The rule behind ``backend="auto"`` (measured, docs/performance.md ## Allreduce).
-
-    ``shm`` whenever some node holds more than one rank of ``world``: reducing through the
-    node's shared memory reads each byte once instead of copying it through MPI's eager
-    buffers, and keeps only one rank per node slice on the network. With one rank per node
-    (or one rank) ``mpi``: the vendor's allreduce is tuned for the interconnect.
-    Collective over ``world``.
-    """
+    """The rule behind ``backend="auto"`` (docs/comm.md, "The auto rule"): ``shm`` whenever
+    some node holds more than one rank of ``world``, else ``mpi`` (the vendor's allreduce).
+    Collective over ``world``."""
     node = split_nodes(world)  # honours HPCDL_RANKS_PER_NODE, like the topology
     try:
         most = world.allreduce(node.size, op=MPI.MAX)
@@ -86,16 +73,11 @@ def init(backend: str = "auto", world: MPI.Intracomm | None = None,
          watchdog: bool = True) -> Communicator:
     """Build the communicator for ``world`` (default COMM_WORLD). Collective over ``world``.
 
-    ``bucket_bytes`` is the fusion bucket size of :meth:`Communicator.allreduce_`;
-    ``wire_dtype=torch.bfloat16`` sends bf16 and sums in fp32 (``ring``, ``shm``).
-    ``ranks_per_node=k`` treats groups of k consecutive world ranks as nodes (to exercise the
-    multi-node paths on one machine); None (the default) reads the testing switch
-    ``HPCDL_RANKS_PER_NODE``, and without it asks MPI which ranks share memory.
-    ``fail_fast=False`` leaves ``sys.excepthook``/``threading.excepthook`` alone (a caller that
-    handles a dead rank itself); by default an uncaught exception aborts the whole job.
-    ``watchdog=False`` installs no stall watchdog (``HPCDL_STALL_WARN_S=0 HPCDL_STALL_ABORT_S=0``
-    does the same from outside); ``hpcdl.debug.watch_collectives(comm, run_dir)`` replaces the
-    default one to keep heartbeats and stall dumps in a run directory.
+    ``bucket_bytes``: the fusion bucket of :meth:`Communicator.allreduce_`; ``wire_dtype=
+    torch.bfloat16`` sends bf16 and sums in fp32. ``ranks_per_node=k``: groups of k consecutive
+    world ranks act as nodes (None: ``HPCDL_RANKS_PER_NODE``, else MPI's shared-memory groups).
+    ``fail_fast=False`` leaves the excepthooks alone; ``watchdog=False`` installs no stall
+    watchdog (``hpcdl.debug.watch_collectives(comm, run_dir)`` replaces the default one).
     Unknown names raise :class:`BackendError`; a backend whose optional library is missing
     raises its own :class:`~hpcdl.errors.BadInputError` saying how to get it.
     """

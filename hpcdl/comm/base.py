@@ -27,6 +27,7 @@ from mpi4py import MPI
 from hpcdl.buckets import DEFAULT_BUCKET_MB, bucket_bytes, check_bucket_bytes
 from hpcdl.debug import NULL_MONITOR, abort_on_unshared_error
 from hpcdl.env import env_flag, env_tristate
+from hpcdl.io import Closing
 from hpcdl.topology import ranks_per_node_from_env, split_nodes
 
 #: dtypes a backend reduces natively; the rest (bf16, fp16) are reduced in float32.
@@ -89,19 +90,11 @@ _created = iter(range(1 << 62))
 
 
 def release_open_communicators() -> None:
-    """At exit, release what a communicator the program left open must not keep past the
-    interpreter's end (``atexit``), newest first.
-
-    Why: a torch process group (``gloo``) owns C++ worker threads that drop their last tensor
-    references *after* ``work.wait()`` returns. Dropping a tensor needs the GIL; once
-    ``Py_FinalizeEx`` has begun, CPython 3.11 ends any thread that asks for it with
-    ``pthread_exit``, whose unwinding through torch's ``noexcept`` destructor is
-    ``std::terminate`` -- "terminate called without an active exception", exit 9 under
-    mpiexec, about 1 run in 4 at -n 3 (docs/debugging.md). ``atexit`` runs before finalization
-    (and before mpi4py's MPI_Finalize), while threads may still take the GIL. Local only -- no
-    barrier, no MPI_Comm_free: a rank that exits alone (its error not shared) must not wait at
-    exit for ranks that never come; MPI_Finalize reclaims the MPI objects.
-    """
+    """At exit (``atexit``: before interpreter finalization and MPI_Finalize), release what
+    a communicator left open must not keep past the interpreter's end, newest first: gloo's
+    C++ threads take the GIL to drop tensors after ``work.wait()``, and during finalization
+    CPython ends such a thread into ``std::terminate`` (docs/debugging.md). Local only, no
+    barrier: a rank exiting alone must not wait for peers; MPI_Finalize reclaims the rest."""
     for number in sorted(_open_communicators.keys(), reverse=True):
         comm = _open_communicators.get(number)
         if comm is not None:
@@ -113,12 +106,8 @@ atexit.register(release_open_communicators)
 
 def yield_waits_in_this_thread() -> None:
     """Mark the calling thread as one whose collectives overlap compute (the gradient
-    reducer's communication thread): its waits test and sleep instead of busy-polling.
-
-    Such a thread waits most of a step for peers still in backward; spinning meanwhile takes
-    a core from the compute threads of this rank or the next (measured on 2 cores, 2 ranks,
-    ResNet-50: docs/performance.md). A wake-up up to 200 us late costs nothing there: the
-    main thread is still computing."""
+    reducer's communication thread): its waits test and sleep instead of busy-polling, which
+    would take a core from compute (docs/comm.md, "Threads")."""
     _thread_waits.yielding = True
 
 
@@ -128,10 +117,8 @@ def waits_yield_in_this_thread() -> bool:
 
 def wait_yielding(request: MPI.Request) -> None:
     """Wait for ``request`` without holding the core: ``Test`` (which drives MPI progress)
-    for 50 us, then sleep between tests, backing off from ~50 us to 200 us. MPICH's own
-    ``Wait`` busy-polls, which with 4 ranks on 2 cores spends half the machine spinning while
-    the peer it waits for is descheduled (measured, shm at p=4 on 2 cores, 16 MB: 0.45/0.68
-    GB/s busbw yielding vs 0.38/0.52 spinning, two alternating pairs; docs/performance.md)."""
+    for 50 us, then sleep between tests, backing off from ~50 us to 200 us; MPICH's own
+    ``Wait`` busy-polls, spinning while the peer it waits for is descheduled."""
     spin_until = time.perf_counter() + 5e-5  # a peer that is running answers within ~50 us
     while not request.Test():
         if time.perf_counter() > spin_until:
@@ -142,6 +129,15 @@ def wait_yielding(request: MPI.Request) -> None:
     while not request.Test():
         time.sleep(delay)
         delay = min(2 * delay, 2e-4)
+
+
+def sum_over(mpi_comm: Any, values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """The float64 sum over ``mpi_comm``'s ranks of a few control values (flags, losses,
+    counts): one small blocking MPI_Allreduce, collective."""
+    mine = np.asarray(values, dtype=np.float64)
+    total = np.empty_like(mine)
+    mpi_comm.Allreduce(mine, total, op=MPI.SUM)
+    return total
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
@@ -174,13 +170,10 @@ def mismatch_message(name: str, descriptions: Sequence[str]) -> str:
             f"order:\n" + "\n".join(lines))
 
 
-class Communicator:
+class Communicator(Closing):
     """One process's view of a data-parallel world: ranks, nodes, and collectives on tensors.
-
-    Build with :func:`hpcdl.comm.init`. ``world`` is any mpi4py Intracomm (COMM_WORLD, or an
-    LTFB trainer's sub-communicator); this object duplicates it, so its traffic never matches
-    a user's messages on ``mpi_comm``.
-    """
+    Build with :func:`hpcdl.comm.init`; ``world`` (any mpi4py Intracomm) is duplicated, so this
+    object's traffic never matches a user's messages on ``mpi_comm``."""
 
     backend = "base"
     #: hpcdl.debug.watch_collectives(comm, run_dir) installs a live monitor; default no-op.
@@ -226,11 +219,8 @@ class Communicator:
 
     # -- topology ------------------------------------------------------------------------
     def _init_topology(self) -> None:
-        """Nodes are the groups of ranks that can share memory (MPI_COMM_TYPE_SHARED).
-
-        ``ranks_per_node=k`` (or ``HPCDL_RANKS_PER_NODE=k`` when it is None) pretends that
-        consecutive groups of k world ranks are nodes: it exercises the multi-node paths on one
-        machine (tests, benchmarks). hpcdl.topology holds the rule, shared with staging."""
+        """Nodes are the groups of ranks that can share memory, or with ``ranks_per_node=k``
+        (``HPCDL_RANKS_PER_NODE``) groups of k: hpcdl.topology's rule, shared with staging."""
         if self.ranks_per_node is None:
             self.ranks_per_node = ranks_per_node_from_env()
         self.node_comm = split_nodes(self._comm, self.ranks_per_node)
@@ -249,12 +239,11 @@ class Communicator:
     def _collective(self, name: str, meta: dict[str, Any], fn: Callable[[], Any]) -> Any:
         """Run one collective: ``fn()`` does the communication; ``meta`` describes it.
 
-        ``meta`` keys: ``shapes`` (list of shapes), ``dtype``, ``bytes``, ``numel``,
-        ``bucket`` (an id, or None), plus arguments that must agree (``average``, ``root``).
-        Every collective of every backend passes here exactly once, on the thread that
-        issues it, in the same order on all ranks -- hpcdl/debug wraps this method to record
-        and to watch for stalls. The signature check runs first for a layout's first call
-        (and on every call with HPCDL_DEBUG=1), so a mismatch raises instead of hanging.
+        ``meta`` keys: ``shapes``, ``dtype``, ``bytes``, ``numel``, ``bucket`` (an id, or None),
+        plus arguments that must agree (``average``, ``root``). Every collective passes here
+        once, on its issuing thread, in the same order on all ranks; the signature check runs
+        first for a layout's first call (every call with HPCDL_DEBUG=1), so a mismatch raises
+        instead of hanging (docs/comm.md, "The mismatch check").
         """
         self._check_open()
         self._check_signature(name, meta)
@@ -324,10 +313,8 @@ class Communicator:
     def reduce_scatter_flat_(self, buffer: torch.Tensor, average: bool = True,
                              bucket: int | None = None) -> None:
         """Sum (or average) ``buffer`` over the ranks, leaving only this rank's slice
-        (:meth:`shard_bounds`) final; the rest of ``buffer`` is undefined afterwards. Half
-        the traffic of an allreduce, which is this and :meth:`allgather_flat_` (Xu et al.,
-        "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training",
-        arXiv:2004.13336). Same thread rule as :meth:`allreduce_flat_`."""
+        (:meth:`shard_bounds`) final, the rest undefined: an allreduce's first half, the
+        second being :meth:`allgather_flat_` (Xu et al., arXiv:2004.13336)."""
         self._check_sharded(buffer, "reduce_scatter_flat_")
         meta = self._flat_meta(buffer, bucket, average=bool(average))
         self._collective("reduce_scatter", meta,
@@ -423,11 +410,8 @@ class Communicator:
         return torch.empty(int(numel), dtype=dtype)
 
     def close(self) -> None:
-        """Free the duplicated communicators (idempotent). Collective over the world.
-
-        Called while this rank unwinds an error the others do not share, it prints the
-        traceback and aborts the job instead (the peers wait in a collective for this rank,
-        not in close)."""
+        """Free the duplicated communicators (idempotent). Collective over the world; while
+        this rank unwinds an error the others do not share, it aborts the job instead."""
         if self._closed:
             return
         abort_on_unshared_error()
@@ -453,12 +437,6 @@ class Communicator:
 
     def _release_threads(self) -> None:
         """Backends whose library runs its own threads drop them here (local, at exit)."""
-
-    def __enter__(self) -> Communicator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} backend={self.backend} rank={self.rank}/{self.size} "

@@ -1,42 +1,17 @@
 """``ccl``: Intel oneCCL's allreduce, called through its C API with ctypes.
 
-oneCCL is the collective library Intel's CPU clusters are tuned for (You et al.'s Xeon +
-Omni-Path era; today's oneAPI modules). Design choices:
+Design choices (reasons, settings and measurements: docs/comm.md, "oneCCL on a cluster"):
 
-- **The C API, not the PyTorch bindings.** oneCCL 2022 ships ``oneapi/ccl.h``, a C API in
-  NCCL's style (``onecclGetUniqueId``, ``onecclCommInitRank``, ``onecclAllReduce``, ...). We
-  call it with ctypes on the raw memory of torch tensors, so there is no extension of ours to
-  compile, and nothing ties it to a torch version: the bindings (``oneccl_bind_pt``/torch-ccl)
-  are archived upstream with no build for torch 2.13, and torch's own ``xccl`` is XPU-only.
-- **Which library.** ``libccl.so.2`` is the C API: a small loader that dlopens a plugin --
-  for CPUs ``libccl_legacy_cpu.so``, which runs on ``libccl.so.1``, the collective engine.
-  The header declares every C function *weak*; a C program that links only ``-lccl`` binds
-  them to address 0. So ``libccl.so.2`` is opened by its own name, first, with RTLD_GLOBAL,
-  from ``$CCL_ROOT/lib`` when a site's ``module load ccl`` (or oneAPI's setvars.sh) set
-  ``CCL_ROOT``, else wherever the dynamic loader finds it (``LD_LIBRARY_PATH``). From PyPI,
-  tests/ccl_env.sh assembles one (the ``oneccl-cpu`` wheel's engine needs the full ``oneccl``
-  wheel's loader and plugin; docs/comm.md).
-- **Rendezvous over MPI.** Rank 0 asks oneCCL for a 4096-byte unique id and broadcasts it on
-  this communicator's own MPI duplicate, as NCCL programs do; every communicator (e.g. one per
-  LTFB trainer) gets its own.
-- **One host stays on loopback.** oneCCL's key-value store and its OFI transport pick the
-  first network interface by default, so ranks of one host would talk through ``eth0``'s
-  address. When every rank runs on one host, ``CCL_KVS_IFACE=lo``, ``FI_PROVIDER=tcp``,
-  ``FI_TCP_IFACE=lo`` and ``CCL_ATL_SHM=1`` (OFI's shared-memory provider between ranks of a
-  node: 25 MB at p=2 on 2 cores, 0.24-0.31 GB/s busbw vs 0.11-0.17 over loopback tcp) are set
-  unless the user set them; with several hosts the site's settings are left alone. oneCCL reads
-  most settings when the library loads, so this happens before the first load, and they stay
-  set for the process: its key-value store reads ``CCL_KVS_IFACE`` again for every new
-  communicator (seen with ``CCL_LOG_LEVEL=debug``: ``eth0``'s address once it was unset).
-- **What oneCCL reduces.** fp32, fp64, int32, int64 natively with ``onecclSum``; the CPU
-  plugin rejects ``onecclAvg`` ("Unsupported onecclRedOp_t value"), so an average is the sum
-  scaled by 1/p here, exactly as the other backends do. ``wire_dtype=torch.bfloat16`` sends
-  an fp32 buffer as bf16 and lets oneCCL sum bf16 itself (``onecclBfloat16``): half the
-  bytes, one rounding per reduction step. The C API has no barrier; ``barrier`` is a
-  one-element allreduce, the NCCL idiom. Reduce-scatter and allgather of sharded updates go
-  through MPI (Communicator's defaults), as for ``ring`` and ``gloo``.
-- **Threads.** ctypes drops the GIL during each call, so the reducer's communication thread
-  overlaps autograd; a call returns when its host buffer holds the result (no stream).
+- The C API (``oneapi/ccl.h``, oneCCL 2022+) with ctypes on tensors' memory: nothing compiled,
+  nothing tied to a torch version (the PyTorch bindings are archived; torch's ``xccl`` is XPU).
+- ``libccl.so.2`` (the loader) is opened first, by name, with RTLD_GLOBAL, from ``$CCL_ROOT/lib``
+  else the dynamic loader's path: the header declares every function weak.
+- Rendezvous: rank 0's 4096-byte unique id is broadcast on the communicator's MPI duplicate.
+- One host: ``CCL_KVS_IFACE=lo``, ``FI_PROVIDER=tcp``, ``FI_TCP_IFACE=lo``, ``CCL_ATL_SHM=1`` are
+  defaults set before the first load and kept (the rendezvous rereads them per communicator).
+- ``onecclSum`` then x 1/p (the CPU plugin rejects ``onecclAvg``); bf16 on the wire is summed by
+  oneCCL; ``barrier`` is a one-element allreduce; reduce-scatter/allgather go through MPI.
+- ctypes drops the GIL during each call, so the communication thread overlaps autograd.
 """
 from __future__ import annotations
 

@@ -1,45 +1,16 @@
 """How replicas stay consistent: the policy between the reducer and the optimizer.
 
-Ben-Nun & Hoefler ("Demystifying Parallel and Distributed Deep Learning", ACM CSUR 2019, §6)
-name the levers past synchronous data parallelism: relax model consistency, or compress what
-is communicated. One policy per recipe (``comm.algorithm``); the trainer asks it before and
-after every optimizer step and never branches on its name:
+One policy per recipe (``comm.algorithm``: ``sync``, ``local_sgd``, ``hierarchical_local_sgd``,
+``powersgd``); the trainer asks it before and after every optimizer step and never branches on
+its name. The levers are Ben-Nun & Hoefler's (ACM CSUR 2019, §6): relax model consistency
+(post-local SGD, Lin et al. ICLR'20 Alg. 1, §4; hierarchical, §5) or compress what is sent
+(PowerSGD, Vogels et al. NeurIPS'19). Each choice with its reason -- model averages through the
+gradient buckets, momentum stays local, LARS sees the delivered gradient, the last step
+averages, bytes counted where sent -- is in docs/comm.md, "Consistency policies".
 
-==========================  ==================================================================
-``sync`` (default)          gradients averaged over the world every step (today's behaviour)
-``local_sgd``               post-local SGD (Lin, Stich, Patel & Jaggi, "Don't Use Large
-                            Mini-Batches, Use Local SGD", ICLR'20, Alg. 1 and §4): synchronous
-                            for ``sync_warmup_steps``, then H = ``local_steps`` local steps
-                            between model averages
-``hierarchical_local_sgd``  Lin et al. §5 (hierarchical local SGD): gradients averaged inside
-                            the node every step (the shared-memory path), models averaged
-                            across nodes every H steps, after the same synchronous warm-up
-``powersgd``                every step, as rank-r factors with error feedback (Vogels et al.,
-                            NeurIPS'19; :mod:`hpcdl.comm.powersgd`), after a warm-up of plain
-                            averaging
-==========================  ==================================================================
-
-Choices, with their reasons:
-- The model average goes through the gradient reducer's fusion buckets and communication
-  thread (:meth:`GradientReducer.average_parameters`), so it issues the same collectives in the
-  same order on every rank, on the same communicator and backend as gradients.
-- **Momentum buffers stay local.** Lin et al.'s Algorithm 1 and PyTorch's
-  ``PostLocalSGDOptimizer`` average parameters only; averaging momentum too would double the
-  bytes of every average, the quantity this policy exists to cut. Each rank's momentum follows
-  its own trajectory, and the checkpoint stores every rank's (``rank_state``) so resume is exact.
-- LARS's trust ratio is taken on whatever gradient the step sees: the rank's own (or its node's)
-  on a local step, the world's average during warm-up, the decompressed one with PowerSGD.
-- Only parameters are averaged; batch-norm running statistics stay per rank, as in synchronous
-  training (the trainer averages them before evaluating).
-- The last step of a run always ends with an average, so the saved model is one model;
-  evaluation in between averages a copy and puts each rank's replica back
-  (:meth:`ConsistencyPolicy.averaged`), so evaluating does not change the trajectory.
-- Bytes are counted where they are sent: ``traffic()`` reports the payload each rank passed to
-  allreduce (the planner's ``n``), split into the world and the node sub-communicator.
-
-Hierarchical local SGD uses the communicator's topology (``node_index``, ``local_rank``,
-``local_size``), so ``hpcdl.comm.init(ranks_per_node=k)`` makes it run as N nodes on one
-machine. This module speaks tensors and communicators; models and optimizers are duck-typed.
+Nodes come from the communicator's topology (``hpcdl.comm.init(ranks_per_node=k)`` runs N nodes
+on one machine). This module speaks tensors and communicators; models and optimizers are
+duck-typed.
 """
 from __future__ import annotations
 
@@ -142,6 +113,8 @@ class LocalSGDPolicy(ConsistencyPolicy):
     steps on its own gradient and the models are averaged every ``local_steps`` steps."""
 
     name = "local_sgd"
+    #: whether a local step's gradients are averaged inside the node (counted as node bytes)
+    local_steps_on_node = False
 
     def __init__(self, comm, reducer: GradientReducer, local_steps: int,
                  sync_warmup_steps: int = 0) -> None:
@@ -167,7 +140,7 @@ class LocalSGDPolicy(ConsistencyPolicy):
 
     def after_step(self, step: int, last: bool = False) -> None:
         synchronous = self.synchronous(step - 1)
-        self._account(node=False)
+        self._account(node=self.local_steps_on_node and not synchronous)
         if synchronous:
             return
         self.steps_since_average += 1
@@ -237,6 +210,7 @@ class HierarchicalLocalSGDPolicy(LocalSGDPolicy):
     and models across nodes every ``local_steps`` steps. Replicas of one node stay equal."""
 
     name = "hierarchical_local_sgd"
+    local_steps_on_node = True
 
     def __init__(self, comm, reducer: GradientReducer, node_comm, local_steps: int,
                  sync_warmup_steps: int = 0) -> None:
@@ -246,15 +220,6 @@ class HierarchicalLocalSGDPolicy(LocalSGDPolicy):
     def before_step(self, step: int) -> None:
         self.reducer.enabled = True
         self.reducer.gradient_comm = self.comm if self.synchronous(step) else self.node_comm
-
-    def after_step(self, step: int, last: bool = False) -> None:
-        synchronous = self.synchronous(step - 1)
-        self._account(node=not synchronous)
-        if synchronous:
-            return
-        self.steps_since_average += 1
-        if self.steps_since_average >= self.local_steps or last:
-            self._average()
 
     def close(self) -> None:
         super().close()

@@ -11,20 +11,11 @@ Per matrix-shaped gradient (a conv weight ``(out, in, kh, kw)`` is reshaped to
     Q ← Mᵀ P̂;  Q ← allreduce_mean(Q)  (lines 6-7; Q is kept for the next step: warm start)
     G ← P̂ Qᵀ;  E ← M − G              (the decompressed average; the residual stays local)
 
-Vectors (biases, batch-norm γ/β) and matrices for which ``2·r·(n+m) ≥ n·m`` (too little to
-gain: PyTorch's ``min_compression_rate`` of 2) are sent uncompressed, fused with the P
-factors into one call. When the average ``Σᵢ Mᵢ/P``
-has rank ≤ r the result is exact: ``P̂`` spans its columns, so ``P̂ P̂ᵀ mean(M) = mean(M)``.
-
-``Q`` starts from one seeded Gaussian draw, identical on every rank (it must be: ``P`` is
-averaged, which is only meaningful for a common ``Q``). LARS runs after decompression, on
-``G``: its trust ratio needs the norm of the averaged gradient.
-
-This reducer is synchronous: it compresses after backward (compression needs the whole
-gradient of a tensor, and the error buffer), so nothing overlaps backward. At 4× to 100×
-fewer bytes the exposed allreduce is what it saves (docs/comm.md). Same surface as
-:class:`~hpcdl.comm.reducer.GradientReducer` (``arm``, ``synchronize``, ``suspended``,
-``close``), so the trainer does not know which one it holds.
+Vectors and matrices with ``2·r·(n+m) ≥ n·m`` (PyTorch's ``min_compression_rate`` of 2) are
+sent dense, fused with the P factors. When ``Σᵢ Mᵢ/P`` has rank ≤ r the result is exact.
+``Q`` starts from one seeded draw, identical on every rank (``P`` is averaged). Synchronous,
+after backward; same surface as :class:`~hpcdl.comm.reducer.GradientReducer`. The choices
+and the check against PyTorch's hook: docs/comm.md, "Consistency policies".
 """
 from __future__ import annotations
 
@@ -36,6 +27,7 @@ from typing import Any
 import torch
 
 from hpcdl.comm.reducer import GradientReducer, layout_buckets, pack_gradient, unpack_gradient
+from hpcdl.io import Closing
 
 __all__ = ["PowerSGDReducer", "compressed_bytes", "matrix_shape"]
 
@@ -91,14 +83,12 @@ class _Matrix:
     m: int
 
 
-class PowerSGDReducer:
+class PowerSGDReducer(Closing):
     """Average gradients over ``comm`` as rank-``rank`` factors with error feedback.
 
-    Use like :class:`~hpcdl.comm.reducer.GradientReducer`: ``arm()`` before backward,
-    ``synchronize()`` after it, then the optimizer step. ``bytes_reduced`` sums what this
-    rank passed to allreduce. ``state_dict()`` holds Q (equal on every rank);
-    ``rank_state_dict()`` holds this rank's error buffers (a checkpoint needs both for an
-    exact resume).
+    Use like :class:`~hpcdl.comm.reducer.GradientReducer`. ``bytes_reduced``: what this rank
+    passed to allreduce. An exact resume needs ``state_dict()`` (Q, equal on every rank) and
+    ``rank_state_dict()`` (this rank's error buffers).
     """
 
     def __init__(self, comm, named_params: Iterable[tuple[str, torch.Tensor]], rank: int = 4,
@@ -173,12 +163,6 @@ class PowerSGDReducer:
 
     def close(self) -> None:
         """Nothing to release (no hooks, no thread); here for the reducer's surface."""
-
-    def __enter__(self) -> PowerSGDReducer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,36 +1,19 @@
 """Gradient reduction that overlaps backward: fusion buckets on one communication thread.
 
-Horovod's design (Sergeev & Del Balso, arXiv:1802.05799) and PyTorch DDP's bucketing (Li et
-al., VLDB 2020): a hook fires when a parameter's gradient is ready; the gradient is copied into
-a fusion bucket; a full bucket is averaged over the world while autograd keeps computing the
-gradients of earlier layers. You et al. (ICPP'18) overlap the same way on Xeon clusters.
+Horovod's design (Sergeev & Del Balso, arXiv:1802.05799) and DDP's bucketing (Li et al., VLDB
+2020): a hook copies each ready gradient into a fusion bucket, and a full bucket is averaged
+over the world while autograd computes earlier layers (You et al., ICPP'18, on Xeon clusters).
+Each choice with its reason: docs/comm.md, "The gradient reducer" and "Threads".
 
-Choices that keep every rank in step:
-- Buckets are laid out once, in reverse registration order (the order backward produces
-  gradients for a sequential model), so the layout is the same on every rank.
-- Buckets are launched strictly in bucket order: a bucket that fills early waits until all
-  buckets before it are launched, so every rank issues the same collectives in the same order
-  whatever the timing of autograd (collectives issued in different orders deadlock).
-- One communication thread issues every collective the reducer makes; the main thread only
-  enqueues and, in :meth:`GradientReducer.synchronize`, waits.
-- A parameter that got no gradient this step (unused branch) contributes zeros when
-  ``synchronize`` launches what is left, so no rank waits for a bucket another never sends.
-
-Choices that keep the step fast:
-- The bucket holding the first layers is reduced last, after the whole backward: its
-  reduction cannot overlap anything. It is kept small (``last_bucket_bytes``, 1 MiB: the
-  stem and first stage of ResNet-50), so what stays exposed is one small allreduce; DDP caps
-  its first bucket for the mirror-image reason (Li et al., §3.2.3).
-- After the reduction ``p.grad`` becomes a view of the bucket (DDP's
-  ``gradient_as_bucket_view``): no copy back out, on the critical path after backward. A
-  gradient that already is that view (``zero_grad(set_to_none=False)``) is not copied in.
-- The communication thread's waits sleep between tests (:func:`~hpcdl.comm.base.
-  yield_waits_in_this_thread`): it waits for peers still in backward, and a spinning wait
-  would take a core from the compute.
+- Keeping ranks in step: buckets laid out once in reverse registration order and launched
+  strictly in bucket order, by one communication thread; a parameter without a gradient this
+  step contributes zeros, so no rank waits for a bucket another never sends.
+- Keeping the step fast: the first layers get a last bucket of at most ``last_bucket_bytes``
+  (1 MiB; DDP caps its first bucket likewise, Li et al. §3.2.3); ``p.grad`` becomes a view of
+  the bucket (DDP's ``gradient_as_bucket_view``); the thread's waits sleep between tests.
 - ``reduce_scatter=True`` (weight-update sharding, Xu et al. 2020; hpcdl/optim/sharded.py):
-  each bucket is reduce-scattered instead, ``p.grad`` keeps the rank's own gradient, and the
-  sharded step hands each bucket back for its parameter allgather
-  (:meth:`GradientReducer.start_allgather`) on the same thread, in bucket order.
+  buckets are reduce-scattered, and :meth:`GradientReducer.start_allgather` hands each back for
+  its parameter allgather on the same thread, in bucket order.
 
 This module speaks tensors and a communicator only: it never imports a model or an optimizer.
 """
@@ -48,6 +31,7 @@ import torch
 from hpcdl.buckets import LAST_BUCKET_BYTES, bucket_bounds, check_bucket_bytes, tail_start
 from hpcdl.comm.base import yield_waits_in_this_thread
 from hpcdl.debug import abort_on_unshared_error
+from hpcdl.io import Closing
 
 __all__ = ["GradientReducer", "build_reducer", "Bucket", "layout_buckets", "pack_gradient",
            "unpack_gradient", "DEFAULT_LAST_BUCKET_BYTES"]
@@ -75,12 +59,9 @@ class Bucket:
 def layout_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: int,
                    wire_dtype: torch.dtype | None = None,
                    last_bucket_bytes: int | None = None) -> list[Bucket]:
-    """Group parameters (already in reverse registration order) into buckets of at most
-    ``bucket_bytes`` on the wire; a parameter larger than a bucket gets one of its own.
-    A change of dtype starts a new bucket (a buffer has one dtype). With
-    ``last_bucket_bytes``, the parameters at the end of the order (the first layers, whose
-    gradients come last) that fit in that many bytes form the last bucket on their own.
-    The boundaries are :func:`hpcdl.buckets.bucket_bounds`', which ``hpcdl plan`` costs."""
+    """Group parameters (already in reverse registration order) into buckets by bytes on the
+    wire: the boundaries of :func:`hpcdl.buckets.bucket_bounds` (its rule), which ``hpcdl plan``
+    costs."""
     sizes = [_wire_bytes(p, wire_dtype) for _, p in named_params]
     bounds = bucket_bounds(sizes, bucket_bytes, last_bucket_bytes,
                            kinds=[p.dtype for _, p in named_params])
@@ -100,9 +81,8 @@ def _bucket(index: int, members: list[tuple[str, torch.Tensor]],
 
 def pack_gradient(bucket: Bucket, position: int, grad: torch.Tensor | None) -> None:
     """Copy ``grad`` (of ``bucket.params[position]``) into its place in ``bucket.buffer``:
-    zeros when it has none (a parameter unused this step still sends, so every rank sends the
-    same bytes), nothing when it already is that place. The reducer's and PowerSGD's
-    packing (hpcdl/comm/powersgd.py)."""
+    zeros when it has none (every rank sends the same bytes), nothing when it already is
+    that place. The reducer's and PowerSGD's packing."""
     p = bucket.params[position]
     start = bucket.offsets[position]
     view = bucket.buffer[start:start + p.numel()]
@@ -139,7 +119,7 @@ def split_tail(named_params: list[tuple[str, torch.Tensor]], tail_bytes: int | N
     return named_params[:cut], named_params[cut:]
 
 
-class GradientReducer:
+class GradientReducer(Closing):
     """Average gradients over ``comm`` while backward runs; ``synchronize()`` before the step.
 
     Use::
@@ -151,15 +131,11 @@ class GradientReducer:
         reducer.synchronize()          # p.grad now holds the world's average
         optimizer.step()
 
-    ``enabled=False`` keeps the hooks but never communicates (each rank keeps its own
-    gradients): the compute-only ceiling of ``hpcdl bench train``. ``wire_dtype`` (e.g.
-    ``torch.bfloat16``) is the dtype of the fusion buffers, hence of what the backend sends.
-    ``comm_wait_s`` is the time the main thread blocked in the last ``synchronize``.
-    ``last_bucket_bytes`` caps the bucket of the first layers (None: no cap).
-
-    After ``synchronize``, a ``p.grad`` of the bucket's dtype is a view into the bucket: valid
-    until the next step's reduction overwrites it (``close`` gives every such gradient its
-    own memory, since the backend may free the buckets).
+    ``enabled=False`` keeps the hooks but never communicates (the compute-only ceiling).
+    ``wire_dtype`` is the fusion buffers' dtype; ``last_bucket_bytes`` caps the first layers'
+    bucket (None: no cap); ``comm_wait_s`` is the main thread's wait in the last
+    ``synchronize``. A ``p.grad`` of the bucket's dtype is then a view into the bucket until
+    the next reduction (``close`` gives each its own memory).
     """
 
     def __init__(self, comm, named_params: Iterable[tuple[str, torch.Tensor]],
@@ -243,11 +219,9 @@ class GradientReducer:
 
     def average_parameters(self, comm=None) -> int:
         """Replace every parameter by its average over ``comm`` (default the reducer's):
-        local SGD's model average (Lin et al., ICLR'20, Alg. 1), sent through the gradient
-        fusion buckets on the communication thread, in bucket order. Call between steps.
-        Buckets whose wire dtype is not the parameter's (bf16 on the wire) are averaged in
-        the parameter's dtype instead: rounding the weights themselves would drift the model.
-        Returns the bytes this rank passed to allreduce."""
+        local SGD's model average (Lin et al., ICLR'20, Alg. 1) through the fusion buckets,
+        in bucket order, between steps; in the parameter's dtype where the wire's differs
+        (rounded weights would drift). Returns the bytes this rank passed to allreduce."""
         comm = comm if comm is not None else self.comm
         if self._thread is None:  # built disabled (one rank, --no-comm): nothing to average
             return 0
@@ -278,9 +252,8 @@ class GradientReducer:
 
     def start_allgather(self, bucket: Bucket) -> None:
         """Weight-update sharding: publish ``bucket`` (every rank's slice, now holding its
-        updated parameters; ``Communicator.publish_flat_``) on the communication thread, so
-        the next bucket's update overlaps it. Call in bucket order on every rank, then
-        :meth:`wait_allgather`, read, :meth:`release` and :meth:`wait_released` each."""
+        updated parameters) on the communication thread, overlapping the next bucket's update.
+        In bucket order on every rank; then :meth:`wait_allgather`, read, :meth:`release`."""
         self._queue.put((bucket, self.gradient_comm, "allgather"))
 
     def wait_allgather(self, bucket: Bucket) -> list[torch.Tensor]:
@@ -333,12 +306,6 @@ class GradientReducer:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
-
-    def __enter__(self) -> GradientReducer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- hooks and the thread --------------------------------------------------------------
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -411,11 +378,9 @@ def _aliases(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
 def build_reducer(comm, named_params: Iterable[tuple[str, torch.Tensor]], *,
                   bucket_bytes: int | None = None, wire_dtype: torch.dtype | None = None,
                   enabled: bool = True, shard_update: bool = False) -> GradientReducer:
-    """The one way hpcdl builds a gradient reducer (the consistency policies of
-    hpcdl/comm/policy.py and the own-loop ``DistributedOptimizer``). ``bucket_bytes`` None:
-    the communicator's own, which a run session opened with the recipe's ``comm.bucket_mb``.
-    ``enabled=False`` (one rank, ``--no-comm``) communicates nothing; ``shard_update``
-    reduce-scatters (weight-update sharding, hpcdl/optim/sharded.py)."""
+    """The one way hpcdl builds a gradient reducer (the consistency policies and
+    ``DistributedOptimizer``). ``bucket_bytes`` None: the communicator's own. ``enabled=False``
+    communicates nothing; ``shard_update`` reduce-scatters (hpcdl/optim/sharded.py)."""
     return GradientReducer(comm, named_params,
                            comm.bucket_bytes if bucket_bytes is None else bucket_bytes,
                            wire_dtype, enabled=enabled, reduce_scatter=shard_update and enabled)

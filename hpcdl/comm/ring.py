@@ -6,14 +6,10 @@ segments; a reduce-scatter of ``p-1`` steps leaves rank ``r`` owning the full su
 ``r+1``; an allgather of ``p-1`` steps circulates the owned segments. Each rank sends and
 receives ``2(p-1)/p`` of the buffer, the lower bound (that factor is nccl-tests' busbw).
 
-Pipelining: each segment travels as chunks of ``chunk_bytes`` with non-blocking
-``Isend``/``Irecv``. A chunk is added the moment it arrives and forwarded to the right
-neighbour at once, so the reduction of one chunk overlaps the transfer of the next, and the
-next step's receives are posted one step ahead. Messages between one pair on one tag match in
-posting order (MPI's non-overtaking rule), which is what keeps chunks in order.
-
-``wire_dtype=torch.bfloat16`` sends bf16 (half the bytes) and accumulates in fp32; the owner
-rounds its segment to bf16 before the allgather so every rank ends with identical values.
+Pipelining: each segment travels as ``chunk_bytes`` chunks (``Isend``/``Irecv``), each added
+on arrival and forwarded at once, receives posted a step ahead; MPI's non-overtaking rule keeps
+chunks in order. ``wire_dtype=torch.bfloat16`` sends bf16, accumulates in fp32, and the owner
+rounds its segment before the allgather so every rank ends identical (docs/comm.md).
 """
 from __future__ import annotations
 
@@ -27,9 +23,8 @@ from hpcdl.comm.base import Communicator, numpy_view, scale_, segment_bounds
 
 TAG_REDUCE_SCATTER = 71
 TAG_ALLGATHER = 72
-#: Chunk of the pipeline. Small enough that a 16 MB bucket at p=4 has 4 chunks per step to
-#: overlap, large enough that per-message Python/MPI overhead stays small (256 KiB-4 MiB measured
-#: within noise at p=4 on 2 busy cores; docs/performance.md).
+#: Chunk of the pipeline: a 16 MB bucket at p=4 has 4 chunks per step to overlap, and
+#: per-message Python/MPI overhead stays small.
 DEFAULT_CHUNK_BYTES = 2**20
 
 

@@ -8,12 +8,9 @@ the ``ring`` with ``inter_node="ring"``), so every rank's NIC share is used; eac
 reads the other slices back from the window. With unequal ranks per node the node leaders
 carry the whole buffer across nodes instead.
 
-The main lever is :meth:`empty`: a gradient bucket allocated there already is window memory,
-so nothing is copied in. Any other buffer is first copied into a staging window (the
-``copy-in`` path, measured separately in ``hpcdl bench allreduce``).
-
-Synchronisation is ``Win.Sync`` + ``Barrier`` on the node communicator (the MPI-3 unified
-memory model's recipe); nothing spins on flags, which matters when ranks oversubscribe cores.
+A bucket from :meth:`empty` already is window memory (nothing copied in); any other buffer
+goes through a staging window. Synchronisation is ``Win.Sync`` + ``Barrier`` on the node
+communicator (the MPI-3 unified memory model's recipe); nothing spins on flags.
 """
 from __future__ import annotations
 
@@ -79,11 +76,8 @@ class SharedMemoryCommunicator(Communicator):
 
     # -- buffers ---------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A flat buffer in a new node-shared window: reduced with no copy in.
-
-        Collective over the node (every rank calls it with the same ``numel`` and ``dtype``,
-        in the same order, as the reducer does when it builds its buckets). The memory is
-        freed by :meth:`close`; do not use the tensor after that."""
+        """A flat buffer in a new node-shared window: reduced with no copy in. Collective over
+        the node (same ``numel``, ``dtype`` and order on every rank); freed by :meth:`close`."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
         window = SharedWindow(self.node_comm, int(numel) * itemsize)
         self._windows.append(window)
@@ -166,10 +160,9 @@ class SharedMemoryCommunicator(Communicator):
         return window, window.views(offset, buffer.numel(), numpy_view(buffer[:0]).dtype)
 
     def _reduce_scatter(self, buffer: torch.Tensor, average: bool) -> None:
-        """The first half of :meth:`_reduce_in_window` alone: rank j sums slice j of every
-        peer's region into its own and stops there, with no copy back (that is the
-        allgather's job, after the sharded update). One node and a window buffer only;
-        otherwise MPI's Reduce_scatter (ranks on several nodes own world slices)."""
+        """The first half of :meth:`_reduce_in_window`: rank j sums slice j of every peer's
+        region into its own, no copy back (the allgather's job). One node and a window buffer
+        only; otherwise MPI's Reduce_scatter."""
         one_node = self._one_node_views(buffer)
         if one_node is None:
             super()._reduce_scatter(buffer, average)

@@ -5,14 +5,10 @@ Randomness is a pure function of (seed, epoch, global sample index): a counter-b
 transforms (Inception's RandomResizedCrop and a flip; the validation centre crop) and how they
 are computed: docs/data.md, "Transforms".
 
-Caffe's input, the one the LARS papers' AlexNets were trained on (BVLC/caffe
-examples/imagenet/create_imagenet.sh: RESIZE_HEIGHT=256, RESIZE_WIDTH=256; train_val
-``crop_size: 227``, ``mirror: true``; borisgin/nvcaffe models/alexnet_bn/train_val2.prototxt
-the same): the image resized to ``resize``×``resize`` (``caffe_square``: aspect not kept, as
-convert_imageset does) or to short side ``resize`` (``caffe_short_side``), then a uniformly
-placed ``image_size`` crop and a flip with probability 1/2; val takes the centre crop. The
-resize and the crop are one box in stored pixels here (:func:`caffe_crop_boxes`), so a stored
-image is resized once, straight to the crop.
+Caffe's input, the LARS papers' AlexNets' (BVLC/caffe create_imagenet.sh 256×256, train_val
+``crop_size: 227``, ``mirror: true``): resized to ``resize``² (``caffe_square``, aspect not
+kept) or short side ``resize`` (``caffe_short_side``), then a uniform ``image_size`` crop and a
+flip; val the centre crop. Resize and crop are one box (:func:`caffe_crop_boxes`): one resize.
 """
 from __future__ import annotations
 
@@ -110,9 +106,8 @@ def crop_resize(data: np.ndarray, shape: tuple[int, int, int], image_format: str
     """Decode, crop ``box`` (top, left, h, w in stored pixels), resize to image_size^2 into
     ``out`` (a 3 x image_size x image_size uint8 tensor: a batch slot), flip if asked.
 
-    The resize is torch's uint8 bilinear kernel written straight into the batch (no
-    intermediate tensor): antialiased when shrinking, which is Pillow's filter (what
-    torchvision's v2 transforms use), at about half Pillow's time."""
+    The resize is torch's uint8 bilinear kernel written straight into the batch, antialiased
+    when shrinking (Pillow's filter, as torchvision's v2 transforms use)."""
     import torch
 
     height, width = int(shape[0]), int(shape[1])

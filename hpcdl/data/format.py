@@ -1,10 +1,9 @@
 """The shard directory format shared by data_prep (writer) and the loader (reader).
 
-``DIR/manifest.json`` lists classes, per-split counts and every shard's name, sample count,
-size in bytes and sha256; shards are ``DIR/{split}-{index:05d}-of-{count:05d}.h5``
-(docs/data.md). A reader checks what it is about to open against the manifest: the size always
-(one ``stat`` per shard, so a truncated copy is named before training starts, not found as a
-bare HDF5 error in a loader thread hours in), the sha256 when asked (``--verify-shards``).
+``DIR/manifest.json`` lists classes, per-split counts and each shard's name, sample count, size
+and sha256; shards are ``DIR/{split}-{index:05d}-of-{count:05d}.h5`` (docs/data.md). A reader
+checks a shard's size before opening it (a truncated copy is named before training), its
+sha256 when asked (``--verify-shards``).
 """
 from __future__ import annotations
 
@@ -95,11 +94,8 @@ def read_manifest(shard_dir: str) -> dict:
 
 def _check_entries(path: str, entries: list[dict], redo: str) -> None:
     """Every entry is a shard the format defines: a known split, an index below its split's
-    shard count, and exactly that shard's name (:func:`shard_name`), once.
-
-    The names become paths (the loader opens them, ``prep stage`` writes them on every node),
-    so a name that is anything else -- ``../../x``, an absolute path, another file of the
-    directory -- is refused here, before any path is built from it."""
+    shard count, and exactly that shard's name (:func:`shard_name`), once. Names become paths
+    (opened, staged on every node), so ``../../x`` or an absolute path is refused here."""
     counts = {split: sum(1 for e in entries if e["split"] == split) for split in SPLITS}
     seen: set[str] = set()
     for position, entry in enumerate(entries):
@@ -128,9 +124,8 @@ def _check_entries(path: str, entries: list[dict], redo: str) -> None:
 
 def check_num_classes(shard_dir: str, manifest: dict, num_classes: int | None) -> None:
     """Raise :class:`ManifestError` when the model's ``num_classes`` (the recipe's
-    ``model.num_classes``; None: the recipe does not say, nothing to compare) differs from the
-    manifest's class count: labels would index past the model's outputs mid-run, or a class
-    would never be trained."""
+    ``model.num_classes``; None: nothing to compare) differs from the manifest's class count
+    (labels past the model's outputs, or a class never trained)."""
     have = len(manifest["classes"])
     if num_classes is not None and num_classes != have:
         raise ManifestError(f"manifest {os.path.join(shard_dir, MANIFEST)} has {have} classes, "

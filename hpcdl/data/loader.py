@@ -2,15 +2,11 @@
 threads and not worker processes, and why shards open with HDF5 file locking off
 (``locking=False``): docs/data.md, "Workers are threads" and "Lustre and NFS".
 
-The shards this rank's node reads are checked against the manifest when the loader is built:
-their sizes always (a ``stat`` each), their sha256 with ``verify_shards=True`` (each local rank
-hashes its share of the node's shards). A shard that still fails to open or read later raises
-:class:`~hpcdl.data.format.ShardError` naming it, never a bare HDF5 error; so does a shard
-whose labels fall outside the manifest's classes (checked when its labels are read, the whole
-shard at once) and a sample whose stored bytes do not decode (HDF5 keeps no checksum of them,
-so a damaged shard of the right size is found only here: the error names shard and sample).
-Given the model's ``num_classes``, the loader refuses a manifest of another class count when
-it is built, before any step.
+Checks (docs/data.md, "The shard format"): the node's shards' sizes when built (sha256 with
+``verify_shards=True``, each local rank its share), the manifest's class count against the
+model's ``num_classes``; later a shard that fails to open or read, labels outside the classes
+or bytes that do not decode raise :class:`~hpcdl.data.format.ShardError` naming shard (and
+sample), never a bare HDF5 error.
 """
 from __future__ import annotations
 
@@ -19,6 +15,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -73,12 +70,9 @@ PREFETCH_PER_WORKER = 2
 
 
 def normalize(images_uint8, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    """uint8 NCHW -> float32 (x/255 - mean) / std, on the tensor (in the trainer, not the loader,
-    so batches cross threads as 1 byte per pixel).
-
-    One allocation and two in-place passes, x * (1/(255 std)) + (-mean/std), not
-    ``(x - 255 mean) / (255 std)``, whose two temporary float batches are fresh memory (page
-    faults) every call."""
+    """uint8 NCHW -> float32 (x/255 - mean) / std, in the trainer (batches cross threads as 1
+    byte per pixel): one allocation and two in-place passes, x * (1/(255 std)) + (-mean/std),
+    no temporary float batches (fresh memory, page faults) per call."""
     import torch
 
     std_t = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
@@ -101,6 +95,16 @@ def read_rows(images, rows: np.ndarray) -> np.ndarray:
 
 class ShardedImageNet:
     """Iterates this rank's batches of one split (docs/architecture.md, hpcdl/data)."""
+
+    @classmethod
+    def for_communicator(cls, comm: Any, shard_dir: str, split: str, batch_size: int,
+                         **options: Any) -> ShardedImageNet:
+        """This rank's loader, its node and local rank taken from ``comm`` (anything with
+        ``node_index``, ``num_nodes``, ``local_rank``, ``local_size``: an hpcdl communicator);
+        ``options``: the constructor's other keywords."""
+        return cls(shard_dir, split=split, node_index=comm.node_index, num_nodes=comm.num_nodes,
+                   local_rank=comm.local_rank, local_size=comm.local_size,
+                   batch_size=batch_size, **options)
 
     def __init__(self, shard_dir: str, split: str = "train", node_index: int = 0,
                  num_nodes: int = 1, local_rank: int = 0, local_size: int = 1,

@@ -1,12 +1,9 @@
 """Which samples each rank reads, epoch by epoch, computed without communication.
 
-Shards go to nodes (node k of K reads shards i with (i + shift) mod K == k, shift = epoch when
-``rotate_shards`` else 0), so each node reads only what it staged; the ranks of a node split
-that node's samples. Every quantity here is a function of the manifest, (seed, epoch) and the
-rank's place, so every rank computes every other rank's counts identically -- which is how
-``num_batches`` is the same on all ranks without a collective.
-
-Assumes the same number of ranks on every node (``--ntasks-per-node``), as Slurm gives.
+Node k of K reads shards i with (i + shift) mod K == k (shift = epoch with ``rotate_shards``,
+else 0); the ranks of a node split its samples. Everything is a function of the manifest,
+(seed, epoch) and the rank's place, so ``num_batches`` agrees on all ranks without a
+collective. Assumes the same number of ranks on every node (docs/data.md, "Node assignment").
 """
 from __future__ import annotations
 
@@ -34,11 +31,8 @@ def node_samples(counts: list[int], shards: list[int]) -> np.ndarray:
 
 
 def train_num_batches(counts: list[int], num_nodes: int, local_size: int, batch_size: int) -> int:
-    """Batches per epoch on every rank: min over nodes and local ranks of samples // batch.
-
-    A node with n samples gives its ranks n // local_size or more each; rotation only permutes
-    which node gets which set, so the minimum is the same every epoch.
-    """
+    """Batches per epoch on every rank: min over nodes and local ranks of samples // batch
+    (a node's ranks get n // local_size or more each; rotation leaves the minimum as it is)."""
     per_node = [sum(counts[i] for i in range(k, len(counts), num_nodes)) for k in range(num_nodes)]
     return min(n // local_size for n in per_node) // batch_size
 
@@ -52,11 +46,8 @@ def val_num_batches(counts: list[int], num_nodes: int, local_size: int, batch_si
 
 def epoch_order(counts: list[int], node_index: int, num_nodes: int, local_rank: int,
                 local_size: int, seed: int, epoch: int, rotate: bool, shuffle: bool) -> np.ndarray:
-    """Global sample indices this rank reads this epoch, in order.
-
-    Train: the node's samples permuted by a generator seeded with (seed, epoch, node set), then
-    dealt round-robin to local ranks. Val: the node's samples in order, dealt the same way.
-    """
+    """Global sample indices this rank reads this epoch, in order: the node's samples
+    (permuted by (seed, epoch, node set) when ``shuffle``) dealt round-robin to local ranks."""
     shards = node_shard_indices(len(counts), node_index, num_nodes, epoch, rotate)
     samples = node_samples(counts, shards)
     if shuffle:

@@ -1,12 +1,9 @@
 """Debugging a job under mpirun: rank-aware logs, fail-fast, stack dumps, stall reports,
 collective records and a chrome://tracing timeline (docs/debugging.md).
 
-The trainer calls ``setup_rank_logging``, ``install_fail_fast``, ``install_stack_dump`` and
-``Timeline``; the communicator's ``_collective`` calls a ``CollectiveMonitor``, which
-``hpcdl.comm.init`` installs with the stall watchdog by default (``watchdog=False``: a no-op,
-``NULL_MONITOR``) through the communicator's public ``set_monitor``. These names are all that
-hpcdl/comm imports from here, and nothing they import imports hpcdl/comm: the watchdog does not
-depend on what it watches (tests/test_layering.py).
+``hpcdl.comm.init`` installs a ``CollectiveMonitor`` and the stall watchdog through the
+communicator's public ``set_monitor``; these names are all hpcdl/comm imports from here, and
+nothing they import imports hpcdl/comm (tests/test_layering.py).
 """
 from hpcdl.debug.faults import (
     abort_on_unshared_error,

@@ -1,13 +1,10 @@
-"""``hpcdl doctor``: is this launch laid out the way the job needs?
+"""``hpcdl doctor``: is this launch laid out the way the job needs? (docs/debugging.md, 1-2)
 
-Run under the job's own launcher (``mpiexec -n P hpcdl doctor``, ``srun hpcdl doctor``). Each
-rank describes itself (:func:`collect_rank_info`); rank 0 gathers the dicts, and the checks
-(:func:`diagnose`) are pure functions over that list, so the tests build layouts by hand as well
-as running the real thing. The checks are the mistakes that cost allocations on CPU clusters:
-more threads than cores, ranks bound to the same cores, a rank spread over two sockets when the
-paper's layout is one rank per socket (You et al., ICPP'18), HDF5 file locking on a parallel file
-system, and -- the commonest -- mpi4py built against a different MPI than the launcher, which
-makes every rank a world of one.
+Run under the job's own launcher. Each rank describes itself (:func:`collect_rank_info`);
+rank 0 gathers the dicts and the checks (:func:`diagnose`) are pure functions over that list.
+They catch what costs allocations on CPU clusters: more threads than cores, ranks on the same
+cores, a rank across two sockets (the layout is one rank per socket, You et al., ICPP'18), HDF5
+locking on a parallel file system, and mpi4py built against another MPI than the launcher's.
 """
 from __future__ import annotations
 

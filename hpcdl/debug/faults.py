@@ -1,22 +1,13 @@
-"""Fail fast on a dead rank, and dump stacks of a live one.
+"""Fail fast on a dead rank, and dump stacks of a live one (docs/debugging.md, section 4).
 
-A rank that raises and simply exits leaves every other rank blocked in its next allreduce
-until Slurm's time limit: hours of allocation for nothing. ``install_fail_fast`` makes an
-uncaught exception, in the main thread or the communication thread, print its traceback with
-the rank and then ``MPI_Abort`` the whole job with a non-zero code.
+``install_fail_fast``: an uncaught exception, in the main or the communication thread, prints
+its traceback with the rank and ``MPI_Abort``s the job, instead of leaving the others blocked
+in their next allreduce until the time limit. Every teardown that needs peers (a window free,
+a barrier) starts with ``abort_on_unshared_error()``, since a ``finally`` runs before the hook:
+an error the peers do not share aborts there; only an agreed end reaches the teardown.
 
-A rank that raises inside a ``try``/``finally`` (or a ``with`` block) would run its teardown
-before the hook: freeing a shared-memory window, a barrier, finalizing a library -- each needs
-the peers, who wait in the step's collective for this rank, so the job hung to the stall abort
-and the traceback was never printed. Every teardown that needs peers therefore starts with
-``abort_on_unshared_error()``: a rank unwinding an error its peers do not share prints the
-traceback there, once, naming rank and host, and aborts the world; only an agreed end (success,
-or an error every rank raised together) goes on to the collective teardown.
-
-``install_stack_dump`` lets a person look inside a hang without a debugger: ``SIGUSR2`` makes a
-rank write every thread's Python stack to its log (``faulthandler``), and ``HPCDL_DUMP=1`` at
-start makes every rank do so every ``HPCDL_DUMP_EVERY_S`` seconds (default 60) for launchers that
-do not forward signals.
+``install_stack_dump``: ``SIGUSR2`` writes every thread's Python stack to the log
+(``faulthandler``); ``HPCDL_DUMP=1`` does so every ``HPCDL_DUMP_EVERY_S`` seconds.
 """
 from __future__ import annotations
 
@@ -64,9 +55,8 @@ def _log_to_files(text: str) -> None:
             handler.handle(record)
 
 
-# MPI_Abort makes the launcher kill every process at once, and a line a rank has written but
-# the launcher's proxy has not yet forwarded is lost with it (seen in CI: the bad-input line
-# of the aborting rank missing from mpiexec's output). A moment's grace lets it through.
+# MPI_Abort makes the launcher kill every process at once, losing lines its proxy has not yet
+# forwarded (an aborting rank's bad-input line): a moment's grace lets them through.
 OUTPUT_GRACE_S = 0.5
 
 
@@ -145,11 +135,8 @@ def install_fail_fast(mpi_comm: Any) -> None:
 
 
 def install_stack_dump(path: str | None = None) -> str:
-    """Register ``SIGUSR2`` to dump all threads' Python stacks to this rank's log.
-
-    ``path`` defaults to the log file ``setup_rank_logging`` opened, else stderr. Returns where
-    dumps go. ``py-spy dump --pid PID`` gives the same view plus native frames (docs/debugging.md).
-    """
+    """Register ``SIGUSR2`` to dump all threads' Python stacks to ``path`` (default: this
+    rank's log file, else stderr); returns where dumps go."""
     global _dump_file
     path = path or current_log_file()
     if _dump_file is not None and _dump_file is not sys.stderr:

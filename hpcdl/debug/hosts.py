@@ -1,18 +1,12 @@
-"""What `hpcdl doctor` checks across hosts before a job spends its allocation.
+"""What `hpcdl doctor` checks across hosts before a job spends its allocation; both probes
+bounded in time, so a broken fabric is reported instead of hanging.
 
-Two probes, both bounded in time, so that a broken fabric is reported instead of hanging:
-
-- **Reach.** MPI libraries open their inter-host connections lazily, at the first message
-  between a pair, so a job starts on a partitioned fabric and hangs only at its first
-  allreduce. Here every host's first rank exchanges one small message with every other host's
-  first rank on MPI's own path. Only point-to-point messages polled up to a deadline are used
-  (a collective might route through the very pair that cannot talk): rank 0 learns every
-  rank's host (a star), tells the hosts' first ranks who their peers are, they probe each
-  other and report back. The result names each host and the hosts it could not reach.
-- **Clocks.** After a barrier every rank reads its wall clock; the offset to rank 0 bounds the
-  skew between hosts to within the barrier's exit spread (microseconds on a fabric). The stall
-  monitor's messages and the logs compare timestamps across hosts, which assumes NTP-synced
-  clocks (docs/debugging.md). Run only once every pair answered.
+- Reach: MPI opens inter-host connections lazily, so a partitioned fabric hangs only at the
+  first allreduce. Each host's first rank exchanges one small message with every other host's,
+  point-to-point only, polled to a deadline (a collective might route through the broken pair);
+  rank 0 learns the hosts (a star) and tells the first ranks their peers. Names unreachable hosts.
+- Clocks: after a barrier each rank's wall-clock offset to rank 0 bounds the skew between hosts
+  (logs and stall reports compare timestamps across hosts). Run only once every pair answered.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """``HPCDL_INJECT``: rehearsed faults, one variable for every kind (docs/debugging.md).
 
 ``RANK:SEQ:raise`` / ``RANK:SEQ:sleep=S`` act before a collective (hpcdl.debug.monitor);
-``RANK:POINTN:sleep=S`` pauses rank RANK at a named point of its run, the N-th time it gets
-there (N defaults to 1): ``checkpoint`` (inside a checkpoint write, after the data and before
-the rename; hpcdl/train/checkpoint.py), ``exit`` (before MPI_Finalize;
-hpcdl.debug.stall.guard_mpi_finalize) and ``startup`` (inside ``hpcdl.comm.init``, before the
-communicator is created: a hold at start-up, hpcdl/debug/startup.py). How the fault tests
-land a fault in those phases.
+``RANK:POINTN:sleep=S`` pauses rank RANK the N-th time (default 1) it reaches ``checkpoint``
+(inside a write, before the rename), ``exit`` (before MPI_Finalize) or ``startup`` (inside
+``hpcdl.comm.init``, before the communicator exists).
 """
 from __future__ import annotations
 

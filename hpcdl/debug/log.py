@@ -1,10 +1,8 @@
 """Rank-aware logging: every line says which rank of how many on which host wrote it.
 
-Under ``mpiexec -n 2048`` a bare "loss is nan" is useless; ``[rank 17/2048 node042]`` is not.
-Rank 0 prints to the terminal (other ranks only errors, so a traceback is never lost), and every
-rank writes its whole log to ``RUN_DIR/logs/rank-XXXX.log``, in the run directory with the rest
-of the run (docs/architecture.md, "The run directory"). ``HPCDL_DEBUG=1`` raises every rank to
-DEBUG whatever ``--log-level`` said.
+Rank 0 prints to the terminal (other ranks only errors), every rank writes its whole log to
+``RUN_DIR/logs/rank-XXXX.log``; ``HPCDL_DEBUG=1`` raises every rank to DEBUG
+(docs/debugging.md, "Logs you can follow").
 """
 from __future__ import annotations
 
@@ -53,11 +51,8 @@ def _parse_level(level: int | str) -> int:
 def setup_rank_logging(
     run_dir: str | None, rank: int, size: int, level: int | str = "info"
 ) -> logging.Logger:
-    """Configure the ``hpcdl`` logger for this rank and return it.
-
-    ``run_dir=None`` logs to the terminal only (rank 0). Calling it again replaces the handlers
-    it installed before, so tests and repeated runs in one process do not duplicate lines.
-    """
+    """Configure the ``hpcdl`` logger for this rank and return it. ``run_dir=None``: the
+    terminal only (rank 0). Calling it again replaces the handlers it installed before."""
     global _log_file
     level_no = logging.DEBUG if debug_enabled() else _parse_level(level)
     formatter = logging.Formatter(_FORMAT.format(rank=rank, size=size, host=socket.gethostname()))

@@ -1,17 +1,11 @@
 """What ``Communicator._collective`` calls around every collective (hpcdl/comm/base.py).
 
-``NULL_MONITOR`` is the default: ``watch`` returns one shared object whose enter/exit do
-nothing. ``watch_collectives(comm, run_dir)`` installs a live ``CollectiveMonitor``, whose fast
-path is a counter and one tuple store per collective (the stall watchdog reads that tuple from its
-own thread); in debug mode (``HPCDL_DEBUG=1``) it also keeps a record of every collective --
-name, bucket id, shapes, dtype, bytes, seconds -- logs it, and writes the last ones to the log
-when a collective fails (the communicator's signature check names the first call on which the
-ranks disagree, with each rank's shapes). With a ``Timeline`` every collective is a span on the
-thread that issued it, so the communication thread's bucket reductions get their own row.
-
-``HPCDL_INJECT=RANK:SEQ:raise`` or ``RANK:SEQ:sleep=SECONDS`` makes rank RANK raise (or sleep)
-just before its SEQ-th collective: how the tests (and a curious user) rehearse a dead or stuck
-rank without editing the trainer (the other kinds: hpcdl/debug/inject.py).
+``NULL_MONITOR`` (default) does nothing. ``watch_collectives(comm, run_dir)`` installs a live
+``CollectiveMonitor``: its fast path is a counter and one tuple store per collective, which the
+stall watchdog reads from its own thread; with ``HPCDL_DEBUG=1`` it also records and logs every
+collective and writes the last ones when one fails; with a ``Timeline`` each collective is a
+span on its issuing thread. ``HPCDL_INJECT=RANK:SEQ:raise|sleep=S`` acts before collective SEQ
+(hpcdl/debug/inject.py).
 """
 from __future__ import annotations
 
@@ -191,13 +185,11 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
                       timeline: Any = None, abort: Any = None) -> CollectiveMonitor:
     """Install a live monitor on ``comm`` (collective: call on every rank) and return it.
 
-    Replaces the monitor ``hpcdl.comm.init`` installed by default. ``record`` defaults to debug
-    mode (``HPCDL_DEBUG=1``); stall thresholds default to ``HPCDL_STALL_WARN_S`` /
-    ``HPCDL_STALL_ABORT_S`` or 60 s / 600 s (0 = off). Heartbeats and stall dumps go to
-    ``RUN_DIR/logs/heartbeat/``, without ``run_dir`` to ``HPCDL_HEARTBEAT_DIR/JOB`` or this
-    host's temporary directory (removed again when the communicator closes cleanly).
-    ``abort(code)`` defaults to MPI_Abort on COMM_WORLD, followed ``HPCDL_STALL_EXIT_GRACE_S``
-    later by the rank ending itself if MPI_Abort has not; a caller's ``abort`` owns the end.
+    Replaces ``hpcdl.comm.init``'s default. ``record`` defaults to debug mode; thresholds to
+    ``HPCDL_STALL_WARN_S`` / ``HPCDL_STALL_ABORT_S``. Heartbeats and stall dumps go to
+    ``RUN_DIR/logs/heartbeat/``, else ``HPCDL_HEARTBEAT_DIR/JOB`` or the host's temporary
+    directory (removed on a clean close). ``abort(code)`` defaults to MPI_Abort on COMM_WORLD,
+    then the rank ending itself ``HPCDL_STALL_EXIT_GRACE_S`` later; a caller's owns the end.
     """
     import socket
 
@@ -243,12 +235,8 @@ def unwatch_collectives(comm: Any) -> None:
 
 
 def watch_region(comm: Any, name: str, meta: dict[str, Any] | None = None) -> Any:
-    """Count a collective made directly on ``comm.mpi_comm`` (a control Allreduce, a gather of
-    RNG states) as one, so the stall report covers it too::
-
-        with watch_region(comm, "agree on stop/loss"):
-            comm.mpi_comm.Allreduce(flags, total, op=MPI.SUM)
-
+    """Count a collective made directly on ``comm.mpi_comm`` (a control Allreduce, a gather)
+    as one, so the stall report covers it (``with watch_region(comm, "agree on stop"): ...``).
     Every rank must enter the same regions in the same order (like any collective)."""
     return comm.monitor.watch(name, meta or {})
 

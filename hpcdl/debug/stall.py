@@ -1,23 +1,15 @@
 """Stall reports: which ranks have not arrived at a collective, and what they last did; past
 ``abort_s``, the end of the job.
 
-Why the channel between ranks is a directory of heartbeat files (``RUN_DIR/logs/heartbeat/
-rank-XXXX.json``, written by each rank's watchdog thread) and not an MPI RMA window, how a
-waiting rank tells a peer that is alive from one that is gone without a working collective, and
-how a rank ends itself when MPI_Abort reaches no one: docs/debugging.md, "How it works, and why
-files" and the paragraphs after it. A rank writes its file only when its state has been
-unchanged for ``quiet_s``, and at most once per ``beat_s``; a report says "not heard from",
-never more than it knows.
+Heartbeat files (``RUN_DIR/logs/heartbeat/rank-XXXX.json``) are the channel between ranks, not
+an MPI RMA window; why, and how a rank ends itself when MPI_Abort reaches no one:
+docs/debugging.md, section 5. A rank writes its file only when its state has been unchanged
+for ``quiet_s``, at most once per ``beat_s``; a report says "not heard from", never more.
 
-The watchdog decides from memory: its clock, the monitor's state tuple, and the peers' hosts
-from start-up. Everything that touches a file system -- writing the heartbeat, reading the
-peers', the dump, a log line to ``RUN_DIR/logs`` -- runs on a short-lived thread of its own
-that the deciding thread waits for at most ``IO_WAIT_S`` (a heartbeat write: not at all). A run
-directory whose file system stops answering (a Lustre hang: ``open()`` blocks, nothing fails)
-then costs the report its peers' heartbeats and the dump, never the abort.
-
-The fast path (``hpcdl.debug.monitor``) only stores a tuple per collective; this module's thread
-does the rest. The report logic is pure functions over heartbeat dicts (unit-testable).
+The watchdog decides from memory (its clock, the monitor's state tuple, peers' hosts); all
+file-system work runs on a short-lived thread it waits for at most ``IO_WAIT_S``, so a hung
+file system costs the report its details, never the abort. The report logic is pure
+functions over heartbeat dicts.
 """
 from __future__ import annotations
 
@@ -427,14 +419,10 @@ FINALIZE_MIN_S = 60.0
 def guard_mpi_finalize(environ: Mapping[str, str] = os.environ) -> float:
     """Arm SIGALRM so this process ends if MPI_Finalize outlasts ``HPCDL_STALL_ABORT_S`` (at
     least :data:`FINALIZE_MIN_S`: an exit under load may be slow, not stuck); returns the limit
-    armed (0: none). Call once the command's work is done.
-
-    MPI_Finalize waits for every peer (MPICH: a barrier through the process manager); a host
-    cut off in that last moment holds every rank there forever, outside any watchdog (the
-    watchdog has stopped; Python's own signal handlers no longer run). SIGALRM's default
-    action ends the process from the kernel, whatever the interpreter is doing: the launcher
-    sees a rank killed by signal 14 and ends the job. ``HPCDL_INJECT=RANK:exit:sleep=S``
-    rehearses it: rank RANK sleeps S s first (docs/debugging.md)."""
+    armed (0: none). Call once the command's work is done. MPI_Finalize waits for every peer,
+    outside any watchdog; SIGALRM's default action ends the process from the kernel whatever
+    the interpreter does (docs/debugging.md, the faults' table). ``HPCDL_INJECT=RANK:exit:
+    sleep=S`` rehearses it."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return 0.0
@@ -458,11 +446,9 @@ def guard_mpi_finalize(environ: Mapping[str, str] = os.environ) -> float:
 # -- the watchdog thread ----------------------------------------------------------------------
 class StallWatchdog(threading.Thread):
     """Publishes this rank's heartbeat when quiet; reports and aborts a collective that waits
-    past the thresholds. ``monitor`` is the rank's CollectiveMonitor (its state is read here).
-
-    ``abort(code)`` ends the job (MPI_Abort); ``exit_process(code)``, when given, ends this
-    process if ``abort`` has not done so ``exit_grace_s`` later (``end_process``; None trusts
-    ``abort``). ``hosts[r]`` is rank r's host, for reports without heartbeats."""
+    past the thresholds; ``monitor``: the rank's CollectiveMonitor. ``abort(code)`` ends the job
+    (MPI_Abort); ``exit_process(code)`` (None: trust ``abort``) ends this process if ``abort``
+    has not ``exit_grace_s`` later. ``hosts[r]``: rank r's host, for reports."""
 
     def __init__(self, monitor: Any, thresholds: StallThresholds, heartbeat_dir: str | None,
                  job: str, abort: Any, poll_s: float | None = None,

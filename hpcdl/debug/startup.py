@@ -1,24 +1,18 @@
 """A bound on start-up: MPI_Init and the communicator's creation end within
 ``HPCDL_STARTUP_TIMEOUT_S`` (300 s; 0: no bound), or the rank says where it was stuck and what
-to try, and ends itself.
+to try, and ends itself (docs/debugging.md, the variables' table and the faults' table).
 
-Before its communicator exists nothing watches a rank: the stall watchdog
-(hpcdl/debug/stall.py) is installed by ``hpcdl.comm.init`` at its end, and a launcher whose
-PMI never answers (a PMI-2 exchange the site's Slurm mis-parses, a PMIx server that never
-comes up) holds MPI_Init, ``Win.Allocate_shared`` or oneCCL's init forever -- the allocation
-sits silent to its time limit. The bound is a daemon thread with its own clock: it needs no
-MPI (which is what is stuck), no peer and no file system; it prints one line on stderr, kills
-this rank's children and calls ``os._exit`` with the stall exit code, and the launcher ends
-the other ranks. Start-up on many ranks is slow but not that slow: MPI_Init and a
-communicator at 2,048 ranks take tens of seconds, so 300 s only ends a job that would not
-have started.
+Nothing else watches a rank before its communicator exists, and a PMI that never answers holds
+MPI_Init, ``Win.Allocate_shared`` or oneCCL's init to the time limit. The bound is a daemon
+thread with its own clock: no MPI, no peer, no file system; one line on stderr, this rank's
+children killed, ``os._exit`` with the stall exit code. 300 s is far above the tens of seconds
+MPI_Init and a communicator take at 2,048 ranks.
 
-Every ``hpcdl`` command runs with :func:`mpi_init_bounded` around it (hpcdl/cli/main.py): the
-first import of ``mpi4py.MPI`` in the process -- wherever a command, a bench or the library
-does it -- runs MPI_Init under the bound, and a command that never imports it (``plan``,
-``slurm render``, ``report``) never initialises MPI. The bound sits on the import itself
-because that is where MPI_Init happens (mpi4py's module initialisation); a list of the
-commands that use MPI would be one more thing to keep in step with the code.
+Every ``hpcdl`` command runs inside :func:`mpi_init_bounded` (hpcdl/cli/main.py): the process's
+first import of ``mpi4py.MPI``, wherever it happens, runs MPI_Init under the bound, and a
+command that never imports it (``plan``, ``slurm render``, ``report``) never starts MPI. The
+bound sits on the import because that is where MPI_Init happens; a list of the commands that
+use MPI would be one more thing to keep in step.
 """
 from __future__ import annotations
 

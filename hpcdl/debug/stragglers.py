@@ -1,13 +1,10 @@
 """Stragglers: each log interval, the rank the others waited for, for two tiny allreduces.
 
-At 2,048 ranks one slow node paces every step, and nothing says which (Horovod's slow-rank
-detector has been planned since 2019, horovod#867; PyTorch's straggler RFC, pytorch#71303, is
-open). Each rank knows only how long it sat in collectives: the monitor sums every watched
-collective's duration (hpcdl/debug/monitor.py). The rank that arrives last waits least -- the
-others waited for it -- so per log interval one allreduce with MINLOC and one with MAXLOC over
-(wait, rank) name the straggler and the most patient rank: a few bytes each way in O(log P)
-messages, nothing per step, nothing gathered. Rank 0 logs the line when the gap is worth a
-look (at least ``MIN_GAP_S`` and ``MIN_GAP_FRACTION`` of the interval).
+Each rank knows only how long it sat in collectives (the monitor sums them); the rank that
+arrives last waits least. So per log interval one MINLOC and one MAXLOC allreduce over (wait,
+rank) name the straggler and the most patient rank: O(log P) tiny messages, nothing per step.
+Rank 0 logs the line when the gap is at least ``MIN_GAP_S`` and ``MIN_GAP_FRACTION`` of the
+interval (docs/debugging.md, "Stragglers").
 """
 from __future__ import annotations
 

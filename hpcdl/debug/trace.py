@@ -1,10 +1,8 @@
 """A chrome://tracing (Perfetto) timeline of one training run.
 
-Events use the Trace Event Format's complete events (``"ph": "X"``, start ``ts`` and ``dur`` in
-microseconds), ``pid`` = rank and ``tid`` = the recording thread, so the communication thread's
-bucket reductions sit on their own row under the backward pass and overlap can be seen.
-``Timeline(None)`` is disabled: ``span`` returns a shared no-op context and costs one attribute
-test, so the trainer can always write ``with timeline.span(...)``.
+Complete events (``"ph": "X"``, ``ts``/``dur`` in microseconds), ``pid`` = rank, ``tid`` = the
+recording thread, so the communication thread's reductions sit on their own row under the
+backward pass. ``Timeline(None)`` is disabled: ``span`` returns a shared no-op context.
 """
 from __future__ import annotations
 
@@ -25,11 +23,9 @@ _NULL_SPAN = contextlib.nullcontext()
 class Timeline:
     """Collects spans in memory; ``save()`` writes them atomically as Trace Event JSON.
 
-    With ``mpi_comm`` given, ``save()`` is collective: rank 0 writes one file holding every
-    rank's events (one ``pid`` per rank). Without it (or when called while an exception unwinds,
-    when the other ranks will not join a gather), rank 0 writes ``path`` and rank r > 0 writes
-    ``path`` with ``.rank-XXXX`` before the extension.
-    """
+    With ``mpi_comm``, ``save()`` is collective: rank 0 writes every rank's events. Without
+    it (or while an exception unwinds) each rank r > 0 writes ``path`` with ``.rank-XXXX``
+    before the extension."""
 
     def __init__(self, path: str | None, rank: int = 0, mpi_comm: Any = None,
                  max_events: int = 1_000_000):

@@ -1,17 +1,11 @@
 """A model's profile: what one forward pass does, per image, operator by operator.
 
-One traced forward serves every reader of a model's shape: the FLOP count (:func:`flops`,
-also ``hpcdl.models.flops``), the planner's layer table (hpcdl/plan/layers.py: FLOPs,
-activation bytes and shape classes per operator) and the job renderer's memory estimate
-(slurm/render.py: the activations backward keeps).
-
-The trace is one eval-mode forward (BN statistics untouched, dropout off; the same shapes) on
-the model's device and dtype, with autograd on (so ``requires_grad`` says which inputs need a
-gradient), forward hooks on every leaf module, and a ``TorchFunctionMode`` that records the
-functions a model calls outside its leaf modules (ResNet's ``out + identity``, a functional
-``F.relu``). An empty batch carries every shape and costs no arithmetic (ResNet-50 at 224 px:
-milliseconds instead of seconds); one image where an operator rejects an empty batch. Counts
-are per image: each tensor's elements past its batch dimension.
+One traced forward serves the FLOP count (:func:`flops`), the planner's layer table
+(hpcdl/plan/layers.py) and the job renderer's memory estimate (slurm/render.py). The trace is
+one eval-mode forward with autograd on, forward hooks on every leaf module and a
+``TorchFunctionMode`` for functions called outside leaves (``out + identity``); an empty batch
+carries every shape at no arithmetic (one image where an operator rejects it). Counts are per
+image: each tensor's elements past its batch dimension.
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """ResNet-50 v1 / v1.5 / v2 (He et al., CVPR'16 and ECCV'16) and small members for tests.
 
-Parameter names follow torchvision's ResNet state_dict (``conv1``, ``bn1``, ``layer1.0.conv1``,
-..., ``layerN.0.downsample.0/1``, ``fc``), so weights move between the two by
-``load_state_dict``. The versions differ only inside the bottleneck:
-
-- v1 (He et al. 2016, Caffe release): the stride of a down-sampling block is in the first 1×1;
-- v1.5 (torchvision, MLPerf, NVIDIA): the stride is in the 3×3, +0.5% top-1 for ~5% more FLOPs;
-- v2 (He et al., "Identity Mappings", ECCV'16): pre-activation, BN-ReLU before each conv, a
-  final BN-ReLU (``bn_final``) before pooling, and a conv-only projection shortcut.
-
-``zero_init_residual=True`` sets the last BN γ of each residual branch to 0, so every block
-starts as the identity (Goyal et al., arXiv:1706.02677 §5.1): what makes 8K+ batches train.
+Parameter names follow torchvision's ResNet state_dict, so weights move between the two by
+``load_state_dict``. The versions differ only inside the bottleneck: v1 (He et al. 2016) has a
+down-sampling block's stride in the first 1×1, v1.5 (torchvision, MLPerf) in the 3×3, v2
+("Identity Mappings", ECCV'16) is pre-activation with a final BN-ReLU (``bn_final``) and a
+conv-only projection shortcut. ``zero_init_residual=True`` zeroes each residual branch's last
+BN γ, so every block starts as the identity (Goyal et al., arXiv:1706.02677 §5.1).
 """
 from __future__ import annotations
 

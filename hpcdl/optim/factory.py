@@ -70,9 +70,7 @@ def _sgd(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, momentum:
     """Momentum SGD (Goyal et al., arXiv:1706.02677); weight decay on every parameter, or, with
     ``bn_weight_decay: false``, not on BN's γ and β (Goyal et al. §5.1). ``bias_lr_mult`` and
     ``bias_decay_mult`` are Caffe's multipliers for conv/fc biases (BVLC AlexNet: 2 and 0).
-
-    torch's form v ← m·v + g; w ← w − lr·v keeps lr out of the buffer, which is exactly the
-    form that needs no momentum correction when lr jumps (Goyal et al. §2.2)."""
+    torch's v ← m·v + g; w ← w − lr·v needs no momentum correction (Goyal et al. §2.2)."""
     params = list(model.parameters())
     groups: list[dict[str, Any]] = [{"params": params, "weight_decay": weight_decay}]
     if not bn_weight_decay:
@@ -103,10 +101,7 @@ def list_optimizers() -> list[str]:
 def create_optimizer(cfg: Mapping[str, Any], model: torch.nn.Module,
                      lr: float | None = None) -> torch.optim.Optimizer:
     """An optimizer from a recipe's ``optimizer`` section (``name`` plus that optimizer's keys).
-
-    ``lr`` is the initial rate, schedule(0); it may also be given as ``cfg["lr"]``
-    (docs/architecture.md), and defaults to 0 for a trainer that sets it before each step.
-    """
+    ``lr``: the initial rate, schedule(0), or ``cfg["lr"]``; default 0 (set before each step)."""
     name = cfg.get("name")
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer.name={name!r} is not one of {list_optimizers()}")

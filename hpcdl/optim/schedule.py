@@ -8,16 +8,10 @@
 - ``cosine``: warm-up, then end_lr + (base_lr − end_lr)·(1 + cos(π·t/T))/2 (Loshchilov & Hutter).
 
 Warm-up length is ``warmup_epochs`` (times steps_per_epoch) or ``warmup_steps``; t counts
-steps after warm-up and T = total_steps − warm-up steps.
-
-Two forms of the Caffe solvers the papers ran, as keys (defaults: the forms above):
-- ``decay_over: all_steps``: t = step and T = total_steps, the decay starts at step 0 and the
-  warm-up overrides it (Intel Caffe and NVCaffe ``GetLearningRate``: lr_policy "poly" is
-  base_lr·(1 − iter/max_iter)^power, with the warm-up branch taken first while iter < warm-up),
-  so the rate drops from base_lr to base_lr·(1 − W/T)^power when warm-up ends;
-- ``warmup_power: 2``: NVCaffe's ramp-up, rampup_lr + (base_lr − rampup_lr)·(step/W)²
-  (borisgin/nvcaffe src/caffe/solvers/sgd_solver.cpp, ``alpha * alpha``); 1 is linear
-  (Goyal et al. §2.2; Intel Caffe ``GetWarmUpLR``).
+steps after warm-up and T = total_steps − warm-up steps. The Caffe solvers' forms
+(docs/recipes.md): ``decay_over: all_steps`` (t = step, T = total_steps, warm-up taken first:
+Intel Caffe and NVCaffe ``GetLearningRate``) and ``warmup_power: 2`` (NVCaffe's ramp-up
+rampup_lr + (base_lr − rampup_lr)·(step/W)², sgd_solver.cpp ``alpha * alpha``; 1 is linear).
 """
 from __future__ import annotations
 
@@ -164,11 +158,8 @@ def _warmup_steps(cfg: Mapping[str, Any], steps_per_epoch: int) -> int:
 
 
 def create_schedule(cfg: Mapping[str, Any], steps_per_epoch: int, total_steps: int) -> Schedule:
-    """A schedule from a recipe's ``schedule`` section (docs/architecture.md).
-
-    Epoch quantities (``warmup_epochs``, ``milestones``) become steps with ``steps_per_epoch``.
-    Keys that do not belong to the named schedule are an error, so a typo is not ignored.
-    """
+    """A schedule from a recipe's ``schedule`` section (docs/architecture.md); epoch
+    quantities become steps; a key the named schedule lacks is an error (a typo is not ignored)."""
     name = cfg.get("name")
     if name not in SCHEDULES:
         raise ValueError(f"schedule.name={name!r} is not one of {sorted(SCHEDULES)}")

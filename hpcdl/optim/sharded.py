@@ -1,33 +1,19 @@
 """Weight-update sharding: each rank steps only its slice of the parameters.
 
-Xu et al., "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel Training"
-(arXiv:2004.13336, 2020): an allreduce is a reduce-scatter followed by an allgather, so the
-weight update can sit between the two. The reducer reduce-scatters the gradient buckets during
-backward (``reduce_scatter=True``: after ``synchronize`` rank r holds the world's average of its
-slice ``comm.shard_bounds(numel)[r:r+2]`` of every bucket); LARS's per-layer norms ‖w‖ and ‖g‖
-(You et al., arXiv:1708.03888, eq. 6) are completed by one small allreduce of per-layer partial
-sums of squares; each rank runs the elementwise update on its slice only; the updated slices
-are allgathered into every rank's parameters bucket by bucket, on the reducer's thread while
-the next bucket updates (docs/comm.md, "Weight-update sharding": the path on each backend).
-Same bytes on the wire as the allreduce, the optimizer's memory traffic and its momentum
-buffers divided by P. Choices, with their reasons:
+Xu et al. (arXiv:2004.13336, 2020): an allreduce is a reduce-scatter then an allgather, so the
+weight update sits between them. After ``synchronize`` rank r holds the average of its slice
+``comm.shard_bounds(numel)[r:r+2]`` of every bucket; LARS's per-layer ‖w‖, ‖g‖ (You et al.,
+arXiv:1708.03888, eq. 6) come from one small allreduce of float64 partial sums of squares;
+updated slices are allgathered bucket by bucket on the reducer's thread. The path on each
+backend, the numerics and what is refused: docs/comm.md, "Weight-update sharding".
 
-- Slices cut through layers (a bucket is split in P near-equal pieces, as the ``shm``
-  reduction already splits it): a tensor has at most one piece per rank, and its norm is the
-  square root of the sum of its pieces' squares, so no layer has to fit on one rank.
-- The partial sums are float64: the only numeric difference from the unsharded step is the
-  order in which a layer's squares are summed (per slice, then across ranks), which moves a
-  norm by a few float32 ulps; the tests bound the parameters' drift from it.
-- **Checkpoints are in the full layout.** :meth:`ShardedOptimizer.state_dict` (collective)
-  allgathers the momentum slices into the wrapped optimizer's own ``state_dict`` format, so a
-  sharded run's checkpoint resumes unsharded, on another rank count, or sharded again;
-  :meth:`load_state_dict` takes each rank's slice of a full state.
-- With the reducer suspended or disabled (``hpcdl bench train``'s no_comm ceiling, one rank)
-  the wrapped optimizer steps the whole model on the local gradients, as an unsharded run does.
+- Slices cut through layers: a layer's norm is the root of its pieces' summed squares.
+- :meth:`ShardedOptimizer.state_dict` (collective) is in the full layout, so a checkpoint
+  resumes unsharded, sharded, or on another rank count.
+- With the reducer suspended or disabled the wrapped optimizer steps the whole model.
 
-Supported: hpcdl's :class:`~hpcdl.optim.lars.LARS` (every option: skip list, ``trust_clip``,
-``trust_ratio_wd``, ``larc_clip``, Nesterov, momentum 0) and ``torch.optim.SGD`` (momentum,
-Nesterov, weight decay; no dampening). Anything else is refused by name.
+Supported: :class:`~hpcdl.optim.lars.LARS` (every option) and ``torch.optim.SGD`` (no
+dampening); anything else is refused by name.
 """
 from __future__ import annotations
 
@@ -73,11 +59,9 @@ def sharding_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
 class ShardedOptimizer(OptimizerWrapper):
     """Step ``optimizer`` on this rank's slice of every bucket of ``reducer``, then allgather.
 
-    ``reducer`` must be a :class:`~hpcdl.comm.reducer.GradientReducer` built with
-    ``reduce_scatter=True`` over every parameter of ``optimizer``. Call ``step()`` after
-    ``reducer.synchronize()``. Like :class:`hpcdl.DistributedOptimizer` this composes: the
-    wrapped optimizer's ``param_groups`` (the learning rate the schedule sets) are shared.
-    """
+    ``reducer``: a :class:`~hpcdl.comm.reducer.GradientReducer` with ``reduce_scatter=True``
+    over every parameter of ``optimizer``; ``step()`` after ``reducer.synchronize()``. The
+    wrapped optimizer's ``param_groups`` are shared (the schedule sets their rate)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer, comm) -> None:
         # No super().__init__: groups and defaults are the wrapped optimizer's.
@@ -231,10 +215,9 @@ class ShardedOptimizer(OptimizerWrapper):
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[None]:
-        """Within, steps allreduce and run the whole update on every rank, as without
-        sharding, on the same model and buffers (``hpcdl bench train``'s ``ours_allreduce``,
-        so both are timed on one instance). The whole update keeps its own momentum (the
-        wrapped optimizer's), apart from the slices': for timing, not for training."""
+        """Within, steps allreduce and run the whole update on every rank, on the same model
+        and buffers (``hpcdl bench train``'s ``ours_allreduce``), with the wrapped optimizer's
+        own momentum: for timing, not for training."""
         self.reducer.reduce_scatter = False
         try:
             yield

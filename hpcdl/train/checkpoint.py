@@ -1,52 +1,19 @@
 """Checkpoints: what an exact resume needs, written by every rank in parallel, committed by
 one rename, checked by sha256, read with weights_only.
 
-A checkpoint is a directory ``RUN_DIR/checkpoints/ckpt-STEP.pt/`` (what each file holds:
-docs/training.md, "Checkpoints and resume"): ``manifest.json`` (the run's position, the layout
-that wrote it, the recipe and model, the checkpoint's *line* and write sequence, the size and
-sha256 of every other file, and its own ``digest``), ``model.pt`` (what every rank shares,
-written by rank 0) and ``rank-XXXXX.pt`` (what is rank XXXXX's own, written by that rank).
+A checkpoint is a directory ``RUN_DIR/checkpoints/ckpt-STEP.pt/``: ``manifest.json`` (position,
+layout, recipe, line and write sequence, size and sha256 of every other file, its own
+``digest``), ``model.pt`` (shared, written by rank 0) and ``rank-XXXXX.pt`` (each rank's own).
+What each file holds, lines, pruning and resume: docs/training.md, "Checkpoints and resume";
+why no rank's cost grows with the rank count: docs/scaling.md.
 
-Why this layout (each rank's cost must not grow with the rank count P):
-
-- **Writes.** Each rank writes its own file into a temporary directory ``.ckpt-STEP.pt.tmp``;
-  rank 0 gathers only each file's size and sha256 (about 100 bytes a rank), writes the
-  manifest last, fsyncs and renames the directory to ``ckpt-STEP.pt``. The rename is the
-  commit: a checkpoint exists only when every part is complete (a kill or a full disk at any
-  point leaves the previous checkpoints as they were). No rank's tensors pass through rank 0.
-- **Reads.** On resume rank 0 reads the manifest and ``model.pt``, checks their sha256 and
-  broadcasts ``model.pt``'s bytes (one read of the model from the file system, not P); each
-  rank reads only its own file, checked against the sha256 rank 0 scatters to it. At another
-  rank count (elastic resume) no rank file is read at all: BN statistics come from their mean
-  in ``model.pt`` and RNG states are reseeded. What grows with P is rank 0's view only: the
-  manifest (about 120 bytes a rank) and the gather of file records (measured in
-  docs/scaling.md).
-- **Checksums.** PyTorch reads zip members without checking their CRC, so flipped bytes in a
-  tensor load silently. The sha256 of every file is in the manifest and is checked on load;
-  a mismatch names the file and the resume falls back to the previous checkpoint, as for a
-  torn file.
-
-**Lines.** Starting again in a run directory (``--resume none``, or ``--resume PATH`` from
-an older checkpoint) starts a new *line*; every checkpoint records its line and a write
-sequence number. ``--resume auto`` follows the current line (the one started last: recorded in
-``checkpoints/.line.json`` until it has a checkpoint of its own), newest written first, and
-pruning keeps the newest ``keep`` checkpoints of the current line by write order -- never the
-checkpoint just written, whatever the step numbers of other lines. Checkpoints of other lines
-are left alone.
-
-**Failures.** A file that cannot be read for a reason that may pass (EIO, ESTALE, EACCES: a
-file system in trouble, not a damaged checkpoint) is skipped like a corrupt one; but if no
-checkpoint loads and any failed that way, the resume fails naming every file and error
-instead of starting again from step 0. Temporaries left by a kill (``.ckpt-*.tmp``) are
-removed at the next start and at the next checkpoint.
-
-Only tensors and primitive containers are stored, so ``torch.load(weights_only=True)`` reads
-every ``.pt``: a checkpoint cannot run code when loaded. A single-file checkpoint of the
-earlier format (``ckpt-STEP.pt`` a file, every rank's state inside) still loads.
-
-A checkpoint records the run, not the layout: resuming on another rank count is allowed, but
-one of another recipe, model or global batch is refused by :func:`check_compatible`, naming
-what differs (each is bad input: exit 2).
+- Commit: every part goes into ``.ckpt-STEP.pt.tmp``; rank 0 writes the manifest last, fsyncs
+  and renames the directory, so a kill or a full disk leaves earlier checkpoints as they were.
+- Checksums: PyTorch does not check a zip member's CRC, so every file's sha256 is checked on
+  load; a mismatch, a torn file or a transient read error (:data:`TRANSIENT_ERRNOS`) falls
+  back to the previous checkpoint.
+- ``torch.load(weights_only=True)`` reads every ``.pt``; the earlier single-file format still
+  loads. :func:`check_compatible` refuses another recipe, model or global batch (exit 2).
 """
 from __future__ import annotations
 
@@ -62,7 +29,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -127,6 +94,24 @@ def read_error(path: str, exc: OSError) -> CheckpointError:
                             f"errno {exc.errno})")
     error.transient = exc.errno in TRANSIENT_ERRNOS
     return error
+
+
+@contextlib.contextmanager
+def _reading(path: str, missing: str) -> Iterator[None]:
+    """Translate a failed read of ``path``: absent -> :class:`CheckpointError` ``missing``;
+    any other OSError -> :func:`read_error` (transient or not)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CheckpointError(missing) from None
+    except OSError as exc:
+        raise read_error(path, exc) from None
+
+
+def _not_a_state(source: str, exc: Exception) -> CheckpointError:
+    """What ``torch.load`` failing on ``source`` means (it raises many kinds for a bad file)."""
+    return CheckpointError(f"checkpoint {source} is corrupt or not written by hpcdl "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -221,13 +206,7 @@ def write_part(directory: str, name: str, state: Mapping[str, Any]) -> dict[str,
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as exc:
-        # torch.save reports a failed write as RuntimeError("unexpected pos ..."), with the
-        # OSError (ENOSPC, EFBIG) only as its context: name the OSError, the cause a person
-        # can act on.
-        cause = _os_error_of(exc)
-        if cause is None:
-            raise
-        raise cause from exc
+        raise _os_error_of(exc) from exc
     return {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
 
 
@@ -246,9 +225,7 @@ def commit(tmp: str, path: str, manifest: Mapping[str, Any],
     manifest["digest"] = _digest(manifest)
     atomic_write(os.path.join(tmp, MANIFEST),
                  lambda f: f.write(json.dumps(manifest, indent=1, sort_keys=True).encode()))
-    if pause_s > 0:
-        log.warning("pausing %.1f s inside the write of %s (HPCDL_INJECT)", pause_s, path)
-        time.sleep(pause_s)
+    _rehearsed_pause(pause_s, path)
     fsync_directory(tmp)
     replaced = None
     if os.path.lexists(path):  # a checkpoint of this step from another line: this one wins
@@ -275,27 +252,35 @@ def save_checkpoint(path: str, state: Mapping[str, Any], pause_s: float = 0.0) -
 
     def write(f: Any) -> None:
         torch.save(dict(state), f)
-        if pause_s > 0:
-            f.flush()
-            log.warning("pausing %.1f s inside the write of %s (HPCDL_INJECT)", pause_s, path)
-            time.sleep(pause_s)
+        f.flush()
+        _rehearsed_pause(pause_s, path)
 
     try:
         atomic_write(path, write)
     except (OSError, RuntimeError) as exc:
-        cause = _os_error_of(exc)
+        raise CheckpointWriteError(f"could not write checkpoint {path}: "
+                                   f"{_os_error_of(exc)}") from exc
+
+
+def _rehearsed_pause(pause_s: float, path: str) -> None:
+    """A rehearsed slow write (``HPCDL_INJECT=RANK:checkpointN:sleep=S``)."""
+    if pause_s > 0:
+        log.warning("pausing %.1f s inside the write of %s (HPCDL_INJECT)", pause_s, path)
+        time.sleep(pause_s)
+
+
+def _os_error_of(exc: BaseException) -> BaseException:
+    """The OSError (ENOSPC, EFBIG) behind a failed write, the cause a person can act on:
+    torch.save reports one as RuntimeError("unexpected pos ...") with the OSError only as its
+    context. Re-raises ``exc`` when there is none."""
+    cause: BaseException | None = exc
+    for _ in range(8):
         if cause is None:
-            raise
-        raise CheckpointWriteError(f"could not write checkpoint {path}: {cause}") from exc
-
-
-def _os_error_of(exc: BaseException | None) -> OSError | None:
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, OSError):
-            return exc
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return None
+            break
+        if isinstance(cause, OSError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    raise exc
 
 
 # -- reading: every file checked against the manifest --------------------------------------
@@ -307,13 +292,10 @@ def read_manifest(path: str) -> dict[str, Any]:
         return {k: v for k, v in state.items() if not isinstance(v, (dict, list, torch.Tensor))
                 or k == "model_config"}
     name = os.path.join(path, MANIFEST)
+    with _reading(name, f"checkpoint {path} is incomplete: no {MANIFEST}"), open(name, "rb") as f:
+        data = f.read()
     try:
-        with open(name, "rb") as f:
-            manifest = json.loads(f.read())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST}") from None
-    except OSError as exc:
-        raise read_error(name, exc) from None
+        manifest = json.loads(data)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {name} is corrupt ({exc})") from None
     _check_record(manifest, CHECKPOINT_FORMAT, _MANIFEST_REQUIRED, path, name)
@@ -327,15 +309,11 @@ def read_part(path: str, name: str, record: Mapping[str, Any]) -> bytearray:
     """The bytes of part ``name`` of checkpoint ``path``, checked against its manifest
     ``record`` (size, sha256). Raises :class:`CheckpointError` naming the file and why."""
     file = os.path.join(path, name)
-    try:
-        with open(file, "rb") as f:
-            data = bytearray(record["bytes"])
-            got = f.readinto(data)
-            extra = len(f.read(1))
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing") from None
-    except OSError as exc:
-        raise read_error(file, exc) from None
+    with _reading(file, f"checkpoint {path} is incomplete: {name} is missing"), \
+            open(file, "rb") as f:
+        data = bytearray(record["bytes"])
+        got = f.readinto(data)
+        extra = len(f.read(1))
     if got != record["bytes"] or extra:
         raise CheckpointError(f"checkpoint {file} is corrupt: {'more than ' if extra else ''}"
                               f"{got} bytes, the manifest says {record['bytes']} (torn or "
@@ -352,9 +330,7 @@ def load_part(data: bytes | bytearray, source: str) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
-        raise CheckpointError(f"checkpoint {source} is corrupt or not written by hpcdl "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-                              ) from None
+        raise _not_a_state(source, exc) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {source} holds a {type(state).__name__}, not a state")
     return state
@@ -362,15 +338,12 @@ def load_part(data: bytes | bytearray, source: str) -> dict[str, Any]:
 
 def _load_legacy(path: str, mmap: bool = False) -> dict[str, Any]:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path}: no such file") from None
-    except OSError as exc:
-        raise read_error(path, exc) from None
+        with _reading(path, f"checkpoint {path}: no such file"):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except CheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a checkpoint written by "
-                              f"hpcdl ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-                              ) from None
+        raise _not_a_state(path, exc) from None
     return check_legacy(state, path)
 
 
@@ -396,15 +369,10 @@ def _check_record(record: Any, fmt: str, required: Iterable[str], path: str,
 
 def read_file(path: str) -> bytearray:
     """A single-file checkpoint's bytes (rank 0 reads, then broadcasts them)."""
-    try:
-        with open(path, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            f.readinto(data)
-        return data
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path}: no such file") from None
-    except OSError as exc:
-        raise read_error(path, exc) from None
+    with _reading(path, f"checkpoint {path}: no such file"), open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(data)
+    return data
 
 
 def merge(manifest: Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:
@@ -597,11 +565,9 @@ LAYOUT_KEYS = ("world_size", "global_batch", "per_rank", "accumulation", "step",
 
 def resume_layout(spec: str | None, run_dir: str, mpi_comm) -> dict[str, int] | None:
     """The layout (:data:`LAYOUT_KEYS`) of the checkpoint ``--resume spec`` will load, or None
-    (fresh start, or a checkpoint that does not load: the resume itself reports that).
-
-    Read before the trainer is built, so that the per-rank batch at a new rank count is
-    chosen, or refused, before any rank loads data. Rank 0 reads the manifest (no tensor) and
-    broadcasts. Collective over ``mpi_comm``."""
+    (fresh start, or one that does not load: the resume reports that). Read before the
+    trainer is built, so a new rank count's batch is chosen or refused before any rank loads
+    data: rank 0 reads the manifest and broadcasts. Collective over ``mpi_comm``."""
     layout = None
     if mpi_comm.rank == 0 and spec not in (None, "", "none"):
         try:
@@ -618,9 +584,8 @@ def resume_layout(spec: str | None, run_dir: str, mpi_comm) -> dict[str, int] | 
 # -- pruning and what a kill leaves behind -------------------------------------------------
 def prune_checkpoints(run_dir: str, keep: int, line: str | None = None) -> list[str]:
     """Rank 0: take all but the newest ``keep`` checkpoints of ``line`` (by write order) out
-    of the run: each is renamed to a temporary name (it stops counting at once) and returned.
-    The caller removes them (:func:`remove_pruned`; each rank its own file first). ``line``
-    None: the line of the newest checkpoint."""
+    of the run, renamed to temporary names (they stop counting at once) that the caller
+    removes (:func:`remove_pruned`). ``line`` None: the newest checkpoint's."""
     index = checkpoint_index(run_dir)
     known = [e for e in index if e.line is not None]
     if line is None and known:

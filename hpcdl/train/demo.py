@@ -1,15 +1,10 @@
 """The first run: real Fashion-MNIST through the whole ImageNet pipeline on a laptop.
 
-``mpiexec -n 2 hpcdl demo`` does, in one command, what a cluster run does in three:
-
-1. rank 0 writes the Fashion-MNIST subset shipped in ``hpcdl/demo_data`` (Xiao et al. 2017;
-   600 train + 100 test images per class) as an ImageNet-shaped JPEG tree and shards it into
-   checksummed HDF5 (``data_prep``), while the other ranks wait;
-2. every rank trains the demo recipe (``recipes/demo_fmnist.yaml``: a small ResNet, LARS with
-   warm-up and polynomial decay, You et al. ICPP'18) with gradients averaged over MPI;
-3. rank 0 prints top-1 on the held-out test images; ``RUN_DIR/summary.json`` records it.
-
-The run directory is ``--out DIR`` (kept) or a temporary directory removed at the end.
+``mpiexec -n 2 hpcdl demo``: rank 0 writes the shipped Fashion-MNIST subset (Xiao et al. 2017)
+as an ImageNet-shaped JPEG tree and shards it (``data_prep``); every rank trains the demo
+recipe (``recipes/demo_fmnist.yaml``: a small ResNet, LARS, You et al. ICPP'18); rank 0 prints
+top-1 on the held-out images, recorded in ``RUN_DIR/summary.json``. The run directory is
+``--out DIR`` (kept) or a temporary one removed at the end.
 """
 from __future__ import annotations
 
@@ -59,10 +54,8 @@ def demo_recipe_path() -> str:
 
 
 def prepare_demo_data(data_dir: str, source: str = "demo", shards: int = 4) -> dict[str, Any]:
-    """Fashion-MNIST -> ``data_dir/tree`` (JPEG, ImageNet layout) -> ``data_dir/shards``.
-
-    Serial (one rank): the subset is 7,000 images of 28×28, seconds of work. Returns what was
-    written and how long it took."""
+    """Fashion-MNIST -> ``data_dir/tree`` (JPEG, ImageNet layout) -> ``data_dir/shards``, on one
+    rank (7,000 images of 28×28); returns what was written and how long it took."""
     from hpcdl.data_prep.fashion_mnist import write_tree
     from hpcdl.data_prep.shard import shard_tree
 
@@ -79,10 +72,8 @@ def prepare_demo_data(data_dir: str, source: str = "demo", shards: int = 4) -> d
 
 
 def _prepare_on_rank0(world, run_dir: str, options: DemoOptions, comm) -> dict[str, Any]:
-    """Rank 0 prepares the data; the others wait at the broadcast of the result (or the
-    error, so a failure on rank 0 ends every rank with the same message, not a hang). The
-    broadcast is a watched region of ``comm``: a rank 0 that dies or freezes while preparing
-    is named by the others' stall watchdog; a slow one shows as "preparing" in the report."""
+    """Rank 0 prepares the data; the others wait at the broadcast of the result or the error
+    (every rank ends with rank 0's message), a region the stall watchdog watches."""
     from hpcdl.debug import note_activity, watch_region
 
     result: dict[str, Any] | None = None
@@ -103,11 +94,8 @@ def _prepare_on_rank0(world, run_dir: str, options: DemoOptions, comm) -> dict[s
 
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:
-    """Prepare, train, evaluate; returns the run's summary (every rank).
-
-    Collective over MPI.COMM_WORLD. The summary is the trainer's (``summary.json``) plus a
-    ``demo`` section: data preparation time, total time, and the goal it is measured against.
-    """
+    """Prepare, train, evaluate; returns the run's summary (every rank): the trainer's plus
+    a ``demo`` section (preparation and total time, the goal). Collective over COMM_WORLD."""
     import logging
 
     from mpi4py import MPI

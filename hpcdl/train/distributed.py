@@ -10,29 +10,16 @@
         loss_fn(model(images), labels).backward()             # buckets reduced during backward
         optimizer.step()                                      # wait, then the wrapped step
 
-The design is Horovod's PyTorch binding (Sergeev & Del Balso, arXiv:1802.05799,
-``horovod/torch/optimizer.py``): a hook per gradient launches the reduction as soon as the
-gradient is ready, and ``step()`` first waits for the world's average, then lets the user's
-optimizer step. What differs, and why:
+The design is Horovod's PyTorch binding (Sergeev & Del Balso, arXiv:1802.05799): a hook per
+gradient launches the reduction when the gradient is ready; ``step()`` waits, then steps. What
+differs (the Horovod/DDP mapping: docs/own_loop.md):
 
-- **Composition, not re-creation.** Horovod builds a subclass of the optimizer's class and
-  re-creates it from ``param_groups``, which needs every constructor argument to have a default
-  (hpcdl's LARS has none for ``lr``) and drops state already loaded. Here the wrapper holds the
-  user's optimizer and shares its ``param_groups`` and ``state``; it is still a
-  ``torch.optim.Optimizer``, so torch's LR schedulers accept it.
-- **The reducer is hpcdl's** (:class:`hpcdl.comm.reducer.GradientReducer`, built by
-  ``build_reducer`` as the trainer's is): fusion buckets in
-  reverse registration order, launched in bucket order on one communication thread (so every
-  rank issues the same collectives in the same order), averaged gradients written back as views
-  of the buckets. LARS needs exactly this: its trust ratio is computed on the averaged gradient,
-  so it runs after the allreduce (You et al., ICPP'18).
-- **Accumulation is DDP's** ``no_sync()`` (Li et al., VLDB 2020, §3.2.4): backward passes inside
-  it only accumulate locally; the next backward outside it reduces the sum once. A second
-  backward outside ``no_sync`` before ``step()`` raises instead of racing the communication
-  thread over the same buckets (Horovod raises for the same reason).
-
-BatchNorm statistics stay per rank (as with DDP and Horovod without SyncBN); parameters stay
-identical on every rank because every rank steps on the same averaged gradient.
+- Composition, not re-creation: the wrapper shares the user's ``param_groups`` and ``state``
+  (LARS has no default ``lr``; loaded state stays) and is still a ``torch.optim.Optimizer``.
+- The reducer is the trainer's (``build_reducer``), so LARS's trust ratio is taken on the
+  averaged gradient, after the allreduce (You et al., ICPP'18).
+- Accumulation is DDP's ``no_sync()`` (Li et al., VLDB 2020, §3.2.4); a second backward
+  outside it before ``step()`` raises instead of racing the communication thread.
 """
 from __future__ import annotations
 
@@ -44,6 +31,7 @@ from typing import Any
 import torch
 
 from hpcdl.comm.reducer import build_reducer
+from hpcdl.io import Closing
 from hpcdl.optim.wrapper import OptimizerWrapper
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters",
@@ -63,16 +51,14 @@ def _named_parameters(model: torch.nn.Module | NamedTensors) -> list[tuple[str, 
     return named
 
 
-class DistributedOptimizer(OptimizerWrapper):
+class DistributedOptimizer(OptimizerWrapper, Closing):
     """Wrap ``optimizer`` so that ``step()`` applies the world's average gradient.
 
     ``model`` is the module (or its ``named_parameters()``) whose gradients are averaged over
-    ``comm``; every parameter of ``optimizer`` must be among them. ``bucket_bytes`` is the fusion
-    bucket size (default: the communicator's), ``wire_dtype`` the buckets' dtype
-    (``torch.bfloat16`` halves the bytes sent; default: the parameters' dtype).
-    ``shard_update=True`` shards the weight update (Xu et al. 2020; LARS or SGD only). Any
-    ``torch.optim.Optimizer`` works, hpcdl's LARS included; attributes the wrapper does not
-    define (``scale_momentum_`` of LARS, for example) are the wrapped optimizer's.
+    ``comm``; every parameter of ``optimizer`` must be among them. ``bucket_bytes`` (default:
+    the communicator's) and ``wire_dtype`` (default: the parameters') shape the buckets;
+    ``shard_update=True`` shards the weight update (LARS or SGD only). Attributes the wrapper
+    lacks (LARS's ``scale_momentum_``) are the wrapped optimizer's.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | NamedTensors,
@@ -156,12 +142,6 @@ class DistributedOptimizer(OptimizerWrapper):
             handle.remove()
         self._guards = []
         self.reducer.close()
-
-    def __enter__(self) -> DistributedOptimizer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _one_backward_per_step(self, p: torch.Tensor) -> None:
         if not self._syncing:

@@ -2,22 +2,15 @@
 Scalable Parallel Training of Deep Neural Networks", MLHPC'17), on top of the data-parallel
 :class:`~hpcdl.train.trainer.Trainer`.
 
-The world is split into K trainers, each an ordinary data-parallel Trainer (overlapped
-allreduce, LARS or SGD) on its own communicator and its own partition of the training shards.
-Every ``interval`` steps each trainer meets a partner (pairs drawn from a seed all ranks
-share), the two swap models over the peer communicators, each scores both models on its own
-held-out tournament samples, and keeps the winner (the local model on ties; the odd trainer
-out keeps its own). Between tournaments nothing crosses trainers but a one-integer stop
-check every ``stop_check_steps`` steps, so machine-wide synchronisation drops from one
-allreduce per step to a pairwise exchange per round.
+K trainers, each an ordinary Trainer on its own communicator and shard partition; every
+``interval`` steps seeded pairs swap models over the peer communicators, each scores both on
+its held-out tournament samples and keeps the winner (its own on ties). Between rounds only a
+one-integer stop check crosses trainers, every ``stop_check_steps`` steps.
 
     ltfb = LTFB(config, shards, run_dir, MPI.COMM_WORLD, LTFBOptions(trainers=2, interval=100))
     ltfb.resume("auto"); summary = ltfb.train(); ltfb.close()
 
-Run directory (K > 1): ``RUN_DIR/trainer-TT/`` is trainer TT's ordinary run directory
-(config.yaml, metrics.jsonl with its ``tournament`` records, summary.json, checkpoints/);
-``RUN_DIR/summary.json`` and ``RUN_DIR/metrics.jsonl`` gather every round. With K = 1 it is
-exactly the ordinary trainer in RUN_DIR. docs/ltfb.md has the details.
+Run directory (``RUN_DIR/trainer-TT/`` per trainer; K = 1 is the plain trainer): docs/ltfb.md.
 """
 from __future__ import annotations
 
@@ -31,10 +24,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcdl.comm.base import sum_over
 from hpcdl.debug.monitor import watch_region
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train import signals
@@ -195,8 +188,7 @@ class LTFB:
                              f"none (all trainers resume from one common step)")
         mine = None
         if self.layout.trainer_rank == 0:
-            mine = {int(os.path.basename(p)[5:-3])
-                    for p in ckpt.list_checkpoints(self.trainer.run_dir)}
+            mine = {ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(self.trainer.run_dir)}
         found = [s for s in self.world.allgather(mine) if s is not None]
         common = set.intersection(*found) if found else set()
         if not common:
@@ -245,11 +237,9 @@ class LTFB:
         """One integer summed over the world: has any rank been signalled? (A signal that
         lands after this check waits for the next one.)"""
         signalled = self.options.handle_signals and signals.pending() is not None
-        flag = np.array([1 if signalled else 0], dtype=np.int64)
-        total = np.empty_like(flag)
         # the stall watchdog sees it; its name says where the ranks it waits for run
         with watch_region(self.comm, self._stop_check):
-            self.world.Allreduce(flag, total, op=MPI.SUM)
+            total = sum_over(self.world, [1 if signalled else 0])
         return bool(total[0])
 
     def _where(self, trainer: int | None = None) -> str:

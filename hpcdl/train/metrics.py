@@ -2,14 +2,9 @@
 
 Train records: ``{"kind": "train", "step", "epoch", "loss", "lr", "images_per_s",
 "step_s", "data_wait_s", "comm_wait_s", "time"}``; eval records: ``{"kind": "eval", "step",
-"epoch", "loss", "top1", "top5", "samples", "time"}``. Only rank 0 writes. ``summary.json``
-is written atomically at the end of a run (the run directory is the record).
-
-The same records also go to TensorBoard event files in ``tensorboard/`` beside
-``metrics.jsonl`` (one scalar per numeric field, tagged ``KIND/FIELD``, at the record's step and
-wall time), where users look first; they need the optional ``tensorboard`` package
-(``pip install 'hpcdl[tensorboard]'``) and are off, with one log line saying so, without it.
-metrics.jsonl stays the record ``hpcdl report`` reads.
+"epoch", "loss", "top1", "top5", "samples", "time"}``. Only rank 0 writes; ``summary.json``
+atomically at the end. The same records go to TensorBoard (``tensorboard/``, tags
+``KIND/FIELD``) when the optional package is installed (docs/training.md, "The run directory").
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Plots of a run from its directory (``hpcdl report RUN_DIR``): loss, accuracy, learning
-rate and the throughput breakdown (compute vs data wait vs communication wait), the figures
-a reader of You et al. (ICPP'18) looks at to judge a large-batch run.
-
-Reads only ``metrics.jsonl`` and ``summary.json`` of the run directory (docs/architecture.md,
-"The run directory"), so it runs on a login node after the job, without MPI.
+rate and the throughput breakdown (compute, data wait, communication wait), as You et al.
+(ICPP'18) judge a large-batch run. Reads only ``metrics.jsonl`` and ``summary.json``: no MPI.
 """
 from __future__ import annotations
 

@@ -6,13 +6,11 @@ in the reverse order (``hpcdl train``, the demo, LTFB's runs, the training bench
                                       timeline=session.timeline))
         trainer.train()
 
-Opening, collective over ``world``: (1) the communicator of the recipe's ``comm`` section,
-agreed by every rank (:func:`open_communicator`: ``comm.bucket_bytes``, the one conversion of
-``comm.bucket_mb``); (2) the process (:func:`setup_run_process`); (3) compute threads, each
-rank's share of its node's cores (hpcdl/train/threads.py) or a fixed count; (4) the timeline and
-the stall watchdog, heartbeats in ``RUN_DIR/logs/heartbeat``. Closing: ``abort_on_unshared_error``
-first (an error of this rank alone ends the job before any teardown that waits for peers),
-then the timeline is saved, what the session owns is closed (last first), the communicator last.
+Opening, collective over ``world``: the recipe's communicator (:func:`open_communicator`), the
+process (:func:`setup_run_process`), compute threads (hpcdl/train/threads.py), the timeline and
+the stall watchdog. Closing: ``abort_on_unshared_error`` first (an error of this rank alone ends
+the job before any teardown waits for peers), the timeline saved, owned objects closed last
+first, the communicator last.
 """
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from hpcdl.errors import BadInputError
+from hpcdl.io import Closing
 from hpcdl.train.config import CommConfig
 
 __all__ = ["OutputDirError", "RunSession", "check_output_dir", "open_communicator",
@@ -53,10 +52,8 @@ def check_output_dir(run_dir: str) -> None:
 
 @contextlib.contextmanager
 def run_directory(world: Any, out: str | None, prefix: str) -> Iterator[str]:
-    """``out`` (kept), or a temporary directory rank 0 makes and removes at the end. Every
-    rank reads what rank 0 writes there, so across hosts it must be on a shared file system: a
-    rank that cannot see rank 0's temporary directory (each host has its own /tmp) stops every
-    rank with one line. Collective over ``world``."""
+    """``out`` (kept), or a temporary directory rank 0 makes and removes at the end; a rank
+    that cannot see it (node-local /tmp) stops every rank with one line. Collective."""
     from hpcdl.errors import agree_on
 
     made = None if out is not None or world.rank != 0 else tempfile.mkdtemp(prefix=prefix)
@@ -105,14 +102,13 @@ def open_communicator(section: CommConfig, world: Any, backend: str | None = Non
                            ranks_per_node=ranks_per_node)
 
 
-class RunSession:
+class RunSession(Closing):
     """The communicator, process set-up, threads, timeline and stall watchdog of one run.
 
-    ``comm``: the recipe's ``comm`` section (None: no communicator, e.g. LTFB, whose trainers
-    open their own and hand it to :meth:`watch`). ``log_level`` None: the process is already
-    set up (a bench that runs several trainings). ``threads``: ``"node"`` (the rank's share
-    of its node's cores), a count, or None (torch's own). ``precision``: the recipe's
-    ``train.precision``, which its ``comm.wire_dtype: auto`` follows. Collective over ``world``.
+    ``comm``: the recipe's ``comm`` section (None: LTFB's trainers open their own and hand it
+    to :meth:`watch`). ``log_level`` None: the process is already set up. ``threads``:
+    ``"node"`` (the rank's share of its node's cores), a count, or None. ``precision``: the
+    recipe's ``train.precision``, which ``comm.wire_dtype: auto`` follows. Collective.
     """
 
     def __init__(self, world: Any, comm: CommConfig | None = None, *,
@@ -183,9 +179,3 @@ class RunSession:
         finally:
             if self.comm is not None:
                 self.comm.close()
-
-    def __enter__(self) -> RunSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

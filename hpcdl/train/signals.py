@@ -1,24 +1,13 @@
 """Stop signals as a flag that only feeds the ranks' next agreement.
 
-Slurm sends SIGUSR1 before the time limit (``#SBATCH --signal=B:USR1@300``, forwarded to the
-ranks by slurm/job_body.sh) and SIGTERM at it; srun hands it to each of 2,048 tasks at a
-slightly different moment, anywhere in a step. A rank must never act on its own copy: one that
-checkpointed (a collective) because its signal landed after the step's agreement, while the
-others began the next step, would hold every rank until the stall abort -- longer than the
-signal's lead, so the job would die with no checkpoint and no requeue.
-
-So the handler does nothing but record the signal here. The trainer puts "has any rank been
-signalled?" into each step's agreement (one small allreduce, ``Trainer._agree``; LTFB's stop
-check across trainers) and every rank acts on the agreed answer, at the same step. A signal
-that lands after a step's agreement waits for the next one.
-
-``hpcdl train`` installs the handler when the process starts (:func:`until_exit`), not only
-around the training loop: during set-up and resume a signal taking its default action would
-kill the rank with no checkpoint, no summary and no requeue; recorded, it stops the run at the
-first step's agreement. Once the outcome is decided the signals are ignored to the end.
-
-Python runs signal handlers on the main thread only, between bytecodes: a rank blocked in a
-C call (an MPI collective) records the signal when the call returns.
+Slurm's SIGUSR1/SIGTERM reach each task at a slightly different moment, anywhere in a step; a
+rank acting on its own copy (checkpointing, a collective, while the others began the next step)
+would hold every rank until the stall abort. So the handler only records the signal; each
+step's agreement (``Trainer._agree``; LTFB's stop check) sums "any rank signalled?" and every
+rank acts at the same step. ``hpcdl train`` installs it at process start (:func:`until_exit`)
+so set-up and resume are covered; once the outcome is decided signals are ignored. Python runs
+handlers on the main thread between bytecodes: a rank in an MPI call records it on return.
+The whole story and its tests: docs/training.md, "Checkpoints and resume" (**Signals**).
 """
 from __future__ import annotations
 
@@ -87,16 +76,11 @@ def own_process() -> None:
 
 @contextlib.contextmanager
 def until_exit() -> Iterator[None]:
-    """A command's whole life: the flag from the start (:func:`install`). Once the command has
-    decided its outcome, in the ``hpcdl`` executable (:func:`own_process`) the signals are
-    discarded (:func:`ignore`) until the process ends: not restored to their default action,
-    since the interpreter's shutdown and MPI_Finalize still follow, and a late signal --
-    srun's skewed deliveries reach some ranks after the others have stopped -- would kill the
-    rank there (seen: exit by SIGUSR1, and a segfault, on a rank still finalizing), turning a
-    checkpointed stop or a finished run into a failure. Called in-process (``main()`` from
-    Python), the handlers before are restored: an ignored disposition would outlive the
-    command and pass to every child the caller starts (a shell cannot trap a signal ignored
-    at its start)."""
+    """A command's whole life: the flag from the start (:func:`install`). Once the outcome is
+    decided, in the ``hpcdl`` executable (:func:`own_process`) the signals are ignored until
+    the process ends (a late, skewed delivery must not kill a rank still finalizing); called
+    in-process the previous handlers are restored (an ignored disposition would pass to every
+    child the caller starts)."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if _on_main_thread() else {}
     install()
     try:

@@ -1,10 +1,8 @@
 """How many compute threads a rank uses: its share of the cores it is bound to.
 
-You et al. (ICPP'18) run one MPI rank per Xeon socket, each using that socket's cores. With
-``mpiexec --bind-to socket`` each rank's affinity mask is its socket, shared by the ranks of
-the node bound to the same socket; without binding every rank sees every core of the node.
-Either way a rank takes ``cores in its mask / ranks of the node with the same mask`` threads,
-never more than the cores it owns, so intra-op threads do not oversubscribe the node.
+One MPI rank per socket using that socket's cores (You et al., ICPP'18): a rank takes ``cores
+in its mask / ranks of the node with the same mask`` threads, never more than it owns, with or
+without binding (docs/training.md, "Threads").
 """
 from __future__ import annotations
 
@@ -28,11 +26,8 @@ def _env_threads() -> int | None:
 
 
 def configure_threads(world) -> int:
-    """Set ``torch.set_num_threads`` for this rank from the node's affinity masks.
-
-    ``world`` is an mpi4py Intracomm of every rank of the run (MPI_COMM_TYPE_SHARED gives the
-    node). Collective. Logs a warning when ranks × threads exceed the node's cores.
-    """
+    """Set ``torch.set_num_threads`` for this rank from the node's affinity masks; a warning
+    when ranks × threads exceed the node's cores. Collective over ``world`` (every rank)."""
     import torch
     from mpi4py import MPI
 

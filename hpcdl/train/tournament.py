@@ -1,15 +1,9 @@
-"""The pieces of an LTFB tournament (Jacobs et al., "Towards Scalable Parallel Training of Deep
-Neural Networks", MLHPC'17), each usable and testable alone:
-
-- ``TrainerLayout`` / ``split_world``: COMM_WORLD -> K trainer communicators (contiguous ranks)
-  and "peer" communicators linking rank i of every trainer;
-- ``tournament_partners``: the pairing of a round, from a seed every rank shares (no messages);
-- ``partition_samples``: each trainer's training shards and its held-out tournament samples;
-- ``PartitionLoader``: ShardedImageNet restricted to an explicit sample pool (one trainer's);
-- ``flatten_state`` / ``load_flat_state`` / ``exchange_flat``: a model (and optimizer) state as
-  one byte vector, swapped slice by slice over the peer communicator and rebuilt by an
-  allgather within the trainer;
-- ``score_model``: loss and top-1 of a model on a loader, summed over the trainer's ranks.
+"""The pieces of an LTFB tournament (Jacobs et al., MLHPC'17; docs/ltfb.md), each usable and
+testable alone: ``split_world`` (K trainer and "peer" communicators), ``tournament_partners``
+(a round's pairs from a shared seed), ``partition_samples`` (each trainer's shards and held-out
+samples), ``PartitionLoader`` (ShardedImageNet over one trainer's pool), ``flatten_state`` /
+``load_flat_state`` / ``exchange_flat`` (a state as one byte vector, swapped over the peer
+communicator) and ``score_model`` (loss and top-1 summed over the trainer's ranks).
 """
 from __future__ import annotations
 
@@ -22,6 +16,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcdl.comm.base import sum_over
 from hpcdl.data.loader import ShardedImageNet
 from hpcdl.data.sampler import node_samples
 
@@ -40,9 +35,8 @@ HOLDOUT_SALT = 0x70C4
 @dataclass
 class TrainerLayout:
     """Where this rank sits: trainer ``index`` of ``trainers``, rank ``trainer_rank`` of
-    ``trainer_size`` within it. ``trainer_comm`` joins the ranks of one trainer (its
-    data-parallel group); ``peer_comm`` joins rank ``trainer_rank`` of every trainer, ranked by
-    trainer index (so a partner trainer's index is its rank there)."""
+    ``trainer_size`` within it. ``trainer_comm``: one trainer's ranks; ``peer_comm``: rank
+    ``trainer_rank`` of every trainer, ranked by trainer index (a partner's index is its rank)."""
 
     trainers: int
     index: int
@@ -58,10 +52,9 @@ class TrainerLayout:
 
 
 def split_world(world: MPI.Intracomm, trainers: int) -> TrainerLayout:
-    """Split ``world`` into ``trainers`` trainers of consecutive ranks (so a trainer stays on as
-    few nodes as possible: its allreduce is the one that runs every step) and the peer
-    communicators. Collective over ``world``; raises ValueError naming the sizes when
-    ``trainers`` does not divide the world."""
+    """Split ``world`` into ``trainers`` trainers of consecutive ranks (few nodes each: theirs
+    is the every-step allreduce) and the peer communicators. Collective; ValueError naming the
+    sizes when ``trainers`` does not divide the world."""
     if trainers < 1:
         raise ValueError(f"--trainers {trainers}: need at least 1")
     if world.size % trainers:
@@ -77,10 +70,9 @@ def split_world(world: MPI.Intracomm, trainers: int) -> TrainerLayout:
 
 # -- pairing ----------------------------------------------------------------------------------
 def tournament_partners(seed: int, round_index: int, trainers: int) -> list[int | None]:
-    """``partners[t]``: the trainer t meets in round ``round_index``, or None (the odd one out
-    keeps its model this round). Consecutive entries of a permutation drawn from
-    (seed, round) are paired, so every rank computes the same pairing without a message and
-    the pairing changes from round to round (Jacobs et al. 2017, Sec. 3: random pairs)."""
+    """``partners[t]``: the trainer t meets in round ``round_index``, or None (the odd one out).
+    Consecutive entries of a permutation drawn from (seed, round) pair up: the same on every
+    rank without a message, new each round (Jacobs et al. 2017, Sec. 3: random pairs)."""
     order = np.random.default_rng([seed, round_index, EXCHANGE_TAG]).permutation(trainers)
     partners: list[int | None] = [None] * trainers
     for a, b in zip(order[0::2], order[1::2], strict=False):
@@ -91,10 +83,9 @@ def tournament_partners(seed: int, round_index: int, trainers: int) -> list[int 
 # -- data -------------------------------------------------------------------------------------
 def partition_samples(counts: Sequence[int], trainers: int, holdout_fraction: float,
                       seed: int, min_holdout: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
-    """For each trainer t, (training samples, tournament samples): global sample indices of
-    the training shards i with i mod K == t, a seeded ``holdout_fraction`` of them (at least
-    ``min_holdout``) held out for tournaments and never trained on. A pure function of the
-    manifest's counts and the seed: every rank derives every trainer's split alone."""
+    """For each trainer t, (training samples, tournament samples): the global indices of
+    training shards i with i mod K == t, a seeded ``holdout_fraction`` (at least
+    ``min_holdout``) held out, never trained on. A pure function of counts and seed."""
     if len(counts) < trainers:
         raise ValueError(f"the training split has {len(counts)} shards, fewer than the "
                          f"{trainers} trainers: re-shard with at least {trainers} shards "
@@ -119,12 +110,9 @@ class PartitionLoader(ShardedImageNet):
     """ShardedImageNet over an explicit pool of training samples (one trainer's partition, or
     its tournament set), dealt round-robin to the ``local_size`` ranks of the trainer.
 
-    ``train=True``: the pool is permuted by (seed, epoch, trainer) each epoch, with the
-    training augmentation, and ``batches`` (the same on every rank of every trainer, so all
-    trainers step in lock-step to each tournament) per epoch. ``train=False``: the pool in
-    order, centre crops, every sample exactly once (the last batch may be short or empty).
-    Every rank of the trainer must be able to read the pool's shards (shared file system, or
-    the trainer's shards staged on each of its nodes).
+    ``train=True``: permuted by (seed, epoch, trainer) each epoch, augmented, ``batches`` per
+    epoch (the same in every trainer: they meet at the same steps). ``train=False``: in order,
+    centre crops, every sample once. Every rank of the trainer must read the pool's shards.
     """
 
     def __init__(self, shard_dir: str, pool: np.ndarray, trainer_index: int, local_rank: int,
@@ -202,11 +190,9 @@ def slice_counts(nbytes: int, parts: int) -> tuple[list[int], list[int]]:
 def exchange_flat(flat: torch.Tensor, layout: TrainerLayout, partner: int) -> torch.Tensor:
     """Swap a flat state with trainer ``partner``; returns the partner's full vector.
 
-    Rank i of the trainer sends only slice i of its vector to rank i of the partner (over the
-    peer communicator) and receives the partner's slice i, so each rank moves 1/trainer_size
-    of the model across the machine; an allgather within the trainer then rebuilds the
-    partner's whole vector on every rank (Jacobs et al. 2017: the exchange is pairwise, never
-    a global collective).
+    Rank i swaps slice i with rank i of the partner (peer communicator), so each rank moves
+    1/trainer_size of the model; an allgather within the trainer rebuilds the whole vector
+    (Jacobs et al. 2017: pairwise, never a global collective).
     """
     peer, group = layout.peer_comm, layout.trainer_comm
     nbytes = int(flat.numel())
@@ -246,8 +232,7 @@ def score_model(model: torch.nn.Module, loader, comm: MPI.Intracomm,
             logits = model(x.contiguous(memory_format=memory_format)).float()
             sums += [float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum")),
                      float(logits.argmax(dim=1).eq(labels).sum()), labels.numel()]
-    total = np.empty_like(sums)
-    comm.Allreduce(sums, total, op=MPI.SUM)
+    total = sum_over(comm, sums)
     model.train(was_training)
     n = max(total[2], 1.0)
     return {"loss": float(total[0] / n), "top1": float(total[1] / n), "samples": int(total[2])}

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcdl.comm.base import sum_over
 from hpcdl.comm.policy import create_policy
 from hpcdl.debug.inject import injected_pause
 from hpcdl.errors import BadInputError, agreed, mark_agreed
@@ -258,16 +259,12 @@ class Trainer:
         # Collective: ranks of different nodes check different shards, and all must stop
         # together if any found a bad one (hpcdl/errors.py).
         with agreed(self.comm.mpi_comm):
-            return ShardedImageNet(self.data_dir, split=split, node_index=self.comm.node_index,
-                                   num_nodes=self.comm.num_nodes,
-                                   local_rank=self.comm.local_rank,
-                                   local_size=self.comm.local_size, batch_size=batch_size,
-                                   image_size=data.image_size, seed=self.config.train.seed,
-                                   workers=data.workers, rotate_shards=data.rotate_shards,
-                                   min_scale=data.min_scale, crop=data.crop,
-                                   resize=data.val_resize,
-                                   verify_shards=self.options.verify_shards,
-                                   num_classes=self.config.model.get("num_classes"))
+            return ShardedImageNet.for_communicator(
+                self.comm, self.data_dir, split, batch_size, image_size=data.image_size,
+                seed=self.config.train.seed, workers=data.workers,
+                rotate_shards=data.rotate_shards, min_scale=data.min_scale, crop=data.crop,
+                resize=data.val_resize, verify_shards=self.options.verify_shards,
+                num_classes=self.config.model.get("num_classes"))
 
     def _memory_format(self) -> torch.memory_format:
         if not self.config.train.channels_last:
@@ -454,15 +451,11 @@ class Trainer:
         is acted on at the same step everywhere; one landing after this call waits for the
         next step's. (``handle_signals=False``: this trainer's stop is decided elsewhere --
         LTFB's check across trainers -- or not at all, the benches.)"""
-        from mpi4py import MPI
-
         nonfinite = not math.isfinite(local_loss)
         signalled = self.options.handle_signals and signals.pending() is not None
-        flags = np.array([1.0 if signalled else 0.0,
-                          1.0 if nonfinite else 0.0,
-                          0.0 if nonfinite else local_loss], dtype=np.float64)
-        total = np.empty_like(flags)
-        self.comm.mpi_comm.Allreduce(flags, total, op=MPI.SUM)
+        total = sum_over(self.comm.mpi_comm, [1.0 if signalled else 0.0,
+                                              1.0 if nonfinite else 0.0,
+                                              0.0 if nonfinite else local_loss])
         return bool(total[0] > 0), bool(total[1] > 0), float(total[2])
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
@@ -500,8 +493,6 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Top-1/top-5 and loss on the validation split, each rank its part, summed over all
         ranks. BN running statistics are averaged first, so every rank evaluates one model."""
-        from mpi4py import MPI
-
         if not self.options.no_comm:
             stats = [b for n, b in self.model.named_buffers()
                      if b.is_floating_point() and b.numel() > 0]
@@ -522,8 +513,7 @@ class Trainer:
                 sums += [float(torch.nn.functional.cross_entropy(logits, labels,
                                                                  reduction="sum")),
                          float(hits[:, :1].sum()), float(hits.sum()), labels.numel()]
-        total = np.empty_like(sums)
-        self.comm.mpi_comm.Allreduce(sums, total, op=MPI.SUM)
+        total = sum_over(self.comm.mpi_comm, sums)
         self.model.train()
         count = max(total[3], 1.0)
         result = {"kind": "eval", "step": self.step,
@@ -600,17 +590,9 @@ class Trainer:
         self._last_checkpoint_step = self.step
 
     def _adopt_other_layout(self, state: dict[str, Any], source: str) -> None:
-        """Elastic resume: a checkpoint of P ranks continued on P' != P (docs/training.md).
-
-        - epoch length: the run's, from the checkpoint (same global batch, so the same images
-          per epoch); the schedule, a function of the step, continues where it stopped;
-        - BN running statistics: every rank starts from their mean over the P saved ranks
-          (what evaluation uses, :meth:`evaluate`), stored in ``model.pt`` at the save, so no
-          rank reads another rank's file;
-        - RNG states: reseeded on every rank from (seed, epoch, step, rank) -- a P-rank stream
-          has no P'-rank counterpart; the loader's order and augmentation draws are functions
-          of (seed, epoch, sample), so they need no RNG state.
-        """
+        """Elastic resume: a checkpoint of P ranks continued on P' != P (docs/training.md,
+        "Resuming on another rank count"): the run's epoch length, BN statistics from their
+        mean in ``model.pt``, RNG states reseeded from (seed, epoch, step, rank)."""
         saved_spe = int(state.get("steps_per_epoch", self.steps_per_epoch))
         if saved_spe != self.steps_per_epoch:
             self._set_steps_per_epoch(saved_spe, source)
@@ -671,14 +653,10 @@ class Trainer:
         """Collective: the mean over the ranks of every floating BN buffer (float64 sums, one
         Allreduce of the buffers' size), what an elastic resume starts every rank from. The
         ranks' own buffers are not changed."""
-        from mpi4py import MPI
-
         named = self._float_buffers()
         flat = np.concatenate([b.detach().double().reshape(-1).numpy() for _, b in named]) \
             if named else np.zeros(0)
-        total = np.empty_like(flat)
-        self.comm.mpi_comm.Allreduce(flat, total, op=MPI.SUM)
-        total /= self.size
+        total = sum_over(self.comm.mpi_comm, flat) / self.size
         mean, offset = {}, 0
         for name, b in named:
             mean[name] = torch.from_numpy(total[offset:offset + b.numel()].copy()).reshape(
@@ -779,12 +757,8 @@ class Trainer:
     def resume(self, spec: str = "auto") -> str | None:
         """``auto``: the newest valid checkpoint of the current line in RUN_DIR/checkpoints
         (none: start fresh); ``none``: start fresh; a path: that checkpoint. Collective.
-        Returns the path used.
-
-        Rank 0 reads the manifest and ``model.pt`` and broadcasts the latter's bytes; each
-        rank reads only its own file (none at another rank count), so what a rank reads does
-        not grow with the rank count. A checkpoint that fails anywhere (a sha256 mismatch, a
-        torn file, on any rank) is reported by name and the previous one is tried."""
+        Returns the path used. Who reads what, and the fall-back to the previous checkpoint:
+        docs/training.md, "Checkpoints and resume"."""
         start_io = _io_counters()
         candidates: list[str] = []
         if self.rank == 0 and self.options.write_files:
