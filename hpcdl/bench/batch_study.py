@@ -1,41 +1,19 @@
 """The papers' central figure in miniature: top-1 against global batch, LARS against linear
-scaling + warm-up (``hpcdl bench convergence --study``).
+scaling + warm-up (``hpcdl bench convergence --study``; You, Gitman & Ginsburg arXiv:1708.03888
+Fig. 1; Goyal et al. arXiv:1706.02677), the same epochs for every batch (default
+{128, 384, 768, 1,536, 3,072}: ImageNet's 8K and 32K are ≈ 375 and 1,536 here).
 
-You, Gitman & Ginsburg (arXiv:1708.03888, Fig. 1 / Tab. 3) and You et al. (ICPP'18) show
-accuracy holding with LARS at batches where Goyal et al.'s linear scaling rule with warm-up
-(arXiv:1706.02677, Fig. 1) falls off. The ImageNet batches 8K and 32K are 1/160 and 1/40 of its
-1.28 M images; on Fashion-MNIST's 60,000 that is ≈ 375 and 1,536, so the sweep is
-{128, 384, 768, 1,536, 3,072} by default, the same epochs for every run (the papers' fixed-epoch
-budget: a larger batch takes fewer steps).
+Kept fair: each (optimizer, batch) tries the same ``--grid`` of lrs around its method's rule
+(SGD linear, LARS square-root scaling of its global rate, η fixed), widened past an edge for
+both optimizers (``--extend-edges``); tuned on the holdout split, then the chosen lr trains
+with ``--seeds`` seeds and is scored once on the test split; every forward pass is
+``--micro-batch`` images per rank whatever the batch (ghost batch norm, Hoffer et al.,
+arXiv:1705.08741). Each run has its own directory under ``--out`` and a ``record.json`` when
+done: the same command resumes (SIGTERM/SIGUSR1 stops the study with exit 75).
 
-How the comparison is kept fair, choice by choice:
-
-- **Equal tuning.** Each (optimizer, batch) tries the same number of learning rates, a
-  geometric grid ``centre × --grid`` (default ×0.5, ×1, ×2). The centre is each method's own
-  rule: linear scaling for SGD (Goyal et al. §2.1, lr = sgd_lr·B/128), square-root scaling for
-  LARS's global rate (lr = lars_lr·√(B/1536); LARS's η fixed, as in the papers' tables that tune
-  only the base rate per batch). Warm-up, poly(2) decay, weight decay, epochs, model, data and
-  the per-forward batch are the same for both.
-- **Edges extended, for both.** Where either optimizer's best holdout lr at a batch is the
-  smallest or the largest value tried there, that batch's grid is extended by one step of the
-  grid's ratio on both sides, for both optimizers (``--extend-edges`` times, default once), so
-  every optimizer keeps the same number of values at every batch and no chosen lr is a
-  boundary of its grid unless the extension also chose it.
-- **Holdout, then test once.** Tuning runs train on the first 50,000 training images and
-  evaluate on the last 10,000 (``--holdout`` of the three-run bench); the lr with the best
-  holdout top-1 (ties: the smaller) is then trained on all 60,000 with ``--seeds`` seeds and
-  evaluated on the test split: the only runs that see it.
-- **Same batch-norm batch.** Every forward pass is ``--micro-batch`` images per rank (default
-  ``--small-batch`` over the ranks, 128 / 2 = 64, whatever ``--batches`` this invocation runs:
-  a study run one batch at a time must not change it); larger batches accumulate, as the
-  papers' 32K is many workers at a small batch each (ghost batch norm, Hoffer et al.,
-  arXiv:1705.08741).
-- **Resumable.** Each run has its own directory under ``--out`` (trainer checkpoints at epoch
-  ends) and writes ``record.json`` when done; the same command again skips finished runs and
-  resumes a stopped one. SIGTERM/SIGUSR1 stops the study with exit 75.
-
-Output: a table (mean, sample standard deviation, min and max of the seeds' top-1 for each
-optimizer and batch), the bench JSON, and a PNG of top-1 against batch with the seeds' spread.
+Output: a table (the seeds' top-1 mean, sample sd, min and max per optimizer and batch), the
+bench JSON with every run's record, and a PNG of top-1 against batch. docs/performance.md,
+"Convergence (accuracy against batch)".
 """
 from __future__ import annotations
 
@@ -48,6 +26,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hpcdl.bench.runs import (
+    bench_workdir,
+    fmnist_model,
+    fmnist_recipe,
+    fmnist_shards,
+    micro_batching,
+    run_record,
+    stopped_by_signal,
+    train_run,
+)
 from hpcdl.errors import BadInputError, mark_agreed
 from hpcdl.io import atomic_write_text
 
@@ -180,12 +168,6 @@ def study_micro_batch(args: argparse.Namespace, ranks: int) -> int:
 
 def study_recipe(run: StudyRun, args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     """The run as a recipe dict (hpcdl.train.config schema)."""
-    from hpcdl.bench.runs import micro_batching
-
-    micro = study_micro_batch(args, ranks)
-    model = {"name": args.model, "num_classes": 10}
-    if args.model == "resnet_small":
-        model["width"] = args.width
     if run.optimizer == "lars":
         optimizer = {"name": "lars", "momentum": 0.9, "weight_decay": args.weight_decay,
                      "trust_coefficient": args.trust_coefficient}
@@ -193,21 +175,12 @@ def study_recipe(run: StudyRun, args: argparse.Namespace, ranks: int) -> dict[st
         optimizer = {"name": "sgd", "momentum": 0.9, "weight_decay": args.weight_decay}
         if args.decay_policy == "skip_bn_bias":
             optimizer.update(bn_weight_decay=False, bias_decay_mult=0.0)
-    return {
-        "name": f"fmnist_study_{run.key}",
-        "source": "hpcdl bench convergence --study (You et al. arXiv:1708.03888 Fig. 1 in "
-                  "miniature)",
-        "model": model,
-        "data": {"image_size": 28, "val_resize": 28, "min_scale": args.min_scale, "workers": 2},
-        "epochs": args.epochs,
-        "batch": micro_batching(run.batch, micro, ranks),
-        "optimizer": optimizer,
-        "schedule": {"name": "poly", "base_lr": run.lr, "warmup_epochs": args.warmup_epochs,
-                     "power": 2.0},
-        "train": {"seed": run.seed, "eval_every_epochs": 0, "keep_checkpoints": 1,
-                  "log_every_steps": 20, "channels_last": True},
-        "comm": {"backend": args.backend, "bucket_mb": 1},
-    }
+    return fmnist_recipe(
+        f"fmnist_study_{run.key}",
+        "hpcdl bench convergence --study (You et al. arXiv:1708.03888 Fig. 1 in miniature)",
+        fmnist_model(args), micro_batching(run.batch, study_micro_batch(args, ranks), ranks),
+        args.epochs, optimizer, run.lr, args.warmup_epochs, {"backend": args.backend},
+        min_scale=args.min_scale, seed=run.seed, channels_last=True)
 
 
 def aggregate(records: dict[str, dict[str, Any]], finals: Sequence[StudyRun],
@@ -443,7 +416,6 @@ def run_study(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.bench.runs import bench_workdir, prepare_shards, run_record, train_run
     from hpcdl.results import bench_report, emit
     from hpcdl.train.config import CommConfig
     from hpcdl.train.session import RunSession
@@ -466,9 +438,8 @@ def run_study(args: argparse.Namespace) -> int:
     log = logging.getLogger("hpcdl.bench")
     with bench_workdir(world, args.out, "hpcdl-study-") as out:
         start = time.perf_counter()
-        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
-        shards = {"tune": prepare_shards(world, data_dir, args.source, holdout=True),
-                  "final": prepare_shards(world, data_dir, args.source, holdout=False)}
+        shards = {"tune": fmnist_shards(world, args, out, holdout=True),
+                  "final": fmnist_shards(world, args, out, holdout=False)}
         session = RunSession(world, CommConfig(backend=args.backend), log_level=None)
 
         def runner(run: StudyRun, run_dir: str) -> dict[str, Any] | None:
@@ -476,9 +447,7 @@ def run_study(args: argparse.Namespace) -> int:
             log.info("study run %s (%s split)", run.key, run.phase)
             summary = train_run(session.comm, recipe, shards[run.phase], run_dir,
                                 args.max_steps)
-            if summary["stopped"] == "signal":
-                log.warning("run %s stopped by a signal: rerun the same command to resume",
-                            run.key)
+            if stopped_by_signal(summary, run.key, out):
                 return None
             return {**run_record(run.key, recipe, summary), "decay_policy": args.decay_policy}
 

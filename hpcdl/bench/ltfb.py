@@ -14,7 +14,8 @@ run                what trains
 
 Both process P x per-rank images per step, and the LTFB run gets as many steps as the
 data-parallel one (its epochs are counted over its smaller partition). Each trainer evaluates
-on the 10,000 test images every epoch; the LTFB curve is the best trainer's.
+on the 10,000 test images every epoch; the LTFB curve is the best trainer's. The bench JSON
+has every evaluation, the tournament rounds and the settings. docs/performance.md, "LTFB".
 
     mpiexec -n 4 hpcdl bench ltfb --json ltfb.json --plot docs/ltfb_accuracy.png
 """
@@ -26,6 +27,8 @@ import shutil
 import sys
 import time
 from typing import Any
+
+from hpcdl.bench.runs import add_run_arguments, fmnist_model, fmnist_recipe
 
 COMMAND = "ltfb"
 HELP = "Fashion-MNIST accuracy vs time: K LTFB trainers vs one data-parallel trainer"
@@ -51,16 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="learning rate at global batch 128, scaled linearly with each "
                              "run's batch (default: 0.1 for sgd, 1.0 for lars)")
     parser.add_argument("--width", type=int, default=16, help="resnet_small width")
-    parser.add_argument("--source", default="debian",
-                        help="Fashion-MNIST idx files: debian (default), demo, or a folder")
-    parser.add_argument("--data", metavar="DIR", default=None,
-                        help="keep/reuse the JPEG tree and shards here (default: under --out)")
-    parser.add_argument("--out", metavar="DIR", default=None,
-                        help="keep the run directories here (default: a temporary directory)")
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help="stop both runs after this step (quick checks)")
-    parser.add_argument("--backend", default="auto", help="comm backend")
-    parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+    add_run_arguments(parser)
     parser.add_argument("--plot", metavar="FILE", help="write top-1 vs wall-clock time (PNG)")
 
 
@@ -72,20 +66,12 @@ def recipe(args: argparse.Namespace, global_batch: int, epochs: float) -> dict[s
     optimizer: dict[str, Any] = {"name": args.optimizer, "momentum": 0.9, "weight_decay": 5e-4}
     if args.optimizer == "lars":
         optimizer["trust_coefficient"] = 0.001
-    return {
-        "name": f"fmnist_{args.optimizer}_b{global_batch}",
-        "source": "hpcdl bench ltfb (Jacobs et al. MLHPC'17 vs data parallel)",
-        "model": {"name": "resnet_small", "num_classes": 10, "width": args.width},
-        "data": {"image_size": 28, "val_resize": 28, "min_scale": 0.35, "workers": 2},
-        "batch": {"global": global_batch, "per_rank": args.per_rank},
-        "epochs": epochs,
-        "optimizer": optimizer,
-        "schedule": {"name": "poly", "base_lr": base * global_batch / 128,
-                     "warmup_epochs": 0.5, "power": 2.0},
-        "train": {"seed": 0, "eval_every_epochs": 1, "keep_checkpoints": 1,
-                  "log_every_steps": 20},
-        "comm": {"backend": args.backend, "bucket_mb": 1},
-    }
+    return fmnist_recipe(
+        f"fmnist_{args.optimizer}_b{global_batch}",
+        "hpcdl bench ltfb (Jacobs et al. MLHPC'17 vs data parallel)", fmnist_model(args),
+        {"global": global_batch, "per_rank": args.per_rank}, epochs, optimizer,
+        base * global_batch / 128, 0.5, {"backend": args.backend}, min_scale=0.35,
+        eval_every_epochs=1)
 
 
 def ltfb_epochs(shard_dir: str, args: argparse.Namespace, world_size: int) -> float:
@@ -221,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.bench.runs import bench_workdir, prepare_shards
+    from hpcdl.bench.runs import bench_workdir, fmnist_shards
     from hpcdl.results import bench_report, emit
     from hpcdl.train.threads import configure_threads
 
@@ -234,8 +220,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log = logging.getLogger("hpcdl.bench")
     with bench_workdir(world, args.out, "hpcdl-ltfb-") as out:
-        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
-        shard_dir = prepare_shards(world, data_dir, args.source, holdout=False)
+        shard_dir = fmnist_shards(world, args, out, holdout=False)
         # threads from the node layout of the whole world (both runs use every rank)
         configure_threads(world)
         dp_dir, ltfb_dir = os.path.join(out, "data_parallel"), os.path.join(out, "ltfb")

@@ -21,15 +21,13 @@ run                        what keeps replicas consistent
                            (their loop is not the Trainer's; compare each anchor with it too)
 =========================  ===================================================================
 
-``--seeds 0,1,2`` repeats every run per seed (the model's initial weights, the data order and
-PowerSGD's first Q change with it); the report then has one row per run and seed, one row per
-run with the mean over seeds, and the goal is judged on the means.
-
-Per run: final top-1 on the test set, bytes each rank passed to allreduce (counted where they
-are sent; PyTorch's from its own ``PowerSGDState`` statistics and the averager's period),
-training wall time, and ``hpcdl plan``'s predicted run time for AlexNet-BN and ResNet-50 at
-2,048 sockets (``skx``, 32K batch) with the same H or compression ratio. Goal: ≥ 4× fewer bytes
-per step at ≤ 0.5 points of top-1 below ``sync``.
+``--seeds 0,1,2`` repeats every run per seed; the report then adds one row per run with the
+mean over seeds, and the goal is judged on the means. Per run: final top-1, bytes each rank
+passed to allreduce (counted where they are sent; PyTorch's from ``PowerSGDState`` and the
+averager's period), training wall time, and ``hpcdl plan``'s predicted minutes for AlexNet-BN
+and ResNet-50 at 2,048 ``skx`` sockets (32K batch) with the same H or compression. Goal: ≥ 4×
+fewer bytes per step at ≤ 0.5 points of top-1 below ``sync``. docs/performance.md, "Relaxed
+consistency".
 
     mpiexec -n 4 hpcdl bench relaxed --json relaxed.json --plot relaxed.png
 """
@@ -41,6 +39,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from hpcdl.bench.runs import add_run_arguments, fmnist_model, fmnist_recipe
 
 COMMAND = "relaxed"
 HELP = "local SGD, hierarchical local SGD, PowerSGD vs synchronous LARS and PyTorch DDP's"
@@ -71,11 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=2.0, help="LARS base lr (2.0)")
     parser.add_argument("--trust-coefficient", type=float, default=0.02, help="LARS eta (0.02)")
     parser.add_argument("--width", type=int, default=8, help="resnet_small width (8)")
-    parser.add_argument("--source", default="debian", help="debian (default), demo or a folder")
-    parser.add_argument("--data", metavar="DIR", default=None, help="keep/reuse shards here")
-    parser.add_argument("--out", metavar="DIR", default=None, help="keep run directories here")
-    parser.add_argument("--max-steps", type=int, default=None, help="stop runs early (checks)")
-    parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+    add_run_arguments(parser, backend=False)
     parser.add_argument("--plot", metavar="FILE", help="write top-1 vs bytes per step as PNG")
 
 
@@ -87,25 +83,17 @@ def recipe(args: argparse.Namespace, run: str, ranks: int, steps_per_epoch: int,
     if rest:
         raise SystemExit(f"hpcdl bench relaxed: --global-batch {args.global_batch} is not a "
                          f"multiple of {ranks} ranks")
-    comm: dict[str, Any] = {"backend": "mpi", "bucket_mb": 1}
+    comm: dict[str, Any] = {"backend": "mpi"}
     if run in ALGORITHM and run != "sync":
         comm.update(algorithm=ALGORITHM[run], local_steps=args.local_steps,
                     sync_warmup_steps=warmup_steps(args, steps_per_epoch),
                     powersgd_rank=args.powersgd_rank)
-    return {
-        "name": f"fmnist_{run}", "source": "hpcdl bench relaxed",
-        "model": {"name": "resnet_small", "num_classes": 10, "width": args.width},
-        "data": {"image_size": 28, "val_resize": 28, "min_scale": 0.7, "workers": 1},
-        "batch": {"global": args.global_batch, "per_rank": per_rank},
-        "epochs": args.epochs,
-        "optimizer": {"name": "lars", "momentum": 0.9, "weight_decay": 5e-4,
-                      "trust_coefficient": args.trust_coefficient},
-        "schedule": {"name": "poly", "base_lr": args.lr,
-                     "warmup_epochs": args.sync_warmup_epochs, "power": 2.0},
-        "train": {"seed": seed, "eval_every_epochs": 0, "keep_checkpoints": 1,
-                  "log_every_steps": 50},
-        "comm": comm,
-    }
+    return fmnist_recipe(
+        f"fmnist_{run}", "hpcdl bench relaxed", fmnist_model(args),
+        {"global": args.global_batch, "per_rank": per_rank}, args.epochs,
+        {"name": "lars", "momentum": 0.9, "weight_decay": 5e-4,
+         "trust_coefficient": args.trust_coefficient},
+        args.lr, args.sync_warmup_epochs, comm, workers=1, seed=seed, log_every_steps=50)
 
 
 def warmup_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
@@ -138,13 +126,10 @@ def run_dir(run: str, seed: int) -> str:
 
 
 def train_steps_per_epoch(comm, shard_dir: str, args, ranks: int) -> int:
-    from hpcdl.data import ShardedImageNet
+    from hpcdl.data import sharded_loader
 
-    loader = ShardedImageNet(shard_dir, split="train", node_index=comm.node_index,
-                             num_nodes=comm.num_nodes, local_rank=comm.local_rank,
-                             local_size=comm.local_size, batch_size=args.global_batch // ranks,
-                             image_size=28, workers=0)
-    return len(loader)
+    return len(sharded_loader(shard_dir, comm, split="train",
+                              batch_size=args.global_batch // ranks, image_size=28, workers=0))
 
 
 # -- PyTorch's anchors -----------------------------------------------------------------------
@@ -396,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     runs = parse_runs(args.runs)
     from mpi4py import MPI
 
-    from hpcdl.bench.runs import bench_workdir, prepare_shards
+    from hpcdl.bench.runs import bench_workdir, fmnist_shards
     from hpcdl.results import bench_report, emit
 
     world = MPI.COMM_WORLD
@@ -405,8 +390,7 @@ def run(args: argparse.Namespace) -> int:
                          f"--ranks-per-node {args.ranks_per_node}")
     with bench_workdir(world, args.out, "hpcdl-relaxed-") as out:
         start = time.perf_counter()
-        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
-        shard_dir = prepare_shards(world, data_dir, args.source, holdout=False)
+        shard_dir = fmnist_shards(world, args, out, holdout=False)
         records = []
         for seed in parse_seeds(args.seeds):
             for name in runs:

@@ -50,15 +50,15 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hpcdl.bench.baselines import (
-    Stepper,
-    ddp_stepper,
-    effective_memory_format,
-    horovod_missing,
-    horovod_stepper,
-)
+from hpcdl.bench.baselines import Stepper, ddp_stepper, horovod_missing, horovod_stepper
 from hpcdl.buckets import DEFAULT_BUCKET_MB
-from hpcdl.cpus import bf16_supported, cpu_capability, cpu_model_name, retain_freed_memory
+from hpcdl.cpus import (
+    bf16_supported,
+    cpu_capability,
+    cpu_model_name,
+    memory_format_name,
+    retain_freed_memory,
+)
 from hpcdl.host import nic_bytes, thread_cpu_s
 
 COMMAND = "train"
@@ -161,12 +161,10 @@ def make_loader(args: argparse.Namespace, comm, length: int):
     if args.synthetic:
         return SyntheticImages(args.batch, args.image_size, args.num_classes, length,
                                seed=comm.rank)
-    from hpcdl.data import ShardedImageNet
+    from hpcdl.data import sharded_loader
 
-    return ShardedImageNet(args.data, split="train", node_index=comm.node_index,
-                           num_nodes=comm.num_nodes, local_rank=comm.local_rank,
-                           local_size=comm.local_size, batch_size=args.batch,
-                           image_size=args.image_size, workers=args.workers)
+    return sharded_loader(args.data, comm, split="train", batch_size=args.batch,
+                          image_size=args.image_size, workers=args.workers)
 
 
 def endless(loader) -> Iterator:
@@ -666,8 +664,8 @@ def run(args: argparse.Namespace) -> int:
             for record in records.values():
                 record.update(model=args.model, image_size=args.image_size,
                               threads=args.threads,
-                              memory_format=effective_memory_format(args.memory_format,
-                                                                    args.threads),
+                              memory_format=memory_format_name(
+                                  args.memory_format == "channels_last", args.threads),
                               malloc=malloc, precision=precision,
                               wire_dtype="bfloat16" if record["mode"] == "ours_bf16"
                               else "float32",

@@ -8,12 +8,12 @@ from __future__ import annotations
 from hpcdl.data.format import FORMAT_VERSION, read_manifest
 
 __all__ = ["FORMAT_VERSION", "ShardedImageNet", "normalize", "input_normalization",
-           "node_layout", "read_manifest"]
+           "node_layout", "read_manifest", "sharded_loader"]
 
 
 def __getattr__(name: str):
     if name in ("ShardedImageNet", "normalize", "input_normalization", "IMAGENET_MEAN",
-                "IMAGENET_STD"):
+                "IMAGENET_STD", "sharded_loader"):
         from hpcdl.data import loader
 
         return getattr(loader, name)

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -303,3 +304,10 @@ class ShardedImageNet:
         for f, *_ in self._files.values():
             f.close()
         self._files.clear()
+
+
+def sharded_loader(shard_dir: str, comm: Any, **options: Any) -> ShardedImageNet:
+    """``ShardedImageNet`` over the node layout of ``comm`` (an hpcdl communicator: its
+    node_index, num_nodes, local_rank, local_size); ``options`` as ShardedImageNet's."""
+    return ShardedImageNet(shard_dir, node_index=comm.node_index, num_nodes=comm.num_nodes,
+                           local_rank=comm.local_rank, local_size=comm.local_size, **options)
