@@ -3,31 +3,14 @@
     mpiexec -n P hpcdl bench allreduce --backends mpi,ring,shm,gloo,ccl --sizes 1M,16M,100M \\
         --json allreduce.json
 
-Sizes are bytes of fp32 data (decimal: 1M = 10^6). Definitions are nccl-tests'
-(docs/PERFORMANCE.md there): ``algbw = bytes / time``, ``busbw = algbw * 2(p-1)/p``,
-GB = 10^9; ``time`` is the slowest rank's, the median of ``--repeats`` timed runs after
-``--warmup`` untimed ones. Buffers come from ``comm.empty`` and are reduced in place -- the
-way the gradient reducer uses a backend -- so ``shm`` reduces window memory with no copy in;
-``shm-copyin`` times the same backend on an ordinary tensor (copy into the window and back).
-``default`` is whatever ``backend="auto"`` picks, and ``memcpy`` is one core's copy bandwidth
-on this machine (the ceiling a memory-bound reduction is judged against).
-
-The site MPIs as baselines (``--site-mpi NAME=PREFIX``, run *without* mpiexec: the command
-becomes a driver). It launches this bench under the current environment's ``mpiexec`` for
-hpcdl's backends, then under each site MPI's own ``PREFIX/bin/mpiexec`` and
-``PREFIX/bin/python`` (a venv with hpcdl and that MPI, e.g. from ``tests/mpi_env.sh``) for
-``MPI_Allreduce`` alone, once per algorithm the MPI's own documentation offers for one node
-(Intel MPI's ``I_MPI_ADJUST_ALLREDUCE``, Open MPI's ``coll_tuned_allreduce_algorithm``,
-MPICH's ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM``), and merges one JSON: every tuning is a row,
-and ``default_vs_NAME_busbw_100MB`` compares hpcdl's default with that MPI's *best* tuning.
-The baselines vary by ~30% between separate runs, so only one invocation compares them.
-
-oneCCL (``ccl``, hpcdl/comm/ccl.py) is in the default list when its library is found
-(``CCL_ROOT``, ``LD_LIBRARY_PATH``); without it the run says so and goes on. Its rows carry
-the oneCCL settings they ran under (``tuning``). ``--ccl-tunings`` (driver mode, like
-``--site-mpi``) launches ``ccl`` once per setting in :func:`ccl_tunings` -- the transport, the
-shared-memory provider, worker count and worker pinning (docs/comm.md, "oneCCL on a cluster")
--- so the settings a user copies into a job script are measured in one run, not guessed.
+nccl-tests' definitions (``algbw = bytes / time``, ``busbw = algbw * 2(p-1)/p``, GB = 10^9,
+sizes in decimal bytes of fp32), the slowest rank's median time, buffers from ``comm.empty``
+reduced in place as the reducer does; ``shm-copyin`` is ``shm`` on an ordinary tensor,
+``default`` is ``backend="auto"``, ``memcpy`` one core's copy bandwidth. Driver mode (run
+without mpiexec): ``--site-mpi NAME=PREFIX`` also times each site MPI's ``MPI_Allreduce``
+under every algorithm its documentation offers (:data:`SITE_TUNINGS`; ratios against its
+best), ``--ccl-tunings`` the ``ccl`` backend under each of :func:`ccl_tunings`; one JSON.
+docs/performance.md, "Allreduce".
 """
 from __future__ import annotations
 
@@ -41,6 +24,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from hpcdl.mpi_library import RANK_ENV, WORLD_SIZE_ENV, launched_rank
 
 COMMAND = "allreduce"
 HELP = "allreduce bandwidth of mpi/ring/shm/gloo/ccl vs MPI_Allreduce (nccl-tests busbw)"
@@ -155,7 +140,7 @@ def default_backends() -> str:
     missing = missing_reason()
     if missing is None:
         return "mpi,ring,shm,gloo,ccl"
-    if int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))) == 0:
+    if launched_rank() == 0:
         print(f"ccl left out: {missing}", flush=True)
     return "mpi,ring,shm,gloo"
 
@@ -375,8 +360,7 @@ def run(args: argparse.Namespace) -> int:
     if args.backends is None:
         args.backends = default_backends()
     if args.site_mpi or args.ccl_tunings:
-        if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ \
-                or "PMI_RANK" in os.environ:
+        if any(key in os.environ for key in WORLD_SIZE_ENV + RANK_ENV):
             raise SystemExit("hpcdl bench allreduce --site-mpi/--ccl-tunings is a driver that "
                              "launches mpiexec itself: run it without mpiexec, with --np P")
         return run_driver(args, sizes)

@@ -231,31 +231,25 @@ def study_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 def plot_study(rows: Sequence[dict[str, Any]], path: str) -> str:
     """Top-1 (seed mean, bar from min to max) against global batch, one line per optimizer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from hpcdl.results import png_axes
 
     labels = {"lars": "LARS", "sgd": "SGD, linear scaling + warm-up (Goyal et al.)"}
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for opt in OPTIMIZERS:
-        mine = [r for r in rows if r["optimizer"] == opt and r["top1_mean"] is not None]
-        if not mine:
-            continue
-        x = [r["global_batch"] for r in mine]
-        y = [100 * r["top1_mean"] for r in mine]
-        low = [100 * (r["top1_mean"] - r["top1_min"]) for r in mine]
-        high = [100 * (r["top1_max"] - r["top1_mean"]) for r in mine]
-        ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=labels[opt])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("global batch (Fashion-MNIST, 60,000 images)")
-    ax.set_ylabel("test top-1 (%), seed mean, min-max")
-    ax.set_title("Accuracy against batch size at a fixed epoch budget")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with png_axes(path, (6.4, 4.0), dpi=100) as ax:
+        for opt in OPTIMIZERS:
+            mine = [r for r in rows if r["optimizer"] == opt and r["top1_mean"] is not None]
+            if not mine:
+                continue
+            y = [100 * r["top1_mean"] for r in mine]
+            low = [100 * (r["top1_mean"] - r["top1_min"]) for r in mine]
+            high = [100 * (r["top1_max"] - r["top1_mean"]) for r in mine]
+            ax.errorbar([r["global_batch"] for r in mine], y, yerr=[low, high], marker="o",
+                        capsize=3, label=labels[opt])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("global batch (Fashion-MNIST, 60,000 images)")
+        ax.set_ylabel("test top-1 (%), seed mean, min-max")
+        ax.set_title("Accuracy against batch size at a fixed epoch budget")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
     return path
 
 

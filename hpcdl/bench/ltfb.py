@@ -173,30 +173,21 @@ def ltfb_ratios(dp: list[dict[str, Any]], best: list[dict[str, Any]],
 
 def plot_curves(path: str, dp: list[dict[str, Any]], trainers: list[list[dict[str, Any]]],
                 best: list[dict[str, Any]], title: str) -> None:
-    import matplotlib
+    from hpcdl.results import png_axes
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot([p["elapsed_s"] for p in dp], [100 * p["top1"] for p in dp], "o-",
-            label="data parallel (1 trainer)")
-    for t, points in enumerate(trainers):
-        ax.plot([p["elapsed_s"] for p in points], [100 * p["top1"] for p in points], ":",
-                alpha=0.6, label=f"LTFB trainer {t}")
-    ax.plot([p["elapsed_s"] for p in best], [100 * p["top1"] for p in best], "s-",
-            label="LTFB best trainer")
-    ax.set_xlabel("wall-clock time since start (s)")
-    ax.set_ylabel("test top-1 (%)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    with png_axes(path, (6.4, 4.2)) as ax:
+        ax.plot([p["elapsed_s"] for p in dp], [100 * p["top1"] for p in dp], "o-",
+                label="data parallel (1 trainer)")
+        for t, points in enumerate(trainers):
+            ax.plot([p["elapsed_s"] for p in points], [100 * p["top1"] for p in points], ":",
+                    alpha=0.6, label=f"LTFB trainer {t}")
+        ax.plot([p["elapsed_s"] for p in best], [100 * p["top1"] for p in best], "s-",
+                label="LTFB best trainer")
+        ax.set_xlabel("wall-clock time since start (s)")
+        ax.set_ylabel("test top-1 (%)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -327,36 +327,24 @@ def mean_row(run: str, group: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(path: str, records: list[dict[str, Any]]) -> None:
-    import matplotlib
+    from hpcdl.results import png_axes
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from hpcdl.io import atomic_write_bytes
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     means = [r for r in records if r.get("seed") == "mean"]  # several seeds: mean, min-max
-    for r in means or records:
-        marker = "s" if r["run"].startswith("ddp") else "o"
-        spread = ([[100 * (r["top1"] - r["top1_min"])], [100 * (r["top1_max"] - r["top1"])]]
-                  if means else None)
-        ax.errorbar(r["bytes_per_step"] / 1e6, 100 * r["top1"], yerr=spread, fmt=marker,
-                    capsize=3)
-        ax.annotate(r["run"], (r["bytes_per_step"] / 1e6, 100 * r["top1"]), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel("MB passed to allreduce per rank per step (log)")
-    ax.set_ylabel("Fashion-MNIST test top-1 (%)")
-    ax.set_title("Relaxed consistency vs synchronous LARS (o: hpcdl, s: PyTorch DDP)",
-                 fontsize=9)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    import io
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
+    with png_axes(path, (6.4, 4.2)) as ax:
+        for r in means or records:
+            marker = "s" if r["run"].startswith("ddp") else "o"
+            spread = ([[100 * (r["top1"] - r["top1_min"])],
+                       [100 * (r["top1_max"] - r["top1"])]] if means else None)
+            ax.errorbar(r["bytes_per_step"] / 1e6, 100 * r["top1"], yerr=spread, fmt=marker,
+                        capsize=3)
+            ax.annotate(r["run"], (r["bytes_per_step"] / 1e6, 100 * r["top1"]), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB passed to allreduce per rank per step (log)")
+        ax.set_ylabel("Fashion-MNIST test top-1 (%)")
+        ax.set_title("Relaxed consistency vs synchronous LARS (o: hpcdl, s: PyTorch DDP)",
+                     fontsize=9)
+        ax.grid(True, alpha=0.3)
 
 
 def parse_runs(text: str) -> list[str]:

@@ -1,41 +1,17 @@
-"""Training-step throughput: hpcdl's step against the ceiling and the baseline, in one run.
+"""Training-step throughput: hpcdl's step against the ceiling and the baselines, in one run.
 
-Three modes on the same ranks, model, batch and threads, taking turns (``--rounds``):
-
-- ``ours``: the trainer's own step (:meth:`hpcdl.train.trainer.Trainer.train_step`): forward,
-  backward with gradients averaged by the overlapped :class:`~hpcdl.comm.reducer.
-  GradientReducer` on the default comm backend, then LARS (You et al., ICPP'18);
-- ``no_comm``: the same step of the same Trainer with its reducer suspended, so each rank only
-  computes: the ceiling communication can approach (``vs_no_comm``, goal ≥ 0.97);
-- ``ddp_gloo``: what a PyTorch user would pick, ``DistributedDataParallel`` on a gloo process
-  group (rendezvous over MPI) with the same model and LARS (``vs_ddp_gloo``, goal ≥ 1.05);
-- ``horovod`` (asked for by name): the same model and LARS under ``hvd.DistributedOptimizer``
-  (``vs_horovod``), where ``horovod.torch`` imports; elsewhere the mode is dropped and the
-  JSON's ``absent_modes`` says why (Horovod is a baseline, never an hpcdl dependency; both
-  baselines live in hpcdl/bench/baselines.py);
-- ``ours@BACKEND`` (e.g. ``ours@gloo``): ``ours`` on a communicator of that backend, so
-  hpcdl's overlap can be compared with DDP on the same transport;
-- ``ours_bf16`` (asked for by name): ``ours`` with bf16 gradients on the wire
-  (``comm.wire_dtype: bfloat16``), on a Trainer and a communicator of its own: the wire dtype
-  is fixed when a communicator is built, and only ``ring`` (one rank per host) and ``shm``
-  (ranks sharing a host) send bf16 and sum in fp32, so it runs on those, not on ``mpi``.
-
-Across hosts (one rank per host or more; docs/performance.md, "Training step"), each step also
-records what it really cost, read from the operating system rather than from a formula: the
-bytes the host's NIC sent and received (``--nic``, default eth0: ``/sys/class/net/NIC/
-statistics``, which each host of the test cluster has of its own), the rank's CPU seconds
-(every thread: compute, the reducer's, gloo's) and the reducer thread's own CPU seconds
-(``/proc/self/task/TID/stat``: where the overlap's CPU goes on a machine with few cores). The
-JSON names the hosts, each host's link shaping (``tc qdisc show dev NIC``) and the load
-average before and after.
-
-Compute efficiency is the training FLOP rate (forward multiply-adds from
-:func:`hpcdl.models.flops` × 2 FLOPs × 3 for forward and backward) over the FLOP rate of a large
-fp32 matmul measured by every rank at the same time (``flops_fraction_of_matmul``, goal ≥ 0.8).
+Modes on the same ranks, model, batch and threads, taking turns (``--rounds``): ``ours`` (the
+Trainer's step: overlapped GradientReducer, then LARS), ``no_comm`` (the same Trainer with its
+reducer suspended: the ceiling, ``vs_no_comm``), ``ddp_gloo`` (PyTorch DDP on gloo,
+``vs_ddp_gloo``), ``horovod`` (by name; absent, with the reason in ``absent_modes``, where
+``horovod.torch`` does not import), ``ours@BACKEND``, ``ours_bf16`` (bf16 on the wire, on a
+communicator of its own: ``ring`` or ``shm``) and, with ``--shard-update``, ``ours_allreduce``.
+Each step also records the NIC bytes of ``--nic``, the rank's CPU seconds and the reducer
+thread's; the JSON names the hosts, their link shaping (``tc qdisc``) and the load average.
+``flops_fraction_of_matmul``: the step's training FLOP rate (6 × forward multiply-adds) over
+an n×n matmul's on the same ranks. docs/performance.md, "Training step".
 
     mpiexec -n 2 hpcdl bench train --model resnet50 --image-size 112 --synthetic --json F.json
-    mpiexec -hosts h1,h2 -ppn 1 -n 2 hpcdl bench train --model alexnet_bn --image-size 224 \
-        --batch 32 --synthetic --modes no_comm,ours,ours_bf16,ddp_gloo --json F.json
 """
 from __future__ import annotations
 
