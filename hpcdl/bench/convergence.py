@@ -36,6 +36,7 @@ from hpcdl.bench.runs import (
     fmnist_recipe,
     fmnist_shards,
     micro_batching,
+    parse_choices,
     run_record,
     stopped_by_signal,
     train_run,
@@ -144,20 +145,12 @@ def convergence_ratios(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return ratios
 
 
-def parse_runs(text: str) -> list[str]:
-    runs = [r.strip() for r in text.split(",") if r.strip()]
-    known = RUNS + EXTRA_RUNS
-    if not runs or any(r not in known for r in runs):
-        raise SystemExit(f"hpcdl bench convergence: --runs {text!r}: choose from {','.join(known)}")
-    return runs
-
-
 def run(args: argparse.Namespace) -> int:
     if args.study:
         from hpcdl.bench.batch_study import run_study
 
         return run_study(args)
-    runs = parse_runs(args.runs)
+    runs = parse_choices("convergence", "--runs", args.runs, RUNS + EXTRA_RUNS)
     if args.epochs <= 0 or args.small_batch < 1 or args.large_batch < 1:
         raise SystemExit("hpcdl bench convergence: --epochs, --small-batch and --large-batch "
                          "must be positive")

@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-from hpcdl.bench.runs import add_run_arguments, fmnist_model, fmnist_recipe
+from hpcdl.bench.runs import add_run_arguments, fmnist_model, fmnist_recipe, parse_choices
 
 COMMAND = "relaxed"
 HELP = "local SGD, hierarchical local SGD, PowerSGD vs synchronous LARS and PyTorch DDP's"
@@ -347,13 +347,6 @@ def plot(path: str, records: list[dict[str, Any]]) -> None:
         ax.grid(True, alpha=0.3)
 
 
-def parse_runs(text: str) -> list[str]:
-    runs = [r.strip() for r in text.split(",") if r.strip()]
-    if not runs or any(r not in RUNS for r in runs):
-        raise SystemExit(f"hpcdl bench relaxed: --runs {text!r}: choose from {','.join(RUNS)}")
-    return runs
-
-
 def parse_seeds(text: str) -> list[int]:
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
@@ -366,7 +359,7 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    runs = parse_runs(args.runs)
+    runs = parse_choices("relaxed", "--runs", args.runs, RUNS)
     from mpi4py import MPI
 
     from hpcdl.bench.runs import bench_workdir, fmnist_shards

@@ -14,8 +14,8 @@ from typing import Any
 from hpcdl.errors import BadInputError, mark_agreed
 
 __all__ = ["HOLDOUT", "add_run_arguments", "bench_workdir", "fmnist_model", "fmnist_recipe",
-           "fmnist_shards", "micro_batching", "prepare_shards", "run_record", "stopped_by_signal",
-           "train_run", "write_holdout_source"]
+           "fmnist_shards", "micro_batching", "parse_choices", "prepare_shards", "run_record",
+           "stopped_by_signal", "train_run", "write_holdout_source"]
 
 HOLDOUT = 10_000  # training images held out by --holdout (as many as the test set)
 
@@ -34,6 +34,14 @@ def add_run_arguments(parser: argparse.ArgumentParser, backend: bool = True) -> 
     if backend:
         parser.add_argument("--backend", default="auto", help="comm backend")
     parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+
+
+def parse_choices(bench: str, flag: str, text: str, known: tuple[str, ...]) -> list[str]:
+    """``--runs``-like options: a comma-separated subset of ``known`` (bad input: exit 2)."""
+    chosen = [c.strip() for c in text.split(",") if c.strip()]
+    if not chosen or any(c not in known for c in chosen):
+        raise SystemExit(f"hpcdl bench {bench}: {flag} {text!r}: choose from {','.join(known)}")
+    return chosen
 
 
 def fmnist_model(args: argparse.Namespace) -> dict[str, Any]:

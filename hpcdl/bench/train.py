@@ -59,9 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="images per rank per step")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="the modes take turns this many times, each running its share "
-                             "of --steps (rotated order; default min(4, --steps); 1: each "
-                             "mode once, in --modes order)")
+                        help="rounds in which the modes take turns, each its share of --steps "
+                             "(default min(4, --steps))")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, per mode")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--modes", default=None,
@@ -75,24 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default %(default)g)")
     parser.add_argument("--memory-format", choices=("channels_last", "contiguous"),
                         default="contiguous",
-                        help="activation layout of every mode; channels_last needs >= 2 "
-                             "threads per rank (the trainer's rule: torch 2.13 CPU corrupts "
-                             "the heap in channels_last conv backward on one thread)")
+                        help="activation layout of every mode (channels_last: >= 2 threads)")
     parser.add_argument("--malloc", choices=("retain", "default"), default="retain",
-                        help="retain: glibc keeps freed activation memory instead of returning "
-                             "it to the OS (no page faults per step; measured ~7%% of a "
-                             "ResNet-50 step here); default: glibc's own thresholds")
+                        help="retain: glibc keeps freed activation memory (no page faults per "
+                             "step); default: glibc's own thresholds")
     parser.add_argument("--workers", type=int, default=2, help="decode threads with --data")
     parser.add_argument("--matmul-size", type=int, default=2048,
                         help="n of the n×n fp32 matmul that sets the FLOP/s reference")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
-                        help="skip profiling one compute-only step into kernel categories "
-                             "(where the FLOP fraction goes; on by default)")
+                        help="skip profiling a compute-only step into kernel categories")
     parser.add_argument("--shard-update", action="store_true",
-                        help="ours shards the weight update (comm.shard_update: reduce-scatter "
-                             "the gradients, LARS on each rank's slice, allgather the "
-                             "parameters; Xu et al. 2020); no_comm still runs the whole "
-                             "optimizer on every rank")
+                        help="ours shards the weight update (comm.shard_update; Xu et al. "
+                             "2020); no_comm still runs the whole optimizer on every rank")
     parser.add_argument("--bf16", action="store_true",
                         help="every mode in bf16 autocast (torch.autocast('cpu')), the FLOP "
                              "reference a bf16 matmul; skipped, with a line saying why, on a "

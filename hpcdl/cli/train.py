@@ -30,11 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, help="shard directory (data_prep output)")
     parser.add_argument("--out", required=True, metavar="RUN_DIR",
                         help="run directory (shared by all ranks)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="recipe overrides with dotted keys, e.g. batch.per_rank=32 epochs=2")
-    parser.add_argument("--backend", default=None,
-                        help="comm backend (auto, mpi, ring, shm, gloo, ccl); default: the "
-                             "recipe's comm.backend")
+    add_session_arguments(parser)
     parser.add_argument("--resume", default="auto", metavar="auto|PATH|none",
                         help="auto: newest valid checkpoint in RUN_DIR/checkpoints (default); "
                              "none: start fresh")
@@ -53,13 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-comm", action="store_true",
                         help="do not reduce gradients (compute-only ceiling; ranks diverge)")
     parser.add_argument("--no-eval", action="store_true", help="skip evaluation")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     parser.add_argument("--timeline", default=None, metavar="FILE",
                         help="write a chrome://tracing timeline of each step")
-    progress = parser.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
-                          help="progress bar on rank 0 (default: when stderr is a terminal)")
-    progress.add_argument("--no-progress", dest="progress", action="store_false")
     ltfb = parser.add_argument_group("LTFB (Jacobs et al. MLHPC'17; docs/ltfb.md)")
     ltfb.add_argument("--algorithm", choices=("dp", "ltfb"), default="dp",
                       help="dp: one data-parallel trainer (default); ltfb: K trainers with "
@@ -75,6 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ltfb.add_argument("--tournament-holdout", type=float, default=0.05, metavar="F",
                       help="fraction of each trainer's training samples held out for "
                            "tournaments (default 0.05)")
+
+
+def add_session_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every training command takes besides its own: recipe overrides, the backend, the
+    log level and the progress bar (``hpcdl train``, ``hpcdl demo``)."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="recipe overrides with dotted keys, e.g. batch.per_rank=32 epochs=2")
+    parser.add_argument("--backend", default=None,
+                        help="comm backend (auto, mpi, ring, shm, gloo, ccl); default: the "
+                             "recipe's comm.backend")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    progress = parser.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
+                          help="progress bar on rank 0 (default: when stderr is a terminal)")
+    progress.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def _check_options(args: argparse.Namespace) -> None:
