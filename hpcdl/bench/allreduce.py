@@ -256,8 +256,9 @@ def parse_site_mpi(items: list[str]) -> list[tuple[str, str]]:
 
 
 def launch_bench(mpiexec: list[str], python: str, np: int, bench_args: list[str],
-                 env: dict[str, str], json_path: str) -> dict:
-    """One ``mpiexec -n np python -m hpcdl.cli.main bench allreduce ...``; its JSON report."""
+                 env: dict[str, str], json_path: str) -> list[dict]:
+    """One ``mpiexec -n np python -m hpcdl.cli.main bench allreduce ...``; its records, each
+    with the MPI library it ran under."""
     command = [*mpiexec, "-n", str(np), python, "-m", "hpcdl.cli.main", "bench", "allreduce",
                *bench_args, "--json", json_path]
     proc = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
@@ -268,7 +269,8 @@ def launch_bench(mpiexec: list[str], python: str, np: int, bench_args: list[str]
               f"{proc.stderr[-2000:]}", file=sys.stderr)
         raise SystemExit(1)
     with open(json_path, encoding="utf-8") as f:
-        return json.load(f)
+        report = json.load(f)
+    return [dict(r, mpi=report["machine"]["mpi"]) for r in report["results"]]
 
 
 def site_ratios(records: list[dict], names: list[str], sizes: list[int]) -> dict[str, Any]:
@@ -300,21 +302,19 @@ def run_driver(args: argparse.Namespace, sizes: list[int]) -> int:
     common = ["--sizes", args.sizes, "--repeats", str(args.repeats), "--warmup",
               str(args.warmup)]
     with tempfile.TemporaryDirectory(prefix="hpcdl-allreduce-driver-") as work:
-        ours = launch_bench([mpiexec], sys.executable, args.np,
-                            ["--backends", args.backends, *common], {},
-                            os.path.join(work, "hpcdl.json"))
-        records = [dict(r, mpi=ours["machine"]["mpi"]) for r in ours["results"]]
+        records = launch_bench([mpiexec], sys.executable, args.np,
+                               ["--backends", args.backends, *common], {},
+                               os.path.join(work, "hpcdl.json"))
         for name, prefix in sites:
             for i, tuning in enumerate(SITE_TUNINGS[name]):
                 print(f"measuring {name} {tuning or '(its default)'}", flush=True)
-                report = launch_bench(
+                rows = launch_bench(
                     [os.path.join(prefix, "bin", "mpiexec"), *site_launcher_args(name, args.np)],
                     os.path.join(prefix, "bin", "python"), args.np,
                     ["--backends", "mpi", "--only-listed", *common],
                     {**SITE_ENV[name], **tuning}, os.path.join(work, f"{name}-{i}.json"))
                 label = " ".join(f"{k}={v}" for k, v in tuning.items()) or "default"
-                records += [dict(r, backend=name, tuning=label, mpi=report["machine"]["mpi"])
-                            for r in report["results"]]
+                records += [dict(r, backend=name, tuning=label) for r in rows]
         if args.ccl_tunings:
             records += measure_ccl_tunings(mpiexec, args.np, common, work)
     ratios = {**bandwidth_ratios(records, sizes),
@@ -331,11 +331,9 @@ def measure_ccl_tunings(mpiexec: str, np: int, common: list[str], work: str) -> 
     records = []
     for i, tuning in enumerate(ccl_tunings(np, os.cpu_count() or 1)):
         print(f"measuring ccl {tuning or '(defaults)'}", flush=True)
-        report = launch_bench([mpiexec], sys.executable, np,
-                              ["--backends", "ccl", "--only-listed", *common], tuning,
-                              os.path.join(work, f"ccl-{i}.json"))
-        records += [dict(r, backend="ccl-tuned", mpi=report["machine"]["mpi"])
-                    for r in report["results"]]
+        records += [dict(r, backend="ccl-tuned") for r in launch_bench(
+            [mpiexec], sys.executable, np, ["--backends", "ccl", "--only-listed", *common],
+            tuning, os.path.join(work, f"ccl-{i}.json"))]
     return records
 
 

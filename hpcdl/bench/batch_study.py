@@ -32,6 +32,7 @@ from hpcdl.bench.runs import (
     fmnist_recipe,
     fmnist_shards,
     micro_batching,
+    report_runs,
     run_record,
     stopped_by_signal,
     train_run,
@@ -104,12 +105,6 @@ def tuning_runs(args: argparse.Namespace) -> list[StudyRun]:
             for factor in args.grid_list]
 
 
-def grid_step(grid: Sequence[float]) -> float:
-    """The ratio between neighbouring grid factors (2 for ×0.5, ×1, ×2); 2 for a single value."""
-    values = sorted(grid)
-    return values[1] / values[0] if len(values) > 1 else 2.0
-
-
 def edge_extensions(args: argparse.Namespace, records: dict[str, dict[str, Any]],
                     runs: Sequence[StudyRun], factors: dict[tuple[str, int], list[float]]
                     ) -> list[StudyRun]:
@@ -118,7 +113,9 @@ def edge_extensions(args: argparse.Namespace, records: dict[str, dict[str, Any]]
     per optimizer and batch, updated here). Repeated ``--extend-edges`` times, this ends with
     every chosen lr interior, or says which is not (``at_edge`` in the table)."""
     extra = []
-    step = grid_step(args.grid_list)
+    # the ratio between neighbouring grid factors (2 for ×0.5, ×1, ×2); 2 for a single value
+    grid = sorted(args.grid_list)
+    step = grid[1] / grid[0] if len(grid) > 1 else 2.0
     for batch in args.batch_list:
         for opt in args.optimizer_list:
             best, _ = select_lr(records, runs, opt, batch)
@@ -297,11 +294,6 @@ def check_signature(args: argparse.Namespace, out: str, write: bool) -> None:
         atomic_write_text(path, json.dumps(signature, indent=1) + "\n")
 
 
-def _legacy_policy(record: dict[str, Any]) -> str:
-    """Records from before ``decay_policy`` was recorded: SGD then decayed every parameter."""
-    return record.get("decay_policy", "sgd_decays_all")
-
-
 def reuse_records(args: argparse.Namespace, out: str) -> int:
     """Copy the runs of an earlier study's bench JSON (``--reuse-runs``) into ``out`` as
     finished runs, each only if every setting its record carries is this study's (epochs,
@@ -327,7 +319,9 @@ def reuse_records(args: argparse.Namespace, out: str) -> int:
                   "trust_coefficient": recipe["optimizer"].get("trust_coefficient")}
         if any(record.get(k) != v for k, v in wanted.items()):
             continue
-        if run.optimizer == "sgd" and _legacy_policy(record) != args.decay_policy:
+        # records from before decay_policy was recorded: SGD then decayed every parameter
+        if run.optimizer == "sgd" and record.get("decay_policy",
+                                                 "sgd_decays_all") != args.decay_policy:
             continue
         target = os.path.join(out, run.key, RECORD)
         if not os.path.exists(target):
@@ -410,7 +404,6 @@ def run_study(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.results import bench_report, emit
     from hpcdl.train.config import CommConfig
     from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
@@ -451,12 +444,9 @@ def run_study(args: argparse.Namespace) -> int:
         if result is None:
             return EXIT_STOPPED_BY_SIGNAL
         if world.rank == 0:
-            report = bench_report("convergence-study", result["rows"], result["ratios"],
-                                  ranks=world.size)
-            report["runs"] = result["runs"]
-            report["split"] = "tuned on the last 10,000 training images; finals on the test set"
-            report["total_s"] = time.perf_counter() - start
-            emit(report, STUDY_COLUMNS, args.json)
+            report_runs("convergence-study", result["rows"], result["ratios"], world.size,
+                        STUDY_COLUMNS, args.json, start, runs=result["runs"],
+                        split="tuned on the last 10,000 training images; finals on the test set")
             default_plot = (os.path.join(out, "study.png") if args.out
                             else "convergence-study.png")
             print(f"wrote {plot_study(result['rows'], args.plot or default_plot)}")

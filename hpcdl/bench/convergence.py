@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any
 
@@ -37,6 +36,7 @@ from hpcdl.bench.runs import (
     fmnist_shards,
     micro_batching,
     parse_choices,
+    report_runs,
     run_record,
     stopped_by_signal,
     train_run,
@@ -161,7 +161,6 @@ def run(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.results import bench_report, emit
     from hpcdl.train.config import CommConfig
     from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
@@ -189,11 +188,8 @@ def run(args: argparse.Namespace) -> int:
                 log.info("run %s: top-1 %.4f after %s epochs (%.0f s)", name,
                          summary["top1"] or float("nan"), summary["epochs"], summary["train_s"])
         if world.rank == 0:
-            report = bench_report("convergence", list(records.values()),
-                                  convergence_ratios(records), ranks=world.size)
-            report["split"] = ("holdout: last 10,000 training images" if args.holdout
-                               else "test: the 10,000 test images")
-            report["total_s"] = time.perf_counter() - start
-            emit(report, COLUMNS, args.json)
-            sys.stdout.flush()
+            report_runs("convergence", list(records.values()), convergence_ratios(records),
+                        world.size, COLUMNS, args.json, start,
+                        split="holdout: last 10,000 training images" if args.holdout
+                        else "test: the 10,000 test images")
     return 0

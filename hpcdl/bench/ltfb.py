@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from hpcdl.bench.runs import add_run_arguments, fmnist_model, fmnist_recipe
+from hpcdl.bench.runs import add_run_arguments, fmnist_model, fmnist_recipe, report_runs
 
 COMMAND = "ltfb"
 HELP = "Fashion-MNIST accuracy vs time: K LTFB trainers vs one data-parallel trainer"
@@ -89,43 +89,32 @@ def ltfb_epochs(shard_dir: str, args: argparse.Namespace, world_size: int) -> fl
 
 
 # -- the two runs -----------------------------------------------------------------------------
-def run_data_parallel(world, args, shard_dir: str, run_dir: str) -> float:
-    """Returns the wall-clock start (time.time()) the curve is measured from."""
-    from hpcdl.train.config import config_from_dict
-    from hpcdl.train.session import RunSession
-    from hpcdl.train.trainer import Trainer, TrainOptions
-
-    config = config_from_dict(recipe(args, args.per_rank * world.size, args.epochs),
-                              origin="hpcdl bench ltfb: data_parallel")
-    world.Barrier()
-    start = time.time()
-    with RunSession(world, config.comm, log_level=None, threads=None) as session:
-        session.own(Trainer(config, shard_dir, run_dir, session.comm,
-                            options=TrainOptions(max_steps=args.max_steps,
-                                                 progress=False))).train()
-    return start
-
-
-def run_ltfb(world, args, shard_dir: str, run_dir: str) -> tuple[float, dict[str, Any]]:
+def timed_run(world, args, shard_dir: str, run_dir: str,
+              ltfb: bool) -> tuple[float, dict[str, Any]]:
+    """The data-parallel run or the LTFB run (each trainer opens its own communicator): the
+    wall-clock start (time.time()) its curve is measured from, and its summary."""
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.ltfb import LTFB, LTFBOptions
     from hpcdl.train.session import RunSession
-    from hpcdl.train.trainer import TrainOptions
+    from hpcdl.train.trainer import Trainer, TrainOptions
 
-    trainer_size = world.size // args.trainers
-    config = config_from_dict(recipe(args, args.per_rank * trainer_size,
-                                     ltfb_epochs(shard_dir, args, world.size)),
-                              origin="hpcdl bench ltfb: ltfb")
-    options = LTFBOptions(trainers=args.trainers, interval=args.tournament_interval,
-                          metric=args.tournament_metric, exchange=args.exchange,
-                          holdout_fraction=args.tournament_holdout)
+    ranks = world.size // args.trainers if ltfb else world.size
+    epochs = ltfb_epochs(shard_dir, args, world.size) if ltfb else args.epochs
+    config = config_from_dict(recipe(args, args.per_rank * ranks, epochs),
+                              origin=f"hpcdl bench ltfb: {'ltfb' if ltfb else 'data_parallel'}")
+    options = TrainOptions(max_steps=args.max_steps, progress=False)
     world.Barrier()
     start = time.time()
-    with RunSession(world, log_level=None, threads=None) as session:  # each trainer's comm
-        summary = session.own(LTFB(config, shard_dir, run_dir, world, options,
-                                   TrainOptions(max_steps=args.max_steps, progress=False),
-                                   backend=args.backend)).train()
-    return start, summary
+    with RunSession(world, None if ltfb else config.comm, log_level=None,
+                    threads=None) as session:
+        if ltfb:
+            runner = LTFB(config, shard_dir, run_dir, world, LTFBOptions(
+                trainers=args.trainers, interval=args.tournament_interval,
+                metric=args.tournament_metric, exchange=args.exchange,
+                holdout_fraction=args.tournament_holdout), options, backend=args.backend)
+        else:
+            runner = Trainer(config, shard_dir, run_dir, session.comm, options=options)
+        return start, session.own(runner).train()
 
 
 # -- the record -------------------------------------------------------------------------------
@@ -199,7 +188,6 @@ def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from hpcdl.bench.runs import bench_workdir, fmnist_shards
-    from hpcdl.results import bench_report, emit
     from hpcdl.train.threads import configure_threads
 
     world = MPI.COMM_WORLD
@@ -219,10 +207,10 @@ def run(args: argparse.Namespace) -> int:
             if world.rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
         log.info("data-parallel run on %d ranks", world.size)
-        dp_start = run_data_parallel(world, args, shard_dir, dp_dir)
+        dp_start, _ = timed_run(world, args, shard_dir, dp_dir, ltfb=False)
         log.info("LTFB run: %d trainers x %d ranks", args.trainers,
                  world.size // args.trainers)
-        ltfb_start, summary = run_ltfb(world, args, shard_dir, ltfb_dir)
+        ltfb_start, summary = timed_run(world, args, shard_dir, ltfb_dir, ltfb=True)
         if world.rank == 0:
             images_per_step = args.per_rank * world.size
             dp = eval_points("data_parallel", os.path.join(dp_dir, "metrics.jsonl"), dp_start,
@@ -232,13 +220,12 @@ def run(args: argparse.Namespace) -> int:
                                     ltfb_start, images_per_step, trainer=t)
                         for t in range(args.trainers)]
             best = best_of([p for points in trainers for p in points])
-            report = bench_report("ltfb", dp + [p for pts in trainers for p in pts] + best,
-                                  ltfb_ratios(dp, best, summary), ranks=world.size)
-            report["rounds"] = summary["rounds"]
-            report["settings"] = {k: getattr(args, k) for k in (
-                "epochs", "trainers", "tournament_interval", "tournament_metric", "exchange",
-                "tournament_holdout", "per_rank", "optimizer", "lr", "width", "max_steps")}
-            emit(report, COLUMNS, args.json)
+            report_runs("ltfb", dp + [p for pts in trainers for p in pts] + best,
+                        ltfb_ratios(dp, best, summary), world.size, COLUMNS, args.json,
+                        rounds=summary["rounds"], settings={k: getattr(args, k) for k in (
+                            "epochs", "trainers", "tournament_interval", "tournament_metric",
+                            "exchange", "tournament_holdout", "per_rank", "optimizer", "lr",
+                            "width", "max_steps")})
             if args.plot:
                 plot_curves(args.plot, dp, trainers, best,
                             f"Fashion-MNIST, {world.size} ranks: 1 data-parallel trainer vs "

@@ -40,7 +40,13 @@ import sys
 import time
 from typing import Any
 
-from hpcdl.bench.runs import add_run_arguments, fmnist_model, fmnist_recipe, parse_choices
+from hpcdl.bench.runs import (
+    add_run_arguments,
+    fmnist_model,
+    fmnist_recipe,
+    parse_choices,
+    report_runs,
+)
 
 COMMAND = "relaxed"
 HELP = "local SGD, hierarchical local SGD, PowerSGD vs synchronous LARS and PyTorch DDP's"
@@ -363,7 +369,6 @@ def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from hpcdl.bench.runs import bench_workdir, fmnist_shards
-    from hpcdl.results import bench_report, emit
 
     world = MPI.COMM_WORLD
     if "hierarchical" in runs and world.size % args.ranks_per_node:
@@ -385,13 +390,11 @@ def run(args: argparse.Namespace) -> int:
                           f"{records[-1]['train_s']:.0f} s", file=sys.stderr, flush=True)
         if world.rank == 0:
             ratios = finish(records, args)
-            report = bench_report("relaxed", records, ratios, ranks=world.size)
-            report["settings"] = {k: getattr(args, k) for k in (
-                "seeds", "epochs", "global_batch", "local_steps", "powersgd_rank",
-                "sync_warmup_epochs", "ranks_per_node", "lr", "trust_coefficient", "width",
-                "source")}
-            report["total_s"] = time.perf_counter() - start
-            emit(report, COLUMNS, args.json)
+            report_runs("relaxed", records, ratios, world.size, COLUMNS, args.json, start,
+                        settings={k: getattr(args, k) for k in (
+                            "seeds", "epochs", "global_batch", "local_steps", "powersgd_rank",
+                            "sync_warmup_epochs", "ranks_per_node", "lr", "trust_coefficient",
+                            "width", "source")})
             if args.plot:
                 plot(args.plot, records)
                 print(f"wrote {args.plot}")

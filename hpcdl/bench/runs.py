@@ -8,14 +8,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from hpcdl.errors import BadInputError, mark_agreed
 
 __all__ = ["HOLDOUT", "add_run_arguments", "bench_workdir", "fmnist_model", "fmnist_recipe",
-           "fmnist_shards", "micro_batching", "parse_choices", "prepare_shards", "run_record",
-           "stopped_by_signal", "train_run", "write_holdout_source"]
+           "fmnist_shards", "micro_batching", "parse_choices", "prepare_shards", "report_runs",
+           "run_record", "stopped_by_signal", "train_run", "write_holdout_source"]
 
 HOLDOUT = 10_000  # training images held out by --holdout (as many as the test set)
 
@@ -180,6 +182,20 @@ def run_record(name: str, recipe: dict[str, Any], summary: dict[str, Any]) -> di
             "top5": summary["top5"], "eval_loss": summary["eval_loss"],
             "train_s": summary["train_s_total"], "images_per_s": summary["images_per_s"],
             "ranks": summary["ranks"], "stopped": summary["stopped"]}
+
+
+def report_runs(bench: str, rows: list[dict[str, Any]], ratios: dict[str, Any], ranks: int,
+                columns: list[str], json_path: str | None, start: float | None = None,
+                **extra: Any) -> None:
+    """Rank 0's end of a multi-run bench: the table, and the bench JSON with ``extra`` keys
+    (and ``total_s`` since ``start``, a perf_counter reading)."""
+    from hpcdl.results import bench_report, emit
+
+    report = {**bench_report(bench, rows, ratios, ranks=ranks), **extra}
+    if start is not None:
+        report["total_s"] = time.perf_counter() - start
+    emit(report, columns, json_path)
+    sys.stdout.flush()
 
 
 @contextlib.contextmanager
