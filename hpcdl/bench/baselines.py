@@ -62,8 +62,9 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
 
     store = init_process_group_over_mpi(mpi_comm)
     try:
-        memory_format = getattr(torch, memory_format_name(config.train.channels_last,
-                                                          torch.get_num_threads()))
+        memory_format = (torch.channels_last if memory_format_name(
+            config.train.channels_last, torch.get_num_threads()) == "channels_last"
+            else torch.contiguous_format)
         model = recipe_model(config).to(memory_format=memory_format)
         # Held in a dict so it can be dropped before its process group is destroyed.
         held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}

@@ -377,23 +377,19 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--study: lr multipliers of each method's centre lr, the same "
                              "count for both (default 0.5,1,2)")
     parser.add_argument("--extend-edges", type=int, default=3,
-                        help="--study: times an (optimizer, batch) grid is widened by one step "
-                             "beyond the edge its best lr sits on, until every choice is "
-                             "interior (default 3; 0: the grid alone)")
+                        help="--study: times a grid is widened one step past the edge its best "
+                             "lr sits on (default 3; 0: the grid alone)")
     parser.add_argument("--seeds", type=int, default=3, help="--study: seeds per final point")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                         help="--study: which optimizers (default lars,sgd)")
     parser.add_argument("--decay-policy", choices=DECAY_POLICIES, default="skip_bn_bias",
-                        help="--study: skip_bn_bias (default): no weight decay on BN and "
-                             "biases for either optimizer (LARS's MLPerf skip list); "
-                             "sgd_decays_all: SGD decays every parameter (the first studies)")
+                        help="--study: skip_bn_bias (default): no decay on BN and biases for "
+                             "either optimizer; sgd_decays_all: SGD decays every parameter")
     parser.add_argument("--reuse-runs", metavar="JSON", default=None,
-                        help="--study: take the finished runs of an earlier study's bench JSON "
-                             "whose settings match (same model and width), instead of "
-                             "training them again")
+                        help="--study: reuse the matching runs of an earlier study's bench "
+                             "JSON (same model and width)")
     parser.add_argument("--plot", metavar="PNG", default=None,
-                        help="--study: write the top-1 vs batch plot here (default "
-                             "OUT/study.png)")
+                        help="--study: the top-1 vs batch plot (default OUT/study.png)")
 
 
 def run_study(args: argparse.Namespace) -> int:

@@ -53,8 +53,7 @@ COLUMNS = ["run", "optimizer", "global_batch", "accumulation", "base_lr", "warmu
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=float, default=12,
-                        help="epochs of every run (default 12: ~40 min for the three runs on "
-                             "2 cores)")
+                        help="epochs of every run (default 12)")
     parser.add_argument("--runs", default=",".join(RUNS),
                         help=f"comma-separated subset of {','.join(RUNS + EXTRA_RUNS)} "
                              f"(default {','.join(RUNS)}; lars_bf16 is lars in bf16 autocast)")
@@ -65,27 +64,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="baseline SGD lr at --small-batch; sgd_scaled uses it × "
                              "large/small (linear scaling rule)")
     parser.add_argument("--lars-lr", type=float, default=2.0,
-                        help="LARS base lr (large batch); also the plain-momentum lr of BN "
-                             "and biases (MLPerf skip list)")
+                        help="LARS base lr (large batch; BN and biases: plain momentum)")
     parser.add_argument("--trust-coefficient", type=float, default=0.02,
-                        help="LARS η (weights move lr·η of their norm per step); 0.02 chosen "
-                             "with --holdout at batch 1536 (docs/performance.md)")
+                        help="LARS η (0.02: chosen with --holdout at batch 1536)")
     parser.add_argument("--warmup-epochs", type=float, default=1.0,
                         help="linear warm-up of the two large-batch runs")
     parser.add_argument("--weight-decay", type=float, default=5e-4,
                         help="every run (LARS and SGD alike; BN and biases excluded for LARS)")
     parser.add_argument("--micro-batch", type=int, default=None,
-                        help="images per rank per forward pass in every run (default: the "
-                             "baseline's per-rank batch, small-batch / ranks); the large batch "
-                             "accumulates micro-batches, as the paper's 32K batch is 1,024 "
-                             "workers x 32 with batch norm over each worker's 32")
+                        help="images per rank per forward pass in every run (default: "
+                             "small-batch / ranks); larger batches accumulate")
     parser.add_argument("--min-scale", type=float, default=0.7,
-                        help="random-resized-crop minimum area of every run (0.7: milder "
-                             "crops than ImageNet's 0.08 suit 28 px garments; the demo's)")
+                        help="random-resized-crop minimum area (0.7: 28 px garments, the demo's)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="every run's seed (weights, data order, augmentation); a seed "
-                             "pair's spread is the noise a difference between runs is read "
-                             "against (e.g. lars vs lars_bf16)")
+                        help="every run's seed (weights, data order, augmentation)")
     parser.add_argument("--model", default="resnet_small", help="a model of hpcdl.models")
     parser.add_argument("--width", type=int, default=16, help="resnet_small width")
     parser.add_argument("--holdout", action="store_true",

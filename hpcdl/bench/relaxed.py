@@ -46,6 +46,7 @@ from hpcdl.bench.runs import (
     fmnist_recipe,
     parse_choices,
     report_runs,
+    train_run,
 )
 
 COMMAND = "relaxed"
@@ -109,7 +110,7 @@ def warmup_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
 # -- ours ----------------------------------------------------------------------------------
 def train_ours(world, args, run: str, shard_dir: str, out: str, seed: int = 0
                ) -> dict[str, Any]:
-    from hpcdl.bench.runs import train_run
+    from hpcdl.data import sharded_loader
     from hpcdl.train.config import CommConfig
     from hpcdl.train.session import RunSession
 
@@ -117,38 +118,20 @@ def train_ours(world, args, run: str, shard_dir: str, out: str, seed: int = 0
     # the communicator's defaults; the run's reducer takes its recipe's bucket size
     with RunSession(world, CommConfig(backend="mpi"), log_level=None, threads=None,
                     ranks_per_node=per_node) as session:
-        steps_per_epoch = train_steps_per_epoch(session.comm, shard_dir, args, world.size)
+        steps_per_epoch = len(sharded_loader(
+            shard_dir, session.comm, split="train", batch_size=args.global_batch // world.size,
+            image_size=28, workers=0))
+        # seed 0 keeps the first pass's directory name: it resumes
         summary = train_run(session.comm, recipe(args, run, world.size, steps_per_epoch, seed),
-                            shard_dir, os.path.join(out, run_dir(run, seed)), args.max_steps)
+                            shard_dir, os.path.join(out, run if seed == 0 else f"{run}-s{seed}"),
+                            args.max_steps)
     traffic = summary["traffic"]
     return {"run": run, "seed": seed, "top1": summary["top1"], "steps": summary["steps"],
             "bytes_per_rank": traffic["bytes_world"], "bytes_node_per_rank": traffic["bytes_node"],
             "train_s": summary["train_s_total"], "traffic": traffic}
 
 
-def run_dir(run: str, seed: int) -> str:
-    """A run's directory under ``--out`` (seed 0 keeps the first pass's name: it resumes)."""
-    return run if seed == 0 else f"{run}-s{seed}"
-
-
-def train_steps_per_epoch(comm, shard_dir: str, args, ranks: int) -> int:
-    from hpcdl.data import sharded_loader
-
-    return len(sharded_loader(shard_dir, comm, split="train",
-                              batch_size=args.global_batch // ranks, image_size=28, workers=0))
-
-
 # -- PyTorch's anchors -----------------------------------------------------------------------
-def init_torch_distributed(world) -> None:
-    """The default gloo group, rendezvous over MPI (hpcdl.comm.gloo's), once per process."""
-    import torch.distributed as dist
-
-    from hpcdl.comm.gloo import init_process_group_over_mpi
-
-    if not dist.is_initialized():
-        init_process_group_over_mpi(world)
-
-
 def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[str, Any]:
     """DDP + gloo with PyTorch's hook for ``run``, the same model, data, LARS and schedule."""
     import torch
@@ -159,11 +142,13 @@ def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[s
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hpcdl.bench.baselines import plain_step
+    from hpcdl.comm.gloo import init_process_group_over_mpi
     from hpcdl.data import ShardedImageNet
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.trainer import recipe_model, recipe_optimizer, recipe_schedule
 
-    init_torch_distributed(world)
+    if not dist.is_initialized():  # the default gloo group, once per process
+        init_process_group_over_mpi(world)
     per_rank = args.global_batch // world.size
     loader = ShardedImageNet(shard_dir, split="train", node_index=0, num_nodes=1,
                              local_rank=world.rank, local_size=world.size, batch_size=per_rank,
