@@ -69,25 +69,21 @@ def size_label(nbytes: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None,
-                        help="comma-separated backends; 'default' (auto), 'memcpy' and "
-                             "'shm-copyin' are always added (default: mpi,ring,shm,gloo, and "
-                             "ccl when oneCCL's library is found)")
+                        help="comma-separated backends, plus default, shm-copyin and memcpy "
+                             "(default: mpi,ring,shm,gloo, and ccl where oneCCL is found)")
     parser.add_argument("--sizes", default="1M,16M,100M",
                         help="comma-separated bytes of fp32 data (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs (median; >= 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     parser.add_argument("--site-mpi", action="append", default=[], metavar="NAME=PREFIX",
-                        help="driver mode: also time MPI_Allreduce under the MPI installed in "
-                             "PREFIX (bin/mpiexec, bin/python with hpcdl), every documented "
-                             f"algorithm; NAME is one of {', '.join(SITE_TUNINGS)} (repeatable)")
+                        help="driver mode: also time MPI_Allreduce of the venv PREFIX, every "
+                             f"algorithm; NAME: {', '.join(SITE_TUNINGS)} (repeatable)")
     parser.add_argument("--ccl-tunings", action="store_true",
-                        help="driver mode: also time the ccl backend under each oneCCL "
-                             "transport / worker setting (see the module docstring)")
+                        help="driver mode: also time ccl under each oneCCL setting")
     parser.add_argument("--np", type=int, default=2,
                         help="driver mode: ranks of every launch (default: %(default)s)")
     parser.add_argument("--only-listed", action="store_true",
-                        help="time only --backends (no default, shm-copyin, memcpy rows); "
-                             "what the driver asks of a site MPI")
+                        help="time only --backends (what the driver asks of a site MPI)")
     parser.add_argument("--json", metavar="FILE", help="write the JSON report here")
 
 

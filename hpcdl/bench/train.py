@@ -91,9 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reference a bf16 matmul; skipped, with a line saying why, on a "
                              "CPU without native bf16 (AVX512-BF16 or AMX)")
     parser.add_argument("--nic", default="eth0",
-                        help="network interface whose byte counters each step records "
-                             "(/sys/class/net/NIC/statistics; none recorded where it does not "
-                             "exist)")
+                        help="network interface whose byte counters each step records")
     parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
 
 
@@ -271,14 +269,10 @@ def counter_deltas(before: dict[str, float | None],
 def time_rounds(world, steppers: dict[str, Stepper], loader, steps: int, warmup: int,
                 rounds: int, counters: Callable[[], dict[str, float | None]] | None = None,
                 ) -> dict[str, list[dict[str, float | None]]]:
-    """Per-step (step, comm wait, data wait) seconds of every mode, the modes taking turns.
-
-    Each mode first runs ``warmup`` untimed steps; then ``rounds`` rounds each give every mode
-    its share of the ``steps`` timed steps, in a rotated order. A mode run once, start to
-    end, would carry whatever drifts during the run (heap growth, cache and frequency state,
-    a neighbour's load) in its number alone; taking turns spreads it over all modes.
-    ``counters`` (see step_counters), read before and after each timed step, adds what the
-    step cost the host (NIC bytes, CPU seconds) to its sample."""
+    """Per-step (step, comm wait, data wait) seconds of every mode, after ``warmup`` untimed
+    steps each, the modes taking turns in ``rounds`` rotated rounds: a drift during the run
+    (heap growth, cache and frequency state, a neighbour's load) is spread over all modes
+    instead of landing in one. ``counters`` (step_counters) adds what each step cost."""
     batches = endless(loader)
     samples: dict[str, list[dict[str, float | None]]] = {mode: [] for mode in steppers}
     names = list(steppers)
