@@ -14,7 +14,8 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-__all__ = ["FLAVORS", "MpiLibrary", "identify", "launcher_of", "loaded_library",
+__all__ = ["FLAVORS", "RANK_ENV", "WORLD_SIZE_ENV", "MpiLibrary", "identify",
+           "launched_rank", "launched_world_size", "launcher_of", "loaded_library",
            "set_wheel_mpi_root"]
 
 #: flavor -> name as users say it. "mpich" covers MPICH-derived builds we do not single out.
@@ -71,6 +72,33 @@ def loaded_library(initialize: bool = True) -> MpiLibrary:
     from mpi4py import MPI
 
     return identify(MPI.Get_library_version())
+
+
+#: The world size and the rank each launcher gives its ranks (PMI: Hydra and srun --mpi=pmi2;
+#: Open MPI; PMIx; MVAPICH; Cray PALS). Slurm's SLURM_NTASKS is not one: a batch script
+#: outside any launch has it too.
+WORLD_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE",
+                  "PALS_SIZE")
+RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
+            "PALS_RANKID")
+
+
+def _first_number(env: Mapping[str, str], keys: tuple[str, ...], default: int) -> int:
+    for key in keys:
+        value = env.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return default
+
+
+def launched_world_size(env: Mapping[str, str] = os.environ) -> int:
+    """Ranks the launcher started (1 when run without one), with no MPI initialisation."""
+    return _first_number(env, WORLD_SIZE_ENV, 1)
+
+
+def launched_rank(env: Mapping[str, str] = os.environ) -> int:
+    """This process's rank as its launcher says (0 when run without one)."""
+    return _first_number(env, RANK_ENV, 0)
 
 
 def launcher_of(env: Mapping[str, str]) -> str:

@@ -10,16 +10,17 @@ kept in docs/results/ (``hpcdl bench report --docs``, :mod:`hpcdl.figures`), nev
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from hpcdl.cpus import bf16_native, cpu_capability, cpu_model_name
-from hpcdl.io import atomic_write_text
+from hpcdl.io import atomic_write, atomic_write_text
 
 
 def machine_info(ranks: int = 1) -> dict[str, Any]:
@@ -97,3 +98,21 @@ def emit(report: Mapping[str, Any], columns: Sequence[str], json_path: str | Non
         write_json(json_path, report)
         print(f"wrote {json_path}")
 
+
+
+@contextlib.contextmanager
+def png_axes(path: str, figsize: tuple[float, float], dpi: int = 110) -> Iterator[Any]:
+    """Matplotlib axes (Agg: batch and login nodes have no display) whose figure is laid out
+    and written to ``path`` as a PNG, atomically, when the block ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=figsize)
+    try:
+        yield ax
+        fig.tight_layout()
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+    finally:
+        plt.close(fig)

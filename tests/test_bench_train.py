@@ -80,9 +80,11 @@ def test_modes_parse_and_no_comm_shorthand():
 
 
 def test_every_mode_falls_back_to_contiguous_on_one_thread():
-    assert bench.effective_memory_format("channels_last", threads=1) == "contiguous"
-    assert bench.effective_memory_format("channels_last", threads=2) == "channels_last"
-    assert bench.effective_memory_format("contiguous", threads=4) == "contiguous"
+    from hpcdl.cpus import memory_format_name
+
+    assert memory_format_name(channels_last=True, threads=1) == "contiguous"
+    assert memory_format_name(channels_last=True, threads=2) == "channels_last"
+    assert memory_format_name(channels_last=False, threads=4) == "contiguous"
 
 
 def test_the_baselines_plain_step_is_one_scheduled_sgd_step_of_cross_entropy():

@@ -61,7 +61,9 @@ def test_bf16_run_is_the_lars_recipe_in_bf16_autocast_only():
     assert {k for k in keys if fp32["train"].get(k) != bf16["train"].get(k)} == {"precision"}
     ratios = bench.convergence_ratios({"lars": {"top1": 0.880}, "lars_bf16": {"top1": 0.878}})
     assert ratios["lars_bf16_minus_lars_top1"] == pytest.approx(-0.2)
-    assert bench.parse_runs("lars,lars_bf16") == ["lars", "lars_bf16"]
+    known = bench.RUNS + bench.EXTRA_RUNS
+    assert bench.parse_choices("convergence", "--runs", "lars,lars_bf16", known) == [
+        "lars", "lars_bf16"]
 
 
 def test_micro_batch_must_divide_the_global_batch():
@@ -82,7 +84,8 @@ def test_ratios_are_top1_differences_in_points():
 
 def test_unknown_run_is_refused():
     with pytest.raises(SystemExit, match="adam"):
-        bench.parse_runs("baseline,adam")
+        bench.parse_choices("convergence", "--runs", "baseline,adam",
+                            bench.RUNS + bench.EXTRA_RUNS)
 
 
 def test_holdout_split_is_carved_from_training_images_only(tmp_path):

@@ -3,31 +3,14 @@
     mpiexec -n P hpcdl bench allreduce --backends mpi,ring,shm,gloo,ccl --sizes 1M,16M,100M \\
         --json allreduce.json
 
-Sizes are bytes of fp32 data (decimal: 1M = 10^6). Definitions are nccl-tests'
-(docs/PERFORMANCE.md there): ``algbw = bytes / time``, ``busbw = algbw * 2(p-1)/p``,
-GB = 10^9; ``time`` is the slowest rank's, the median of ``--repeats`` timed runs after
-``--warmup`` untimed ones. Buffers come from ``comm.empty`` and are reduced in place -- the
-way the gradient reducer uses a backend -- so ``shm`` reduces window memory with no copy in;
-``shm-copyin`` times the same backend on an ordinary tensor (copy into the window and back).
-``default`` is whatever ``backend="auto"`` picks, and ``memcpy`` is one core's copy bandwidth
-on this machine (the ceiling a memory-bound reduction is judged against).
-
-The site MPIs as baselines (``--site-mpi NAME=PREFIX``, run *without* mpiexec: the command
-becomes a driver). It launches this bench under the current environment's ``mpiexec`` for
-hpcdl's backends, then under each site MPI's own ``PREFIX/bin/mpiexec`` and
-``PREFIX/bin/python`` (a venv with hpcdl and that MPI, e.g. from ``tests/mpi_env.sh``) for
-``MPI_Allreduce`` alone, once per algorithm the MPI's own documentation offers for one node
-(Intel MPI's ``I_MPI_ADJUST_ALLREDUCE``, Open MPI's ``coll_tuned_allreduce_algorithm``,
-MPICH's ``MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM``), and merges one JSON: every tuning is a row,
-and ``default_vs_NAME_busbw_100MB`` compares hpcdl's default with that MPI's *best* tuning.
-The baselines vary by ~30% between separate runs, so only one invocation compares them.
-
-oneCCL (``ccl``, hpcdl/comm/ccl.py) is in the default list when its library is found
-(``CCL_ROOT``, ``LD_LIBRARY_PATH``); without it the run says so and goes on. Its rows carry
-the oneCCL settings they ran under (``tuning``). ``--ccl-tunings`` (driver mode, like
-``--site-mpi``) launches ``ccl`` once per setting in :func:`ccl_tunings` -- the transport, the
-shared-memory provider, worker count and worker pinning (docs/comm.md, "oneCCL on a cluster")
--- so the settings a user copies into a job script are measured in one run, not guessed.
+nccl-tests' definitions (``algbw = bytes / time``, ``busbw = algbw * 2(p-1)/p``, GB = 10^9,
+sizes in decimal bytes of fp32), the slowest rank's median time, buffers from ``comm.empty``
+reduced in place as the reducer does; ``shm-copyin`` is ``shm`` on an ordinary tensor,
+``default`` is ``backend="auto"``, ``memcpy`` one core's copy bandwidth. Driver mode (run
+without mpiexec): ``--site-mpi NAME=PREFIX`` also times each site MPI's ``MPI_Allreduce``
+under every algorithm its documentation offers (:data:`SITE_TUNINGS`; ratios against its
+best), ``--ccl-tunings`` the ``ccl`` backend under each of :func:`ccl_tunings`; one JSON.
+docs/performance.md, "Allreduce".
 """
 from __future__ import annotations
 
@@ -41,6 +24,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from hpcdl.mpi_library import RANK_ENV, WORLD_SIZE_ENV, launched_rank
 
 COMMAND = "allreduce"
 HELP = "allreduce bandwidth of mpi/ring/shm/gloo/ccl vs MPI_Allreduce (nccl-tests busbw)"
@@ -84,25 +69,21 @@ def size_label(nbytes: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None,
-                        help="comma-separated backends; 'default' (auto), 'memcpy' and "
-                             "'shm-copyin' are always added (default: mpi,ring,shm,gloo, and "
-                             "ccl when oneCCL's library is found)")
+                        help="comma-separated backends, plus default, shm-copyin and memcpy "
+                             "(default: mpi,ring,shm,gloo, and ccl where oneCCL is found)")
     parser.add_argument("--sizes", default="1M,16M,100M",
                         help="comma-separated bytes of fp32 data (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs (median; >= 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     parser.add_argument("--site-mpi", action="append", default=[], metavar="NAME=PREFIX",
-                        help="driver mode: also time MPI_Allreduce under the MPI installed in "
-                             "PREFIX (bin/mpiexec, bin/python with hpcdl), every documented "
-                             f"algorithm; NAME is one of {', '.join(SITE_TUNINGS)} (repeatable)")
+                        help="driver mode: also time MPI_Allreduce of the venv PREFIX, every "
+                             f"algorithm; NAME: {', '.join(SITE_TUNINGS)} (repeatable)")
     parser.add_argument("--ccl-tunings", action="store_true",
-                        help="driver mode: also time the ccl backend under each oneCCL "
-                             "transport / worker setting (see the module docstring)")
+                        help="driver mode: also time ccl under each oneCCL setting")
     parser.add_argument("--np", type=int, default=2,
                         help="driver mode: ranks of every launch (default: %(default)s)")
     parser.add_argument("--only-listed", action="store_true",
-                        help="time only --backends (no default, shm-copyin, memcpy rows); "
-                             "what the driver asks of a site MPI")
+                        help="time only --backends (what the driver asks of a site MPI)")
     parser.add_argument("--json", metavar="FILE", help="write the JSON report here")
 
 
@@ -155,7 +136,7 @@ def default_backends() -> str:
     missing = missing_reason()
     if missing is None:
         return "mpi,ring,shm,gloo,ccl"
-    if int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))) == 0:
+    if launched_rank() == 0:
         print(f"ccl left out: {missing}", flush=True)
     return "mpi,ring,shm,gloo"
 
@@ -271,8 +252,9 @@ def parse_site_mpi(items: list[str]) -> list[tuple[str, str]]:
 
 
 def launch_bench(mpiexec: list[str], python: str, np: int, bench_args: list[str],
-                 env: dict[str, str], json_path: str) -> dict:
-    """One ``mpiexec -n np python -m hpcdl.cli.main bench allreduce ...``; its JSON report."""
+                 env: dict[str, str], json_path: str) -> list[dict]:
+    """One ``mpiexec -n np python -m hpcdl.cli.main bench allreduce ...``; its records, each
+    with the MPI library it ran under."""
     command = [*mpiexec, "-n", str(np), python, "-m", "hpcdl.cli.main", "bench", "allreduce",
                *bench_args, "--json", json_path]
     proc = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
@@ -283,7 +265,8 @@ def launch_bench(mpiexec: list[str], python: str, np: int, bench_args: list[str]
               f"{proc.stderr[-2000:]}", file=sys.stderr)
         raise SystemExit(1)
     with open(json_path, encoding="utf-8") as f:
-        return json.load(f)
+        report = json.load(f)
+    return [dict(r, mpi=report["machine"]["mpi"]) for r in report["results"]]
 
 
 def site_ratios(records: list[dict], names: list[str], sizes: list[int]) -> dict[str, Any]:
@@ -315,21 +298,19 @@ def run_driver(args: argparse.Namespace, sizes: list[int]) -> int:
     common = ["--sizes", args.sizes, "--repeats", str(args.repeats), "--warmup",
               str(args.warmup)]
     with tempfile.TemporaryDirectory(prefix="hpcdl-allreduce-driver-") as work:
-        ours = launch_bench([mpiexec], sys.executable, args.np,
-                            ["--backends", args.backends, *common], {},
-                            os.path.join(work, "hpcdl.json"))
-        records = [dict(r, mpi=ours["machine"]["mpi"]) for r in ours["results"]]
+        records = launch_bench([mpiexec], sys.executable, args.np,
+                               ["--backends", args.backends, *common], {},
+                               os.path.join(work, "hpcdl.json"))
         for name, prefix in sites:
             for i, tuning in enumerate(SITE_TUNINGS[name]):
                 print(f"measuring {name} {tuning or '(its default)'}", flush=True)
-                report = launch_bench(
+                rows = launch_bench(
                     [os.path.join(prefix, "bin", "mpiexec"), *site_launcher_args(name, args.np)],
                     os.path.join(prefix, "bin", "python"), args.np,
                     ["--backends", "mpi", "--only-listed", *common],
                     {**SITE_ENV[name], **tuning}, os.path.join(work, f"{name}-{i}.json"))
                 label = " ".join(f"{k}={v}" for k, v in tuning.items()) or "default"
-                records += [dict(r, backend=name, tuning=label, mpi=report["machine"]["mpi"])
-                            for r in report["results"]]
+                records += [dict(r, backend=name, tuning=label) for r in rows]
         if args.ccl_tunings:
             records += measure_ccl_tunings(mpiexec, args.np, common, work)
     ratios = {**bandwidth_ratios(records, sizes),
@@ -346,11 +327,9 @@ def measure_ccl_tunings(mpiexec: str, np: int, common: list[str], work: str) -> 
     records = []
     for i, tuning in enumerate(ccl_tunings(np, os.cpu_count() or 1)):
         print(f"measuring ccl {tuning or '(defaults)'}", flush=True)
-        report = launch_bench([mpiexec], sys.executable, np,
-                              ["--backends", "ccl", "--only-listed", *common], tuning,
-                              os.path.join(work, f"ccl-{i}.json"))
-        records += [dict(r, backend="ccl-tuned", mpi=report["machine"]["mpi"])
-                    for r in report["results"]]
+        records += [dict(r, backend="ccl-tuned") for r in launch_bench(
+            [mpiexec], sys.executable, np, ["--backends", "ccl", "--only-listed", *common],
+            tuning, os.path.join(work, f"ccl-{i}.json"))]
     return records
 
 
@@ -375,8 +354,7 @@ def run(args: argparse.Namespace) -> int:
     if args.backends is None:
         args.backends = default_backends()
     if args.site_mpi or args.ccl_tunings:
-        if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ \
-                or "PMI_RANK" in os.environ:
+        if any(key in os.environ for key in WORLD_SIZE_ENV + RANK_ENV):
             raise SystemExit("hpcdl bench allreduce --site-mpi/--ccl-tunings is a driver that "
                              "launches mpiexec itself: run it without mpiexec, with --np P")
         return run_driver(args, sizes)

@@ -14,14 +14,10 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hpcdl.cpus import memory_format_name
+
 #: One optimizer step on one batch -> seconds waited for communication (None: not separable).
 Stepper = Callable[[Any], "float | None"]
-
-
-def effective_memory_format(requested: str, threads: int) -> str:
-    """The layout every mode really uses: the Trainer's rule (hpcdl/train/trainer.py,
-    ``_memory_format``) falls back to contiguous on one thread, and DDP must match it."""
-    return "channels_last" if requested == "channels_last" and threads > 1 else "contiguous"
 
 
 def plain_step(forward: Callable, optimizer, schedule, bf16: bool,
@@ -66,11 +62,9 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
 
     store = init_process_group_over_mpi(mpi_comm)
     try:
-        layout = effective_memory_format(
-            "channels_last" if config.train.channels_last else "contiguous",
-            torch.get_num_threads())
-        memory_format = (torch.channels_last if layout == "channels_last"
-                         else torch.contiguous_format)
+        memory_format = (torch.channels_last if memory_format_name(
+            config.train.channels_last, torch.get_num_threads()) == "channels_last"
+            else torch.contiguous_format)
         model = recipe_model(config).to(memory_format=memory_format)
         # Held in a dict so it can be dropped before its process group is destroyed.
         held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}

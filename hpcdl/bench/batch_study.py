@@ -1,41 +1,19 @@
 """The papers' central figure in miniature: top-1 against global batch, LARS against linear
-scaling + warm-up (``hpcdl bench convergence --study``).
+scaling + warm-up (``hpcdl bench convergence --study``; You, Gitman & Ginsburg arXiv:1708.03888
+Fig. 1; Goyal et al. arXiv:1706.02677), the same epochs for every batch (default
+{128, 384, 768, 1,536, 3,072}: ImageNet's 8K and 32K are ≈ 375 and 1,536 here).
 
-You, Gitman & Ginsburg (arXiv:1708.03888, Fig. 1 / Tab. 3) and You et al. (ICPP'18) show
-accuracy holding with LARS at batches where Goyal et al.'s linear scaling rule with warm-up
-(arXiv:1706.02677, Fig. 1) falls off. The ImageNet batches 8K and 32K are 1/160 and 1/40 of its
-1.28 M images; on Fashion-MNIST's 60,000 that is ≈ 375 and 1,536, so the sweep is
-{128, 384, 768, 1,536, 3,072} by default, the same epochs for every run (the papers' fixed-epoch
-budget: a larger batch takes fewer steps).
+Kept fair: each (optimizer, batch) tries the same ``--grid`` of lrs around its method's rule
+(SGD linear, LARS square-root scaling of its global rate, η fixed), widened past an edge for
+both optimizers (``--extend-edges``); tuned on the holdout split, then the chosen lr trains
+with ``--seeds`` seeds and is scored once on the test split; every forward pass is
+``--micro-batch`` images per rank whatever the batch (ghost batch norm, Hoffer et al.,
+arXiv:1705.08741). Each run has its own directory under ``--out`` and a ``record.json`` when
+done: the same command resumes (SIGTERM/SIGUSR1 stops the study with exit 75).
 
-How the comparison is kept fair, choice by choice:
-
-- **Equal tuning.** Each (optimizer, batch) tries the same number of learning rates, a
-  geometric grid ``centre × --grid`` (default ×0.5, ×1, ×2). The centre is each method's own
-  rule: linear scaling for SGD (Goyal et al. §2.1, lr = sgd_lr·B/128), square-root scaling for
-  LARS's global rate (lr = lars_lr·√(B/1536); LARS's η fixed, as in the papers' tables that tune
-  only the base rate per batch). Warm-up, poly(2) decay, weight decay, epochs, model, data and
-  the per-forward batch are the same for both.
-- **Edges extended, for both.** Where either optimizer's best holdout lr at a batch is the
-  smallest or the largest value tried there, that batch's grid is extended by one step of the
-  grid's ratio on both sides, for both optimizers (``--extend-edges`` times, default once), so
-  every optimizer keeps the same number of values at every batch and no chosen lr is a
-  boundary of its grid unless the extension also chose it.
-- **Holdout, then test once.** Tuning runs train on the first 50,000 training images and
-  evaluate on the last 10,000 (``--holdout`` of the three-run bench); the lr with the best
-  holdout top-1 (ties: the smaller) is then trained on all 60,000 with ``--seeds`` seeds and
-  evaluated on the test split: the only runs that see it.
-- **Same batch-norm batch.** Every forward pass is ``--micro-batch`` images per rank (default
-  ``--small-batch`` over the ranks, 128 / 2 = 64, whatever ``--batches`` this invocation runs:
-  a study run one batch at a time must not change it); larger batches accumulate, as the
-  papers' 32K is many workers at a small batch each (ghost batch norm, Hoffer et al.,
-  arXiv:1705.08741).
-- **Resumable.** Each run has its own directory under ``--out`` (trainer checkpoints at epoch
-  ends) and writes ``record.json`` when done; the same command again skips finished runs and
-  resumes a stopped one. SIGTERM/SIGUSR1 stops the study with exit 75.
-
-Output: a table (mean, sample standard deviation, min and max of the seeds' top-1 for each
-optimizer and batch), the bench JSON, and a PNG of top-1 against batch with the seeds' spread.
+Output: a table (the seeds' top-1 mean, sample sd, min and max per optimizer and batch), the
+bench JSON with every run's record, and a PNG of top-1 against batch. docs/performance.md,
+"Convergence (accuracy against batch)".
 """
 from __future__ import annotations
 
@@ -48,6 +26,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hpcdl.bench.runs import (
+    bench_workdir,
+    fmnist_model,
+    fmnist_recipe,
+    fmnist_shards,
+    micro_batching,
+    report_runs,
+    run_record,
+    stopped_by_signal,
+    train_run,
+)
 from hpcdl.errors import BadInputError, mark_agreed
 from hpcdl.io import atomic_write_text
 
@@ -116,12 +105,6 @@ def tuning_runs(args: argparse.Namespace) -> list[StudyRun]:
             for factor in args.grid_list]
 
 
-def grid_step(grid: Sequence[float]) -> float:
-    """The ratio between neighbouring grid factors (2 for ×0.5, ×1, ×2); 2 for a single value."""
-    values = sorted(grid)
-    return values[1] / values[0] if len(values) > 1 else 2.0
-
-
 def edge_extensions(args: argparse.Namespace, records: dict[str, dict[str, Any]],
                     runs: Sequence[StudyRun], factors: dict[tuple[str, int], list[float]]
                     ) -> list[StudyRun]:
@@ -130,7 +113,9 @@ def edge_extensions(args: argparse.Namespace, records: dict[str, dict[str, Any]]
     per optimizer and batch, updated here). Repeated ``--extend-edges`` times, this ends with
     every chosen lr interior, or says which is not (``at_edge`` in the table)."""
     extra = []
-    step = grid_step(args.grid_list)
+    # the ratio between neighbouring grid factors (2 for ×0.5, ×1, ×2); 2 for a single value
+    grid = sorted(args.grid_list)
+    step = grid[1] / grid[0] if len(grid) > 1 else 2.0
     for batch in args.batch_list:
         for opt in args.optimizer_list:
             best, _ = select_lr(records, runs, opt, batch)
@@ -180,12 +165,6 @@ def study_micro_batch(args: argparse.Namespace, ranks: int) -> int:
 
 def study_recipe(run: StudyRun, args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     """The run as a recipe dict (hpcdl.train.config schema)."""
-    from hpcdl.bench.runs import micro_batching
-
-    micro = study_micro_batch(args, ranks)
-    model = {"name": args.model, "num_classes": 10}
-    if args.model == "resnet_small":
-        model["width"] = args.width
     if run.optimizer == "lars":
         optimizer = {"name": "lars", "momentum": 0.9, "weight_decay": args.weight_decay,
                      "trust_coefficient": args.trust_coefficient}
@@ -193,21 +172,12 @@ def study_recipe(run: StudyRun, args: argparse.Namespace, ranks: int) -> dict[st
         optimizer = {"name": "sgd", "momentum": 0.9, "weight_decay": args.weight_decay}
         if args.decay_policy == "skip_bn_bias":
             optimizer.update(bn_weight_decay=False, bias_decay_mult=0.0)
-    return {
-        "name": f"fmnist_study_{run.key}",
-        "source": "hpcdl bench convergence --study (You et al. arXiv:1708.03888 Fig. 1 in "
-                  "miniature)",
-        "model": model,
-        "data": {"image_size": 28, "val_resize": 28, "min_scale": args.min_scale, "workers": 2},
-        "epochs": args.epochs,
-        "batch": micro_batching(run.batch, micro, ranks),
-        "optimizer": optimizer,
-        "schedule": {"name": "poly", "base_lr": run.lr, "warmup_epochs": args.warmup_epochs,
-                     "power": 2.0},
-        "train": {"seed": run.seed, "eval_every_epochs": 0, "keep_checkpoints": 1,
-                  "log_every_steps": 20, "channels_last": True},
-        "comm": {"backend": args.backend, "bucket_mb": 1},
-    }
+    return fmnist_recipe(
+        f"fmnist_study_{run.key}",
+        "hpcdl bench convergence --study (You et al. arXiv:1708.03888 Fig. 1 in miniature)",
+        fmnist_model(args), micro_batching(run.batch, study_micro_batch(args, ranks), ranks),
+        args.epochs, optimizer, run.lr, args.warmup_epochs, {"backend": args.backend},
+        min_scale=args.min_scale, seed=run.seed, channels_last=True)
 
 
 def aggregate(records: dict[str, dict[str, Any]], finals: Sequence[StudyRun],
@@ -258,31 +228,25 @@ def study_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 def plot_study(rows: Sequence[dict[str, Any]], path: str) -> str:
     """Top-1 (seed mean, bar from min to max) against global batch, one line per optimizer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from hpcdl.results import png_axes
 
     labels = {"lars": "LARS", "sgd": "SGD, linear scaling + warm-up (Goyal et al.)"}
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for opt in OPTIMIZERS:
-        mine = [r for r in rows if r["optimizer"] == opt and r["top1_mean"] is not None]
-        if not mine:
-            continue
-        x = [r["global_batch"] for r in mine]
-        y = [100 * r["top1_mean"] for r in mine]
-        low = [100 * (r["top1_mean"] - r["top1_min"]) for r in mine]
-        high = [100 * (r["top1_max"] - r["top1_mean"]) for r in mine]
-        ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=labels[opt])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("global batch (Fashion-MNIST, 60,000 images)")
-    ax.set_ylabel("test top-1 (%), seed mean, min-max")
-    ax.set_title("Accuracy against batch size at a fixed epoch budget")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with png_axes(path, (6.4, 4.0), dpi=100) as ax:
+        for opt in OPTIMIZERS:
+            mine = [r for r in rows if r["optimizer"] == opt and r["top1_mean"] is not None]
+            if not mine:
+                continue
+            y = [100 * r["top1_mean"] for r in mine]
+            low = [100 * (r["top1_mean"] - r["top1_min"]) for r in mine]
+            high = [100 * (r["top1_max"] - r["top1_mean"]) for r in mine]
+            ax.errorbar([r["global_batch"] for r in mine], y, yerr=[low, high], marker="o",
+                        capsize=3, label=labels[opt])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("global batch (Fashion-MNIST, 60,000 images)")
+        ax.set_ylabel("test top-1 (%), seed mean, min-max")
+        ax.set_title("Accuracy against batch size at a fixed epoch budget")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
     return path
 
 
@@ -330,11 +294,6 @@ def check_signature(args: argparse.Namespace, out: str, write: bool) -> None:
         atomic_write_text(path, json.dumps(signature, indent=1) + "\n")
 
 
-def _legacy_policy(record: dict[str, Any]) -> str:
-    """Records from before ``decay_policy`` was recorded: SGD then decayed every parameter."""
-    return record.get("decay_policy", "sgd_decays_all")
-
-
 def reuse_records(args: argparse.Namespace, out: str) -> int:
     """Copy the runs of an earlier study's bench JSON (``--reuse-runs``) into ``out`` as
     finished runs, each only if every setting its record carries is this study's (epochs,
@@ -360,7 +319,9 @@ def reuse_records(args: argparse.Namespace, out: str) -> int:
                   "trust_coefficient": recipe["optimizer"].get("trust_coefficient")}
         if any(record.get(k) != v for k, v in wanted.items()):
             continue
-        if run.optimizer == "sgd" and _legacy_policy(record) != args.decay_policy:
+        # records from before decay_policy was recorded: SGD then decayed every parameter
+        if run.optimizer == "sgd" and record.get("decay_policy",
+                                                 "sgd_decays_all") != args.decay_policy:
             continue
         target = os.path.join(out, run.key, RECORD)
         if not os.path.exists(target):
@@ -416,23 +377,19 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--study: lr multipliers of each method's centre lr, the same "
                              "count for both (default 0.5,1,2)")
     parser.add_argument("--extend-edges", type=int, default=3,
-                        help="--study: times an (optimizer, batch) grid is widened by one step "
-                             "beyond the edge its best lr sits on, until every choice is "
-                             "interior (default 3; 0: the grid alone)")
+                        help="--study: times a grid is widened one step past the edge its best "
+                             "lr sits on (default 3; 0: the grid alone)")
     parser.add_argument("--seeds", type=int, default=3, help="--study: seeds per final point")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                         help="--study: which optimizers (default lars,sgd)")
     parser.add_argument("--decay-policy", choices=DECAY_POLICIES, default="skip_bn_bias",
-                        help="--study: skip_bn_bias (default): no weight decay on BN and "
-                             "biases for either optimizer (LARS's MLPerf skip list); "
-                             "sgd_decays_all: SGD decays every parameter (the first studies)")
+                        help="--study: skip_bn_bias (default): no decay on BN and biases for "
+                             "either optimizer; sgd_decays_all: SGD decays every parameter")
     parser.add_argument("--reuse-runs", metavar="JSON", default=None,
-                        help="--study: take the finished runs of an earlier study's bench JSON "
-                             "whose settings match (same model and width), instead of "
-                             "training them again")
+                        help="--study: reuse the matching runs of an earlier study's bench "
+                             "JSON (same model and width)")
     parser.add_argument("--plot", metavar="PNG", default=None,
-                        help="--study: write the top-1 vs batch plot here (default "
-                             "OUT/study.png)")
+                        help="--study: the top-1 vs batch plot (default OUT/study.png)")
 
 
 def run_study(args: argparse.Namespace) -> int:
@@ -443,8 +400,6 @@ def run_study(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.bench.runs import bench_workdir, prepare_shards, run_record, train_run
-    from hpcdl.results import bench_report, emit
     from hpcdl.train.config import CommConfig
     from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
@@ -466,9 +421,8 @@ def run_study(args: argparse.Namespace) -> int:
     log = logging.getLogger("hpcdl.bench")
     with bench_workdir(world, args.out, "hpcdl-study-") as out:
         start = time.perf_counter()
-        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
-        shards = {"tune": prepare_shards(world, data_dir, args.source, holdout=True),
-                  "final": prepare_shards(world, data_dir, args.source, holdout=False)}
+        shards = {"tune": fmnist_shards(world, args, out, holdout=True),
+                  "final": fmnist_shards(world, args, out, holdout=False)}
         session = RunSession(world, CommConfig(backend=args.backend), log_level=None)
 
         def runner(run: StudyRun, run_dir: str) -> dict[str, Any] | None:
@@ -476,9 +430,7 @@ def run_study(args: argparse.Namespace) -> int:
             log.info("study run %s (%s split)", run.key, run.phase)
             summary = train_run(session.comm, recipe, shards[run.phase], run_dir,
                                 args.max_steps)
-            if summary["stopped"] == "signal":
-                log.warning("run %s stopped by a signal: rerun the same command to resume",
-                            run.key)
+            if stopped_by_signal(summary, run.key, out):
                 return None
             return {**run_record(run.key, recipe, summary), "decay_policy": args.decay_policy}
 
@@ -488,12 +440,9 @@ def run_study(args: argparse.Namespace) -> int:
         if result is None:
             return EXIT_STOPPED_BY_SIGNAL
         if world.rank == 0:
-            report = bench_report("convergence-study", result["rows"], result["ratios"],
-                                  ranks=world.size)
-            report["runs"] = result["runs"]
-            report["split"] = "tuned on the last 10,000 training images; finals on the test set"
-            report["total_s"] = time.perf_counter() - start
-            emit(report, STUDY_COLUMNS, args.json)
+            report_runs("convergence-study", result["rows"], result["ratios"], world.size,
+                        STUDY_COLUMNS, args.json, start, runs=result["runs"],
+                        split="tuned on the last 10,000 training images; finals on the test set")
             default_plot = (os.path.join(out, "study.png") if args.out
                             else "convergence-study.png")
             print(f"wrote {plot_study(result['rows'], args.plot or default_plot)}")

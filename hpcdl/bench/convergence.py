@@ -1,21 +1,13 @@
-"""The paper's claim at small scale: LARS trains at a large batch to the small-batch accuracy.
-
-You et al. (ICPP'18) train ResNet-50 at a 32K batch, 1/40 of ImageNet's 1.28 M images, to the
-accuracy of the 256 baseline with LARS (You, Gitman & Ginsburg, arXiv:1708.03888), where plain
-SGD with the linear scaling rule and warm-up (Goyal et al., arXiv:1706.02677) falls short. Here
-the same ratio on all of Fashion-MNIST (60,000 train / 10,000 test, Debian's
-``dataset-fashion-mnist``), with the real pipeline (JPEG tree -> data_prep shards ->
-ShardedImageNet -> Trainer) and the zoo's ``resnet_small``, the same epochs for every run:
+"""The paper's claim at small scale: LARS trains at a large batch to the small-batch accuracy
+(You et al. ICPP'18; You, Gitman & Ginsburg arXiv:1708.03888), against momentum SGD with linear
+scaling and warm-up (Goyal et al. arXiv:1706.02677), on all of Fashion-MNIST through the real
+pipeline (JPEG tree -> shards -> Trainer), ``resnet_small``, the same epochs for every run:
 
 ==============  ============  =====================================================
 run             global batch  optimizer and schedule
 ==============  ============  =====================================================
 ``baseline``    128           momentum SGD, lr 0.1, poly(2) decay, no warm-up
 ``sgd_scaled``  1,536         momentum SGD, lr 0.1·1536/128 (linear scaling), warm-up
-``lars``        1,536         LARS (η = 0.02, lr 2; η chosen with --holdout), warm-up, poly(2)
-``lars_bf16``   1,536         ``lars`` in bf16 autocast (``train.precision: bfloat16``);
-                             only when asked for
-==============  ============  =====================================================
 
 1,536 ≈ 60,000 / 40. Goal: ``lars_minus_baseline_top1`` ≥ −1 point. ``--runs lars,lars_bf16`` is
 the bf16 check: the same recipe, seed and data order, so the difference
@@ -30,25 +22,39 @@ Every run computes each forward pass (hence batch norm) on the baseline's per-ra
 workers at a small batch each.
 ``--holdout`` trains on the first 50,000 training images and evaluates on the last 10,000
 (never the test set): the split the LARS and warm-up settings were chosen on.
+=======
+``lars``        1,536         LARS (η = 0.02, lr 2), warm-up, poly(2)
+``lars_bf16``   1,536         ``lars`` in bf16 autocast (``train.precision: bfloat16``,
+                             emulated where bf16 is not native); when asked for
+==============  ============  =====================================================
+
+1,536 ≈ 60,000 / 40, as 32K ≈ 1.28 M / 40; every forward pass is the baseline's per-rank batch
+(the large batch accumulates). ``--holdout`` trains on the first 50,000 training images and
+evaluates on the last 10,000. The bench JSON's ratios: ``lars_minus_baseline_top1`` (goal ≥ −1
+point), ``lars_bf16_minus_lars_top1``. ``--study`` runs the accuracy-vs-batch sweep instead
+(hpcdl/bench/batch_study.py). docs/performance.md, "Convergence".
 
     mpiexec -n 2 hpcdl bench convergence --json convergence.json
-
-``--study`` runs the accuracy-vs-batch sweep instead (hpcdl/bench/batch_study.py).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any
 
 from hpcdl.bench.runs import (
     HOLDOUT,
+    add_run_arguments,
     bench_workdir,
+    fmnist_model,
+    fmnist_recipe,
+    fmnist_shards,
     micro_batching,
-    prepare_shards,
+    parse_choices,
+    report_runs,
     run_record,
+    stopped_by_signal,
     train_run,
 )
 
@@ -63,8 +69,7 @@ COLUMNS = ["run", "optimizer", "global_batch", "accumulation", "base_lr", "warmu
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=float, default=12,
-                        help="epochs of every run (default 12: ~40 min for the three runs on "
-                             "2 cores)")
+                        help="epochs of every run (default 12)")
     parser.add_argument("--runs", default=",".join(RUNS),
                         help=f"comma-separated subset of {','.join(RUNS + EXTRA_RUNS)} "
                              f"(default {','.join(RUNS)}; lars_bf16 is lars in bf16 autocast)")
@@ -75,43 +80,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="baseline SGD lr at --small-batch; sgd_scaled uses it × "
                              "large/small (linear scaling rule)")
     parser.add_argument("--lars-lr", type=float, default=2.0,
-                        help="LARS base lr (large batch); also the plain-momentum lr of BN "
-                             "and biases (MLPerf skip list)")
+                        help="LARS base lr (large batch; BN and biases: plain momentum)")
     parser.add_argument("--trust-coefficient", type=float, default=0.02,
-                        help="LARS η (weights move lr·η of their norm per step); 0.02 chosen "
-                             "with --holdout at batch 1536 (docs/performance.md)")
+                        help="LARS η (0.02: chosen with --holdout at batch 1536)")
     parser.add_argument("--warmup-epochs", type=float, default=1.0,
                         help="linear warm-up of the two large-batch runs")
     parser.add_argument("--weight-decay", type=float, default=5e-4,
                         help="every run (LARS and SGD alike; BN and biases excluded for LARS)")
     parser.add_argument("--micro-batch", type=int, default=None,
-                        help="images per rank per forward pass in every run (default: the "
-                             "baseline's per-rank batch, small-batch / ranks); the large batch "
-                             "accumulates micro-batches, as the paper's 32K batch is 1,024 "
-                             "workers x 32 with batch norm over each worker's 32")
+                        help="images per rank per forward pass in every run (default: "
+                             "small-batch / ranks); larger batches accumulate")
     parser.add_argument("--min-scale", type=float, default=0.7,
-                        help="random-resized-crop minimum area of every run (0.7: milder "
-                             "crops than ImageNet's 0.08 suit 28 px garments; the demo's)")
+                        help="random-resized-crop minimum area (0.7: 28 px garments, the demo's)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="every run's seed (weights, data order, augmentation); a seed "
-                             "pair's spread is the noise a difference between runs is read "
-                             "against (e.g. lars vs lars_bf16)")
+                        help="every run's seed (weights, data order, augmentation)")
     parser.add_argument("--model", default="resnet_small", help="a model of hpcdl.models")
     parser.add_argument("--width", type=int, default=16, help="resnet_small width")
-    parser.add_argument("--source", default="debian",
-                        help="Fashion-MNIST idx files: debian (default), demo, or a folder")
     parser.add_argument("--holdout", action="store_true",
                         help=f"tune: train on all but the last {HOLDOUT} training images and "
                              f"evaluate on those (not on the test set)")
-    parser.add_argument("--data", metavar="DIR", default=None,
-                        help="keep/reuse the JPEG tree and shards here (default: under --out)")
-    parser.add_argument("--out", metavar="DIR", default=None,
-                        help="keep the run directories here (default: a temporary directory, "
-                             "removed); rerunning with the same DIR resumes each run")
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help="stop every run after this global step (quick checks)")
-    parser.add_argument("--backend", default="auto", help="comm backend")
-    parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+    add_run_arguments(parser)
     from hpcdl.bench.batch_study import add_study_arguments
 
     add_study_arguments(parser)
@@ -125,40 +113,24 @@ def run_recipes(args: argparse.Namespace, ranks: int = 2) -> dict[str, dict[str,
     if micro < 1:
         raise SystemExit(f"hpcdl bench convergence: --small-batch {args.small_batch} is "
                          f"smaller than {ranks} ranks")
-    model = {"name": args.model, "num_classes": 10}
-    if args.model == "resnet_small":
-        model["width"] = args.width
-    common = {
-        "source": "hpcdl bench convergence (You et al. ICPP'18 at batch/dataset = 1/40)",
-        "model": model,
-        "data": {"image_size": 28, "val_resize": 28, "min_scale": args.min_scale,
-                 "workers": 2},
-        "epochs": args.epochs,
-        # Evaluate once at the end (the table's number); checkpoints at epoch ends let an
-        # interrupted bench resume with the same --out.
-        "train": {"seed": args.seed, "eval_every_epochs": 0, "keep_checkpoints": 1,
-                  "log_every_steps": 20, "channels_last": True},
-        "comm": {"backend": args.backend, "bucket_mb": 1},
-    }
+
+    def recipe(name: str, batch: int, optimizer: dict[str, Any], base_lr: float,
+               warmup_epochs: float) -> dict[str, Any]:
+        return fmnist_recipe(
+            name, "hpcdl bench convergence (You et al. ICPP'18 at batch/dataset = 1/40)",
+            fmnist_model(args), micro_batching(batch, micro, ranks), args.epochs, optimizer,
+            base_lr, warmup_epochs, {"backend": args.backend}, min_scale=args.min_scale,
+            seed=args.seed, channels_last=True)
+
     sgd = {"name": "sgd", "momentum": 0.9, "weight_decay": args.weight_decay}
-    scaled = args.sgd_lr * args.large_batch / args.small_batch
+    lars_opt = {"name": "lars", "momentum": 0.9, "weight_decay": args.weight_decay,
+                "trust_coefficient": args.trust_coefficient}
+    large, small, warmup = args.large_batch, args.small_batch, args.warmup_epochs
     recipes = {
-        "baseline": {**common, "name": f"fmnist_sgd_b{args.small_batch}",
-                     "batch": micro_batching(args.small_batch, micro, ranks), "optimizer": sgd,
-                     "schedule": {"name": "poly", "base_lr": args.sgd_lr, "warmup_epochs": 0,
-                                  "power": 2.0}},
-        "sgd_scaled": {**common, "name": f"fmnist_sgd_scaled_b{args.large_batch}",
-                       "batch": micro_batching(args.large_batch, micro, ranks),
-                       "optimizer": sgd,
-                       "schedule": {"name": "poly", "base_lr": scaled,
-                                    "warmup_epochs": args.warmup_epochs, "power": 2.0}},
-        "lars": {**common, "name": f"fmnist_lars_b{args.large_batch}",
-                 "batch": micro_batching(args.large_batch, micro, ranks),
-                 "optimizer": {"name": "lars", "momentum": 0.9,
-                               "weight_decay": args.weight_decay,
-                               "trust_coefficient": args.trust_coefficient},
-                 "schedule": {"name": "poly", "base_lr": args.lars_lr,
-                              "warmup_epochs": args.warmup_epochs, "power": 2.0}},
+        "baseline": recipe(f"fmnist_sgd_b{small}", small, sgd, args.sgd_lr, 0),
+        "sgd_scaled": recipe(f"fmnist_sgd_scaled_b{large}", large, sgd,
+                             args.sgd_lr * large / small, warmup),
+        "lars": recipe(f"fmnist_lars_b{large}", large, lars_opt, args.lars_lr, warmup),
     }
     lars = recipes["lars"]
     recipes["lars_bf16"] = {**lars, "name": lars["name"] + "_bf16",
@@ -181,20 +153,12 @@ def convergence_ratios(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return ratios
 
 
-def parse_runs(text: str) -> list[str]:
-    runs = [r.strip() for r in text.split(",") if r.strip()]
-    known = RUNS + EXTRA_RUNS
-    if not runs or any(r not in known for r in runs):
-        raise SystemExit(f"hpcdl bench convergence: --runs {text!r}: choose from {','.join(known)}")
-    return runs
-
-
 def run(args: argparse.Namespace) -> int:
     if args.study:
         from hpcdl.bench.batch_study import run_study
 
         return run_study(args)
-    runs = parse_runs(args.runs)
+    runs = parse_choices("convergence", "--runs", args.runs, RUNS + EXTRA_RUNS)
     if args.epochs <= 0 or args.small_batch < 1 or args.large_batch < 1:
         raise SystemExit("hpcdl bench convergence: --epochs, --small-batch and --large-batch "
                          "must be positive")
@@ -205,7 +169,6 @@ def run(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.results import bench_report, emit
     from hpcdl.train.config import CommConfig
     from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
@@ -214,8 +177,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("hpcdl.bench")
     with bench_workdir(world, args.out, "hpcdl-convergence-") as out:
         start = time.perf_counter()
-        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
-        shard_dir = prepare_shards(world, data_dir, args.source, args.holdout)
+        shard_dir = fmnist_shards(world, args, out, args.holdout)
         log.info("Fashion-MNIST shards ready in %s (%.0f s)", shard_dir,
                  time.perf_counter() - start)
         recipes = run_recipes(args, world.size)
@@ -228,21 +190,14 @@ def run(args: argparse.Namespace) -> int:
                 log.info("run %s: %s", name, recipes[name]["name"])
                 summary = train_run(session.comm, recipes[name], shard_dir, run_dir,
                                     args.max_steps)
-                if summary["stopped"] == "signal":
-                    # SIGTERM/SIGUSR1 (Slurm's time limit): the run is checkpointed; stop the
-                    # bench too, so a requeued job with the same --out resumes where it was.
-                    log.warning("run %s stopped by a signal at step %d: stopping the bench "
-                                "(rerun with --out %s to resume)", name, summary["steps"], out)
+                if stopped_by_signal(summary, name, out):
                     return EXIT_STOPPED_BY_SIGNAL
                 records[name] = run_record(name, recipes[name], summary)
                 log.info("run %s: top-1 %.4f after %s epochs (%.0f s)", name,
                          summary["top1"] or float("nan"), summary["epochs"], summary["train_s"])
         if world.rank == 0:
-            report = bench_report("convergence", list(records.values()),
-                                  convergence_ratios(records), ranks=world.size)
-            report["split"] = ("holdout: last 10,000 training images" if args.holdout
-                               else "test: the 10,000 test images")
-            report["total_s"] = time.perf_counter() - start
-            emit(report, COLUMNS, args.json)
-            sys.stdout.flush()
+            report_runs("convergence", list(records.values()), convergence_ratios(records),
+                        world.size, COLUMNS, args.json, start,
+                        split="holdout: last 10,000 training images" if args.holdout
+                        else "test: the 10,000 test images")
     return 0

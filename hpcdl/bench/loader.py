@@ -1,22 +1,11 @@
 """Loader throughput: HDF5 shards + ShardedImageNet against the torchvision ``ImageFolder`` way
-(open each JPEG with Pillow, convert RGB, RandomResizedCrop, flip, ToTensor, Normalize, stack:
-pytorch/examples' ImageNet recipe), on the same images, in one run, one core each (torch on
-one thread, loader ``workers=0``). Both sides end in the same normalised float32 NCHW batch:
-the loader's uint8 batch goes through ``hpcdl.data.normalize`` as in the trainer. Images per
-core is images per CPU second of the process.
-
-Fair baselines: sites that care pre-resize ImageNet too, so the same run also times
-ImageFolder over the *same pre-resized JPEGs* the shards hold (exported byte for byte to a
-tree) and WebDataset (tar shards of those JPEGs, its own ``decode("pil")`` pipeline, then the
-same transform), each ending in the same normalised float32 batch, one core. simplejpeg's own
-decode rate of the stored JPEGs is the floor of any JPEG loader on the same bytes: the report
-gives the HDF5 loader's fraction of it. Goals: ``hdf5_vs_imagefolder_resized`` and
-``hdf5_vs_webdataset`` >= 1.5.
-
-Also measures sharding throughput at 1 and 2 ranks (``--shard-ranks``) by timing
-``mpiexec -n P hpcdl prep shard`` on the same tree. ``--generate N`` writes a tree of N
-ImageNet-like 500x375 JPEGs first. Goals: ``hdf5_vs_imagefolder`` >= 3,
-``shard_ranks_2_vs_1`` >= 1.8 (on a machine with 2 free cores).
+(Pillow decode, RandomResizedCrop, flip, ToTensor, Normalize, stack), on the same images, one
+core each, both ending in the same normalised float32 NCHW batch; also ImageFolder and
+WebDataset over the shards' own pre-resized JPEGs, simplejpeg's decode rate of them (the
+floor of any JPEG loader) and ``hpcdl prep shard`` at 1 and 2 ranks (``--shard-ranks``).
+``--generate N`` writes N ImageNet-like 500x375 JPEGs first. Goals: ``hdf5_vs_imagefolder``
+>= 3, ``hdf5_vs_imagefolder_resized`` and ``hdf5_vs_webdataset`` >= 1.5,
+``shard_ranks_2_vs_1`` >= 1.8. docs/performance.md, "Loader".
 """
 from __future__ import annotations
 

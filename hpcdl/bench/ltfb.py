@@ -14,7 +14,8 @@ run                what trains
 
 Both process P x per-rank images per step, and the LTFB run gets as many steps as the
 data-parallel one (its epochs are counted over its smaller partition). Each trainer evaluates
-on the 10,000 test images every epoch; the LTFB curve is the best trainer's.
+on the 10,000 test images every epoch; the LTFB curve is the best trainer's. The bench JSON
+has every evaluation, the tournament rounds and the settings. docs/performance.md, "LTFB".
 
     mpiexec -n 4 hpcdl bench ltfb --json ltfb.json --plot docs/ltfb_accuracy.png
 """
@@ -26,6 +27,8 @@ import shutil
 import sys
 import time
 from typing import Any
+
+from hpcdl.bench.runs import add_run_arguments, fmnist_model, fmnist_recipe, report_runs
 
 COMMAND = "ltfb"
 HELP = "Fashion-MNIST accuracy vs time: K LTFB trainers vs one data-parallel trainer"
@@ -51,16 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="learning rate at global batch 128, scaled linearly with each "
                              "run's batch (default: 0.1 for sgd, 1.0 for lars)")
     parser.add_argument("--width", type=int, default=16, help="resnet_small width")
-    parser.add_argument("--source", default="debian",
-                        help="Fashion-MNIST idx files: debian (default), demo, or a folder")
-    parser.add_argument("--data", metavar="DIR", default=None,
-                        help="keep/reuse the JPEG tree and shards here (default: under --out)")
-    parser.add_argument("--out", metavar="DIR", default=None,
-                        help="keep the run directories here (default: a temporary directory)")
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help="stop both runs after this step (quick checks)")
-    parser.add_argument("--backend", default="auto", help="comm backend")
-    parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+    add_run_arguments(parser)
     parser.add_argument("--plot", metavar="FILE", help="write top-1 vs wall-clock time (PNG)")
 
 
@@ -72,20 +66,12 @@ def recipe(args: argparse.Namespace, global_batch: int, epochs: float) -> dict[s
     optimizer: dict[str, Any] = {"name": args.optimizer, "momentum": 0.9, "weight_decay": 5e-4}
     if args.optimizer == "lars":
         optimizer["trust_coefficient"] = 0.001
-    return {
-        "name": f"fmnist_{args.optimizer}_b{global_batch}",
-        "source": "hpcdl bench ltfb (Jacobs et al. MLHPC'17 vs data parallel)",
-        "model": {"name": "resnet_small", "num_classes": 10, "width": args.width},
-        "data": {"image_size": 28, "val_resize": 28, "min_scale": 0.35, "workers": 2},
-        "batch": {"global": global_batch, "per_rank": args.per_rank},
-        "epochs": epochs,
-        "optimizer": optimizer,
-        "schedule": {"name": "poly", "base_lr": base * global_batch / 128,
-                     "warmup_epochs": 0.5, "power": 2.0},
-        "train": {"seed": 0, "eval_every_epochs": 1, "keep_checkpoints": 1,
-                  "log_every_steps": 20},
-        "comm": {"backend": args.backend, "bucket_mb": 1},
-    }
+    return fmnist_recipe(
+        f"fmnist_{args.optimizer}_b{global_batch}",
+        "hpcdl bench ltfb (Jacobs et al. MLHPC'17 vs data parallel)", fmnist_model(args),
+        {"global": global_batch, "per_rank": args.per_rank}, epochs, optimizer,
+        base * global_batch / 128, 0.5, {"backend": args.backend}, min_scale=0.35,
+        eval_every_epochs=1)
 
 
 def ltfb_epochs(shard_dir: str, args: argparse.Namespace, world_size: int) -> float:
@@ -103,43 +89,32 @@ def ltfb_epochs(shard_dir: str, args: argparse.Namespace, world_size: int) -> fl
 
 
 # -- the two runs -----------------------------------------------------------------------------
-def run_data_parallel(world, args, shard_dir: str, run_dir: str) -> float:
-    """Returns the wall-clock start (time.time()) the curve is measured from."""
-    from hpcdl.train.config import config_from_dict
-    from hpcdl.train.session import RunSession
-    from hpcdl.train.trainer import Trainer, TrainOptions
-
-    config = config_from_dict(recipe(args, args.per_rank * world.size, args.epochs),
-                              origin="hpcdl bench ltfb: data_parallel")
-    world.Barrier()
-    start = time.time()
-    with RunSession(world, config.comm, log_level=None, threads=None) as session:
-        session.own(Trainer(config, shard_dir, run_dir, session.comm,
-                            options=TrainOptions(max_steps=args.max_steps,
-                                                 progress=False))).train()
-    return start
-
-
-def run_ltfb(world, args, shard_dir: str, run_dir: str) -> tuple[float, dict[str, Any]]:
+def timed_run(world, args, shard_dir: str, run_dir: str,
+              ltfb: bool) -> tuple[float, dict[str, Any]]:
+    """The data-parallel run or the LTFB run (each trainer opens its own communicator): the
+    wall-clock start (time.time()) its curve is measured from, and its summary."""
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.ltfb import LTFB, LTFBOptions
     from hpcdl.train.session import RunSession
-    from hpcdl.train.trainer import TrainOptions
+    from hpcdl.train.trainer import Trainer, TrainOptions
 
-    trainer_size = world.size // args.trainers
-    config = config_from_dict(recipe(args, args.per_rank * trainer_size,
-                                     ltfb_epochs(shard_dir, args, world.size)),
-                              origin="hpcdl bench ltfb: ltfb")
-    options = LTFBOptions(trainers=args.trainers, interval=args.tournament_interval,
-                          metric=args.tournament_metric, exchange=args.exchange,
-                          holdout_fraction=args.tournament_holdout)
+    ranks = world.size // args.trainers if ltfb else world.size
+    epochs = ltfb_epochs(shard_dir, args, world.size) if ltfb else args.epochs
+    config = config_from_dict(recipe(args, args.per_rank * ranks, epochs),
+                              origin=f"hpcdl bench ltfb: {'ltfb' if ltfb else 'data_parallel'}")
+    options = TrainOptions(max_steps=args.max_steps, progress=False)
     world.Barrier()
     start = time.time()
-    with RunSession(world, log_level=None, threads=None) as session:  # each trainer's comm
-        summary = session.own(LTFB(config, shard_dir, run_dir, world, options,
-                                   TrainOptions(max_steps=args.max_steps, progress=False),
-                                   backend=args.backend)).train()
-    return start, summary
+    with RunSession(world, None if ltfb else config.comm, log_level=None,
+                    threads=None) as session:
+        if ltfb:
+            runner = LTFB(config, shard_dir, run_dir, world, LTFBOptions(
+                trainers=args.trainers, interval=args.tournament_interval,
+                metric=args.tournament_metric, exchange=args.exchange,
+                holdout_fraction=args.tournament_holdout), options, backend=args.backend)
+        else:
+            runner = Trainer(config, shard_dir, run_dir, session.comm, options=options)
+        return start, session.own(runner).train()
 
 
 # -- the record -------------------------------------------------------------------------------
@@ -187,30 +162,21 @@ def ltfb_ratios(dp: list[dict[str, Any]], best: list[dict[str, Any]],
 
 def plot_curves(path: str, dp: list[dict[str, Any]], trainers: list[list[dict[str, Any]]],
                 best: list[dict[str, Any]], title: str) -> None:
-    import matplotlib
+    from hpcdl.results import png_axes
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot([p["elapsed_s"] for p in dp], [100 * p["top1"] for p in dp], "o-",
-            label="data parallel (1 trainer)")
-    for t, points in enumerate(trainers):
-        ax.plot([p["elapsed_s"] for p in points], [100 * p["top1"] for p in points], ":",
-                alpha=0.6, label=f"LTFB trainer {t}")
-    ax.plot([p["elapsed_s"] for p in best], [100 * p["top1"] for p in best], "s-",
-            label="LTFB best trainer")
-    ax.set_xlabel("wall-clock time since start (s)")
-    ax.set_ylabel("test top-1 (%)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    with png_axes(path, (6.4, 4.2)) as ax:
+        ax.plot([p["elapsed_s"] for p in dp], [100 * p["top1"] for p in dp], "o-",
+                label="data parallel (1 trainer)")
+        for t, points in enumerate(trainers):
+            ax.plot([p["elapsed_s"] for p in points], [100 * p["top1"] for p in points], ":",
+                    alpha=0.6, label=f"LTFB trainer {t}")
+        ax.plot([p["elapsed_s"] for p in best], [100 * p["top1"] for p in best], "s-",
+                label="LTFB best trainer")
+        ax.set_xlabel("wall-clock time since start (s)")
+        ax.set_ylabel("test top-1 (%)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,8 +187,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
-    from hpcdl.bench.runs import bench_workdir, prepare_shards
-    from hpcdl.results import bench_report, emit
+    from hpcdl.bench.runs import bench_workdir, fmnist_shards
     from hpcdl.train.threads import configure_threads
 
     world = MPI.COMM_WORLD
@@ -234,8 +199,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log = logging.getLogger("hpcdl.bench")
     with bench_workdir(world, args.out, "hpcdl-ltfb-") as out:
-        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
-        shard_dir = prepare_shards(world, data_dir, args.source, holdout=False)
+        shard_dir = fmnist_shards(world, args, out, holdout=False)
         # threads from the node layout of the whole world (both runs use every rank)
         configure_threads(world)
         dp_dir, ltfb_dir = os.path.join(out, "data_parallel"), os.path.join(out, "ltfb")
@@ -243,10 +207,10 @@ def run(args: argparse.Namespace) -> int:
             if world.rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
         log.info("data-parallel run on %d ranks", world.size)
-        dp_start = run_data_parallel(world, args, shard_dir, dp_dir)
+        dp_start, _ = timed_run(world, args, shard_dir, dp_dir, ltfb=False)
         log.info("LTFB run: %d trainers x %d ranks", args.trainers,
                  world.size // args.trainers)
-        ltfb_start, summary = run_ltfb(world, args, shard_dir, ltfb_dir)
+        ltfb_start, summary = timed_run(world, args, shard_dir, ltfb_dir, ltfb=True)
         if world.rank == 0:
             images_per_step = args.per_rank * world.size
             dp = eval_points("data_parallel", os.path.join(dp_dir, "metrics.jsonl"), dp_start,
@@ -256,13 +220,12 @@ def run(args: argparse.Namespace) -> int:
                                     ltfb_start, images_per_step, trainer=t)
                         for t in range(args.trainers)]
             best = best_of([p for points in trainers for p in points])
-            report = bench_report("ltfb", dp + [p for pts in trainers for p in pts] + best,
-                                  ltfb_ratios(dp, best, summary), ranks=world.size)
-            report["rounds"] = summary["rounds"]
-            report["settings"] = {k: getattr(args, k) for k in (
-                "epochs", "trainers", "tournament_interval", "tournament_metric", "exchange",
-                "tournament_holdout", "per_rank", "optimizer", "lr", "width", "max_steps")}
-            emit(report, COLUMNS, args.json)
+            report_runs("ltfb", dp + [p for pts in trainers for p in pts] + best,
+                        ltfb_ratios(dp, best, summary), world.size, COLUMNS, args.json,
+                        rounds=summary["rounds"], settings={k: getattr(args, k) for k in (
+                            "epochs", "trainers", "tournament_interval", "tournament_metric",
+                            "exchange", "tournament_holdout", "per_rank", "optimizer", "lr",
+                            "width", "max_steps")})
             if args.plot:
                 plot_curves(args.plot, dp, trainers, best,
                             f"Fashion-MNIST, {world.size} ranks: 1 data-parallel trainer vs "

@@ -21,15 +21,13 @@ run                        what keeps replicas consistent
                            (their loop is not the Trainer's; compare each anchor with it too)
 =========================  ===================================================================
 
-``--seeds 0,1,2`` repeats every run per seed (the model's initial weights, the data order and
-PowerSGD's first Q change with it); the report then has one row per run and seed, one row per
-run with the mean over seeds, and the goal is judged on the means.
-
-Per run: final top-1 on the test set, bytes each rank passed to allreduce (counted where they
-are sent; PyTorch's from its own ``PowerSGDState`` statistics and the averager's period),
-training wall time, and ``hpcdl plan``'s predicted run time for AlexNet-BN and ResNet-50 at
-2,048 sockets (``skx``, 32K batch) with the same H or compression ratio. Goal: ≥ 4× fewer bytes
-per step at ≤ 0.5 points of top-1 below ``sync``.
+``--seeds 0,1,2`` repeats every run per seed; the report then adds one row per run with the
+mean over seeds, and the goal is judged on the means. Per run: final top-1, bytes each rank
+passed to allreduce (counted where they are sent; PyTorch's from ``PowerSGDState`` and the
+averager's period), training wall time, and ``hpcdl plan``'s predicted minutes for AlexNet-BN
+and ResNet-50 at 2,048 ``skx`` sockets (32K batch) with the same H or compression. Goal: ≥ 4×
+fewer bytes per step at ≤ 0.5 points of top-1 below ``sync``. docs/performance.md, "Relaxed
+consistency".
 
     mpiexec -n 4 hpcdl bench relaxed --json relaxed.json --plot relaxed.png
 """
@@ -41,6 +39,15 @@ import os
 import sys
 import time
 from typing import Any
+
+from hpcdl.bench.runs import (
+    add_run_arguments,
+    fmnist_model,
+    fmnist_recipe,
+    parse_choices,
+    report_runs,
+    train_run,
+)
 
 COMMAND = "relaxed"
 HELP = "local SGD, hierarchical local SGD, PowerSGD vs synchronous LARS and PyTorch DDP's"
@@ -71,11 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=2.0, help="LARS base lr (2.0)")
     parser.add_argument("--trust-coefficient", type=float, default=0.02, help="LARS eta (0.02)")
     parser.add_argument("--width", type=int, default=8, help="resnet_small width (8)")
-    parser.add_argument("--source", default="debian", help="debian (default), demo or a folder")
-    parser.add_argument("--data", metavar="DIR", default=None, help="keep/reuse shards here")
-    parser.add_argument("--out", metavar="DIR", default=None, help="keep run directories here")
-    parser.add_argument("--max-steps", type=int, default=None, help="stop runs early (checks)")
-    parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+    add_run_arguments(parser, backend=False)
     parser.add_argument("--plot", metavar="FILE", help="write top-1 vs bytes per step as PNG")
 
 
@@ -87,25 +90,17 @@ def recipe(args: argparse.Namespace, run: str, ranks: int, steps_per_epoch: int,
     if rest:
         raise SystemExit(f"hpcdl bench relaxed: --global-batch {args.global_batch} is not a "
                          f"multiple of {ranks} ranks")
-    comm: dict[str, Any] = {"backend": "mpi", "bucket_mb": 1}
+    comm: dict[str, Any] = {"backend": "mpi"}
     if run in ALGORITHM and run != "sync":
         comm.update(algorithm=ALGORITHM[run], local_steps=args.local_steps,
                     sync_warmup_steps=warmup_steps(args, steps_per_epoch),
                     powersgd_rank=args.powersgd_rank)
-    return {
-        "name": f"fmnist_{run}", "source": "hpcdl bench relaxed",
-        "model": {"name": "resnet_small", "num_classes": 10, "width": args.width},
-        "data": {"image_size": 28, "val_resize": 28, "min_scale": 0.7, "workers": 1},
-        "batch": {"global": args.global_batch, "per_rank": per_rank},
-        "epochs": args.epochs,
-        "optimizer": {"name": "lars", "momentum": 0.9, "weight_decay": 5e-4,
-                      "trust_coefficient": args.trust_coefficient},
-        "schedule": {"name": "poly", "base_lr": args.lr,
-                     "warmup_epochs": args.sync_warmup_epochs, "power": 2.0},
-        "train": {"seed": seed, "eval_every_epochs": 0, "keep_checkpoints": 1,
-                  "log_every_steps": 50},
-        "comm": comm,
-    }
+    return fmnist_recipe(
+        f"fmnist_{run}", "hpcdl bench relaxed", fmnist_model(args),
+        {"global": args.global_batch, "per_rank": per_rank}, args.epochs,
+        {"name": "lars", "momentum": 0.9, "weight_decay": 5e-4,
+         "trust_coefficient": args.trust_coefficient},
+        args.lr, args.sync_warmup_epochs, comm, workers=1, seed=seed, log_every_steps=50)
 
 
 def warmup_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
@@ -115,7 +110,7 @@ def warmup_steps(args: argparse.Namespace, steps_per_epoch: int) -> int:
 # -- ours ----------------------------------------------------------------------------------
 def train_ours(world, args, run: str, shard_dir: str, out: str, seed: int = 0
                ) -> dict[str, Any]:
-    from hpcdl.bench.runs import train_run
+    from hpcdl.data import ShardedImageNet
     from hpcdl.train.config import CommConfig
     from hpcdl.train.session import RunSession
 
@@ -123,41 +118,20 @@ def train_ours(world, args, run: str, shard_dir: str, out: str, seed: int = 0
     # the communicator's defaults; the run's reducer takes its recipe's bucket size
     with RunSession(world, CommConfig(backend="mpi"), log_level=None, threads=None,
                     ranks_per_node=per_node) as session:
-        steps_per_epoch = train_steps_per_epoch(session.comm, shard_dir, args, world.size)
+        steps_per_epoch = len(ShardedImageNet.for_communicator(
+            session.comm, shard_dir, "train", args.global_batch // world.size, image_size=28,
+            workers=0))
+        # seed 0 keeps the first pass's directory name: it resumes
         summary = train_run(session.comm, recipe(args, run, world.size, steps_per_epoch, seed),
-                            shard_dir, os.path.join(out, run_dir(run, seed)), args.max_steps)
+                            shard_dir, os.path.join(out, run if seed == 0 else f"{run}-s{seed}"),
+                            args.max_steps)
     traffic = summary["traffic"]
     return {"run": run, "seed": seed, "top1": summary["top1"], "steps": summary["steps"],
             "bytes_per_rank": traffic["bytes_world"], "bytes_node_per_rank": traffic["bytes_node"],
             "train_s": summary["train_s_total"], "traffic": traffic}
 
 
-def run_dir(run: str, seed: int) -> str:
-    """A run's directory under ``--out`` (seed 0 keeps the first pass's name: it resumes)."""
-    return run if seed == 0 else f"{run}-s{seed}"
-
-
-def train_steps_per_epoch(comm, shard_dir: str, args, ranks: int) -> int:
-    from hpcdl.data import ShardedImageNet
-
-    loader = ShardedImageNet(shard_dir, split="train", node_index=comm.node_index,
-                             num_nodes=comm.num_nodes, local_rank=comm.local_rank,
-                             local_size=comm.local_size, batch_size=args.global_batch // ranks,
-                             image_size=28, workers=0)
-    return len(loader)
-
-
 # -- PyTorch's anchors -----------------------------------------------------------------------
-def init_torch_distributed(world) -> None:
-    """The default gloo group, rendezvous over MPI (hpcdl.comm.gloo's), once per process."""
-    import torch.distributed as dist
-
-    from hpcdl.comm.gloo import init_process_group_over_mpi
-
-    if not dist.is_initialized():
-        init_process_group_over_mpi(world)
-
-
 def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[str, Any]:
     """DDP + gloo with PyTorch's hook for ``run``, the same model, data, LARS and schedule."""
     import torch
@@ -168,11 +142,13 @@ def train_anchor(world, args, run: str, shard_dir: str, seed: int = 0) -> dict[s
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hpcdl.bench.baselines import plain_step
+    from hpcdl.comm.gloo import init_process_group_over_mpi
     from hpcdl.data import ShardedImageNet
     from hpcdl.train.config import config_from_dict
     from hpcdl.train.trainer import recipe_model, recipe_optimizer, recipe_schedule
 
-    init_torch_distributed(world)
+    if not dist.is_initialized():  # the default gloo group, once per process
+        init_process_group_over_mpi(world)
     per_rank = args.global_batch // world.size
     loader = ShardedImageNet(shard_dir, split="train", node_index=0, num_nodes=1,
                              local_rank=world.rank, local_size=world.size, batch_size=per_rank,
@@ -342,43 +318,24 @@ def mean_row(run: str, group: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(path: str, records: list[dict[str, Any]]) -> None:
-    import matplotlib
+    from hpcdl.results import png_axes
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from hpcdl.io import atomic_write_bytes
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     means = [r for r in records if r.get("seed") == "mean"]  # several seeds: mean, min-max
-    for r in means or records:
-        marker = "s" if r["run"].startswith("ddp") else "o"
-        spread = ([[100 * (r["top1"] - r["top1_min"])], [100 * (r["top1_max"] - r["top1"])]]
-                  if means else None)
-        ax.errorbar(r["bytes_per_step"] / 1e6, 100 * r["top1"], yerr=spread, fmt=marker,
-                    capsize=3)
-        ax.annotate(r["run"], (r["bytes_per_step"] / 1e6, 100 * r["top1"]), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel("MB passed to allreduce per rank per step (log)")
-    ax.set_ylabel("Fashion-MNIST test top-1 (%)")
-    ax.set_title("Relaxed consistency vs synchronous LARS (o: hpcdl, s: PyTorch DDP)",
-                 fontsize=9)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    import io
-
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
-
-
-def parse_runs(text: str) -> list[str]:
-    runs = [r.strip() for r in text.split(",") if r.strip()]
-    if not runs or any(r not in RUNS for r in runs):
-        raise SystemExit(f"hpcdl bench relaxed: --runs {text!r}: choose from {','.join(RUNS)}")
-    return runs
+    with png_axes(path, (6.4, 4.2)) as ax:
+        for r in means or records:
+            marker = "s" if r["run"].startswith("ddp") else "o"
+            spread = ([[100 * (r["top1"] - r["top1_min"])],
+                       [100 * (r["top1_max"] - r["top1"])]] if means else None)
+            ax.errorbar(r["bytes_per_step"] / 1e6, 100 * r["top1"], yerr=spread, fmt=marker,
+                        capsize=3)
+            ax.annotate(r["run"], (r["bytes_per_step"] / 1e6, 100 * r["top1"]), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB passed to allreduce per rank per step (log)")
+        ax.set_ylabel("Fashion-MNIST test top-1 (%)")
+        ax.set_title("Relaxed consistency vs synchronous LARS (o: hpcdl, s: PyTorch DDP)",
+                     fontsize=9)
+        ax.grid(True, alpha=0.3)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -393,11 +350,10 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    runs = parse_runs(args.runs)
+    runs = parse_choices("relaxed", "--runs", args.runs, RUNS)
     from mpi4py import MPI
 
-    from hpcdl.bench.runs import bench_workdir, prepare_shards
-    from hpcdl.results import bench_report, emit
+    from hpcdl.bench.runs import bench_workdir, fmnist_shards
 
     world = MPI.COMM_WORLD
     if "hierarchical" in runs and world.size % args.ranks_per_node:
@@ -405,8 +361,7 @@ def run(args: argparse.Namespace) -> int:
                          f"--ranks-per-node {args.ranks_per_node}")
     with bench_workdir(world, args.out, "hpcdl-relaxed-") as out:
         start = time.perf_counter()
-        data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
-        shard_dir = prepare_shards(world, data_dir, args.source, holdout=False)
+        shard_dir = fmnist_shards(world, args, out, holdout=False)
         records = []
         for seed in parse_seeds(args.seeds):
             for name in runs:
@@ -420,13 +375,11 @@ def run(args: argparse.Namespace) -> int:
                           f"{records[-1]['train_s']:.0f} s", file=sys.stderr, flush=True)
         if world.rank == 0:
             ratios = finish(records, args)
-            report = bench_report("relaxed", records, ratios, ranks=world.size)
-            report["settings"] = {k: getattr(args, k) for k in (
-                "seeds", "epochs", "global_batch", "local_steps", "powersgd_rank",
-                "sync_warmup_epochs", "ranks_per_node", "lr", "trust_coefficient", "width",
-                "source")}
-            report["total_s"] = time.perf_counter() - start
-            emit(report, COLUMNS, args.json)
+            report_runs("relaxed", records, ratios, world.size, COLUMNS, args.json, start,
+                        settings={k: getattr(args, k) for k in (
+                            "seeds", "epochs", "global_batch", "local_steps", "powersgd_rank",
+                            "sync_warmup_epochs", "ranks_per_node", "lr", "trust_coefficient",
+                            "width", "source")})
             if args.plot:
                 plot(args.plot, records)
                 print(f"wrote {args.plot}")

@@ -5,17 +5,74 @@ another's command module.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from hpcdl.errors import BadInputError, mark_agreed
 
-__all__ = ["HOLDOUT", "bench_workdir", "micro_batching", "prepare_shards", "run_record",
-           "train_run", "write_holdout_source"]
+__all__ = ["HOLDOUT", "add_run_arguments", "bench_workdir", "fmnist_model", "fmnist_recipe",
+           "fmnist_shards", "micro_batching", "parse_choices", "prepare_shards", "report_runs",
+           "run_record", "stopped_by_signal", "train_run", "write_holdout_source"]
 
 HOLDOUT = 10_000  # training images held out by --holdout (as many as the test set)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, backend: bool = True) -> None:
+    """The options every multi-run bench shares: data, run directories, early stop, JSON."""
+    parser.add_argument("--source", default="debian",
+                        help="Fashion-MNIST idx files: debian (default), demo, or a folder")
+    parser.add_argument("--data", metavar="DIR", default=None,
+                        help="keep/reuse the JPEG tree and shards here (default: under --out)")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="keep the run directories here (default: a temporary directory, "
+                             "removed); rerunning with the same DIR resumes each run")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop every run after this global step (quick checks)")
+    if backend:
+        parser.add_argument("--backend", default="auto", help="comm backend")
+    parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
+
+
+def parse_choices(bench: str, flag: str, text: str, known: tuple[str, ...]) -> list[str]:
+    """``--runs``-like options: a comma-separated subset of ``known`` (bad input: exit 2)."""
+    chosen = [c.strip() for c in text.split(",") if c.strip()]
+    if not chosen or any(c not in known for c in chosen):
+        raise SystemExit(f"hpcdl bench {bench}: {flag} {text!r}: choose from {','.join(known)}")
+    return chosen
+
+
+def fmnist_model(args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe's model section: ``--model`` (``--width`` for resnet_small), 10 classes."""
+    model = {"name": getattr(args, "model", "resnet_small"), "num_classes": 10}
+    if model["name"] == "resnet_small":
+        model["width"] = args.width
+    return model
+
+
+def fmnist_recipe(name: str, source: str, model: dict[str, Any], batch: dict[str, int],
+                  epochs: float, optimizer: dict[str, Any], base_lr: float,
+                  warmup_epochs: float, comm: dict[str, Any], min_scale: float = 0.7,
+                  workers: int = 2, **train: Any) -> dict[str, Any]:
+    """A Fashion-MNIST recipe (hpcdl.train.config schema) of the multi-run benches: 28 px,
+    poly(2) decay after a linear warm-up, 1 MiB buckets; ``train`` overrides seed 0, one
+    evaluation at the end (the table's number), a log line every 20 steps and checkpoints at
+    epoch ends (an interrupted bench resumes with the same --out)."""
+    return {
+        "name": name, "source": source, "model": model,
+        "data": {"image_size": 28, "val_resize": 28, "min_scale": min_scale,
+                 "workers": workers},
+        "batch": batch, "epochs": epochs, "optimizer": optimizer,
+        "schedule": {"name": "poly", "base_lr": base_lr, "warmup_epochs": warmup_epochs,
+                     "power": 2.0},
+        "train": {"seed": 0, "eval_every_epochs": 0, "keep_checkpoints": 1,
+                  "log_every_steps": 20, **train},
+        "comm": {"bucket_mb": 1, **comm},
+    }
 
 
 def micro_batching(global_batch: int, micro: int, ranks: int) -> dict[str, int]:
@@ -46,6 +103,12 @@ def write_holdout_source(folder: str, source: str, holdout: int = HOLDOUT) -> st
         write_idx(os.path.join(folder, FILES[split][0]), images[part])
         write_idx(os.path.join(folder, FILES[split][1]), labels[part])
     return folder
+
+
+def fmnist_shards(world: Any, args: argparse.Namespace, out: str, holdout: bool) -> str:
+    """The shards of one split under ``--data`` (default ``OUT/data``)."""
+    data_dir = os.path.abspath(args.data) if args.data else os.path.join(out, "data")
+    return prepare_shards(world, data_dir, args.source, holdout)
 
 
 def prepare_shards(world, data_dir: str, source: str, holdout: bool) -> str:
@@ -93,6 +156,19 @@ def train_run(comm, recipe: dict[str, Any], shard_dir: str, run_dir: str,
         trainer.close()
 
 
+def stopped_by_signal(summary: dict[str, Any], name: str, out: str) -> bool:
+    """SIGTERM/SIGUSR1 (Slurm's time limit) checkpointed the run: the bench stops too, so a
+    requeued job with the same --out resumes where it was."""
+    import logging
+
+    if summary["stopped"] != "signal":
+        return False
+    logging.getLogger("hpcdl.bench").warning(
+        "run %s stopped by a signal at step %d: stopping the bench (rerun with --out %s to "
+        "resume)", name, summary["steps"], out)
+    return True
+
+
 def run_record(name: str, recipe: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     return {"run": name, "optimizer": recipe["optimizer"]["name"],
             "global_batch": summary["global_batch"],
@@ -106,6 +182,20 @@ def run_record(name: str, recipe: dict[str, Any], summary: dict[str, Any]) -> di
             "top5": summary["top5"], "eval_loss": summary["eval_loss"],
             "train_s": summary["train_s_total"], "images_per_s": summary["images_per_s"],
             "ranks": summary["ranks"], "stopped": summary["stopped"]}
+
+
+def report_runs(bench: str, rows: list[dict[str, Any]], ratios: dict[str, Any], ranks: int,
+                columns: list[str], json_path: str | None, start: float | None = None,
+                **extra: Any) -> None:
+    """Rank 0's end of a multi-run bench: the table, and the bench JSON with ``extra`` keys
+    (and ``total_s`` since ``start``, a perf_counter reading)."""
+    from hpcdl.results import bench_report, emit
+
+    report = {**bench_report(bench, rows, ratios, ranks=ranks), **extra}
+    if start is not None:
+        report["total_s"] = time.perf_counter() - start
+    emit(report, columns, json_path)
+    sys.stdout.flush()
 
 
 @contextlib.contextmanager

@@ -1,41 +1,17 @@
-"""Training-step throughput: hpcdl's step against the ceiling and the baseline, in one run.
+"""Training-step throughput: hpcdl's step against the ceiling and the baselines, in one run.
 
-Three modes on the same ranks, model, batch and threads, taking turns (``--rounds``):
-
-- ``ours``: the trainer's own step (:meth:`hpcdl.train.trainer.Trainer.train_step`): forward,
-  backward with gradients averaged by the overlapped :class:`~hpcdl.comm.reducer.
-  GradientReducer` on the default comm backend, then LARS (You et al., ICPP'18);
-- ``no_comm``: the same step of the same Trainer with its reducer suspended, so each rank only
-  computes: the ceiling communication can approach (``vs_no_comm``, goal ≥ 0.97);
-- ``ddp_gloo``: what a PyTorch user would pick, ``DistributedDataParallel`` on a gloo process
-  group (rendezvous over MPI) with the same model and LARS (``vs_ddp_gloo``, goal ≥ 1.05);
-- ``horovod`` (asked for by name): the same model and LARS under ``hvd.DistributedOptimizer``
-  (``vs_horovod``), where ``horovod.torch`` imports; elsewhere the mode is dropped and the
-  JSON's ``absent_modes`` says why (Horovod is a baseline, never an hpcdl dependency; both
-  baselines live in hpcdl/bench/baselines.py);
-- ``ours@BACKEND`` (e.g. ``ours@gloo``): ``ours`` on a communicator of that backend, so
-  hpcdl's overlap can be compared with DDP on the same transport;
-- ``ours_bf16`` (asked for by name): ``ours`` with bf16 gradients on the wire
-  (``comm.wire_dtype: bfloat16``), on a Trainer and a communicator of its own: the wire dtype
-  is fixed when a communicator is built, and only ``ring`` (one rank per host) and ``shm``
-  (ranks sharing a host) send bf16 and sum in fp32, so it runs on those, not on ``mpi``.
-
-Across hosts (one rank per host or more; docs/performance.md, "Training step"), each step also
-records what it really cost, read from the operating system rather than from a formula: the
-bytes the host's NIC sent and received (``--nic``, default eth0: ``/sys/class/net/NIC/
-statistics``, which each host of the test cluster has of its own), the rank's CPU seconds
-(every thread: compute, the reducer's, gloo's) and the reducer thread's own CPU seconds
-(``/proc/self/task/TID/stat``: where the overlap's CPU goes on a machine with few cores). The
-JSON names the hosts, each host's link shaping (``tc qdisc show dev NIC``) and the load
-average before and after.
-
-Compute efficiency is the training FLOP rate (forward multiply-adds from
-:func:`hpcdl.models.flops` × 2 FLOPs × 3 for forward and backward) over the FLOP rate of a large
-fp32 matmul measured by every rank at the same time (``flops_fraction_of_matmul``, goal ≥ 0.8).
+Modes on the same ranks, model, batch and threads, taking turns (``--rounds``): ``ours`` (the
+Trainer's step: overlapped GradientReducer, then LARS), ``no_comm`` (the same Trainer with its
+reducer suspended: the ceiling, ``vs_no_comm``), ``ddp_gloo`` (PyTorch DDP on gloo,
+``vs_ddp_gloo``), ``horovod`` (by name; absent, with the reason in ``absent_modes``, where
+``horovod.torch`` does not import), ``ours@BACKEND``, ``ours_bf16`` (bf16 on the wire, on a
+communicator of its own: ``ring`` or ``shm``) and, with ``--shard-update``, ``ours_allreduce``.
+Each step also records the NIC bytes of ``--nic``, the rank's CPU seconds and the reducer
+thread's; the JSON names the hosts, their link shaping (``tc qdisc``) and the load average.
+``flops_fraction_of_matmul``: the step's training FLOP rate (6 × forward multiply-adds) over
+an n×n matmul's on the same ranks. docs/performance.md, "Training step".
 
     mpiexec -n 2 hpcdl bench train --model resnet50 --image-size 112 --synthetic --json F.json
-    mpiexec -hosts h1,h2 -ppn 1 -n 2 hpcdl bench train --model alexnet_bn --image-size 224 \
-        --batch 32 --synthetic --modes no_comm,ours,ours_bf16,ddp_gloo --json F.json
 """
 from __future__ import annotations
 
@@ -50,15 +26,15 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hpcdl.bench.baselines import (
-    Stepper,
-    ddp_stepper,
-    effective_memory_format,
-    horovod_missing,
-    horovod_stepper,
-)
+from hpcdl.bench.baselines import Stepper, ddp_stepper, horovod_missing, horovod_stepper
 from hpcdl.buckets import DEFAULT_BUCKET_MB
-from hpcdl.cpus import bf16_native, cpu_capability, cpu_model_name, retain_freed_memory
+from hpcdl.cpus import (
+    bf16_native,
+    cpu_capability,
+    cpu_model_name,
+    memory_format_name,
+    retain_freed_memory,
+)
 from hpcdl.host import nic_bytes, thread_cpu_s
 from hpcdl.train.config import PRECISIONS
 from hpcdl.train.precision import agreed_precision
@@ -85,9 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="images per rank per step")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="the modes take turns this many times, each running its share "
-                             "of --steps (rotated order; default min(4, --steps); 1: each "
-                             "mode once, in --modes order)")
+                        help="rounds in which the modes take turns, each its share of --steps "
+                             "(default min(4, --steps))")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, per mode")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--modes", default=None,
@@ -101,24 +76,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default %(default)g)")
     parser.add_argument("--memory-format", choices=("channels_last", "contiguous"),
                         default="contiguous",
-                        help="activation layout of every mode; channels_last needs >= 2 "
-                             "threads per rank (the trainer's rule: torch 2.13 CPU corrupts "
-                             "the heap in channels_last conv backward on one thread)")
+                        help="activation layout of every mode (channels_last: >= 2 threads)")
     parser.add_argument("--malloc", choices=("retain", "default"), default="retain",
-                        help="retain: glibc keeps freed activation memory instead of returning "
-                             "it to the OS (no page faults per step; measured ~7%% of a "
-                             "ResNet-50 step here); default: glibc's own thresholds")
+                        help="retain: glibc keeps freed activation memory (no page faults per "
+                             "step); default: glibc's own thresholds")
     parser.add_argument("--workers", type=int, default=2, help="decode threads with --data")
     parser.add_argument("--matmul-size", type=int, default=2048,
                         help="n of the n×n fp32 matmul that sets the FLOP/s reference")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
-                        help="skip profiling one compute-only step into kernel categories "
-                             "(where the FLOP fraction goes; on by default)")
+                        help="skip profiling a compute-only step into kernel categories")
     parser.add_argument("--shard-update", action="store_true",
-                        help="ours shards the weight update (comm.shard_update: reduce-scatter "
-                             "the gradients, LARS on each rank's slice, allgather the "
-                             "parameters; Xu et al. 2020); no_comm still runs the whole "
-                             "optimizer on every rank")
+                        help="ours shards the weight update (comm.shard_update; Xu et al. "
+                             "2020); no_comm still runs the whole optimizer on every rank")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="every mode's compute dtype, as the recipes' train.precision: "
                              "auto (default, as every shipped recipe) = bfloat16 autocast "
@@ -128,9 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bf16", dest="precision", action="store_const", const="bfloat16",
                         help="the same as --precision bfloat16")
     parser.add_argument("--nic", default="eth0",
-                        help="network interface whose byte counters each step records "
-                             "(/sys/class/net/NIC/statistics; none recorded where it does not "
-                             "exist)")
+                        help="network interface whose byte counters each step records")
     parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
 
 
@@ -169,10 +136,8 @@ def make_loader(args: argparse.Namespace, comm, length: int):
                                seed=comm.rank)
     from hpcdl.data import ShardedImageNet
 
-    return ShardedImageNet(args.data, split="train", node_index=comm.node_index,
-                           num_nodes=comm.num_nodes, local_rank=comm.local_rank,
-                           local_size=comm.local_size, batch_size=args.batch,
-                           image_size=args.image_size, workers=args.workers)
+    return ShardedImageNet.for_communicator(comm, args.data, "train", args.batch,
+                                            image_size=args.image_size, workers=args.workers)
 
 
 def endless(loader) -> Iterator:
@@ -312,14 +277,10 @@ def counter_deltas(before: dict[str, float | None],
 def time_rounds(world, steppers: dict[str, Stepper], loader, steps: int, warmup: int,
                 rounds: int, counters: Callable[[], dict[str, float | None]] | None = None,
                 ) -> dict[str, list[dict[str, float | None]]]:
-    """Per-step (step, comm wait, data wait) seconds of every mode, the modes taking turns.
-
-    Each mode first runs ``warmup`` untimed steps; then ``rounds`` rounds each give every mode
-    its share of the ``steps`` timed steps, in a rotated order. A mode run once, start to
-    end, would carry whatever drifts during the run (heap growth, cache and frequency state,
-    a neighbour's load) in its number alone; taking turns spreads it over all modes.
-    ``counters`` (see step_counters), read before and after each timed step, adds what the
-    step cost the host (NIC bytes, CPU seconds) to its sample."""
+    """Per-step (step, comm wait, data wait) seconds of every mode, after ``warmup`` untimed
+    steps each, the modes taking turns in ``rounds`` rotated rounds: a drift during the run
+    (heap growth, cache and frequency state, a neighbour's load) is spread over all modes
+    instead of landing in one. ``counters`` (step_counters) adds what each step cost."""
     batches = endless(loader)
     samples: dict[str, list[dict[str, float | None]]] = {mode: [] for mode in steppers}
     names = list(steppers)
@@ -675,8 +636,8 @@ def run(args: argparse.Namespace) -> int:
             for record in records.values():
                 record.update(model=args.model, image_size=args.image_size,
                               threads=args.threads,
-                              memory_format=effective_memory_format(args.memory_format,
-                                                                    args.threads),
+                              memory_format=memory_format_name(
+                                  args.memory_format == "channels_last", args.threads),
                               malloc=malloc, precision=precision,
                               wire_dtype="bfloat16" if record["mode"] == "ours_bf16"
                               else "float32",

@@ -30,16 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Fashion-MNIST to use: demo (shipped subset, default), debian "
                              "(/usr/share/datasets/fashion-mnist, 60k/10k), or a folder of "
                              "idx files")
-    parser.add_argument("--backend", default=None,
-                        help="comm backend (auto, mpi, ring, shm, gloo, ccl); "
-                             "default: the recipe's")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
-    progress = parser.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
-                          help="progress bar on rank 0 (default: when stderr is a terminal)")
-    progress.add_argument("--no-progress", dest="progress", action="store_false")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="recipe overrides, e.g. batch.per_rank=64")
+    from hpcdl.cli.train import add_session_arguments
+
+    add_session_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

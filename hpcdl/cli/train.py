@@ -3,26 +3,16 @@
     mpiexec -n 4 hpcdl train --recipe recipes/demo_fmnist.yaml --data SHARDS --out RUN_DIR \\
         [key=value ...]
 
-Rank and size come from MPI (mpiexec, srun, ibrun). RUN_DIR receives config.yaml,
-metrics.jsonl, summary.json, checkpoints/, logs/. Exit codes: 0 done, 2 bad input (recipe,
-options, data, checkpoint, run directory: one line saying what and what to do; the table is in
-docs/debugging.md), 3 non-finite loss (last good checkpoint kept), 4 stall (a rank stopped
-answering: hpcdl/debug/stall.py), 75 checkpointed and stopped
-by SIGUSR1/SIGTERM (resume with --resume auto). See docs/training.md.
-
-Every check that may come out differently on different ranks is agreed by all of them before
-the next collective (hpcdl.errors.agreed), so a bad input ends every rank with exit code 2 and
-rank 0 prints the line; an error found by one rank mid-run (a shard that fails to read) aborts
-the job with code 2, and any other error of one rank prints its traceback (rank and host)
-and aborts the job with code 1 before any teardown that would wait for the others. A command
-rejected before training starts leaves no directory it created: the --out it made (and any
-parent it made) is removed again; one that existed stays.
+RUN_DIR receives config.yaml, metrics.jsonl, summary.json, checkpoints/, logs/. Exit codes
+and what a rejected command leaves behind: docs/training.md, "Exit codes".
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from hpcdl.errors import EXIT_BAD_INPUT, BadInputError
@@ -40,11 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, help="shard directory (data_prep output)")
     parser.add_argument("--out", required=True, metavar="RUN_DIR",
                         help="run directory (shared by all ranks)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="recipe overrides with dotted keys, e.g. batch.per_rank=32 epochs=2")
-    parser.add_argument("--backend", default=None,
-                        help="comm backend (auto, mpi, ring, shm, gloo, ccl); default: the "
-                             "recipe's comm.backend")
+    add_session_arguments(parser)
     parser.add_argument("--resume", default="auto", metavar="auto|PATH|none",
                         help="auto: newest valid checkpoint in RUN_DIR/checkpoints (default); "
                              "none: start fresh")
@@ -63,13 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-comm", action="store_true",
                         help="do not reduce gradients (compute-only ceiling; ranks diverge)")
     parser.add_argument("--no-eval", action="store_true", help="skip evaluation")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     parser.add_argument("--timeline", default=None, metavar="FILE",
                         help="write a chrome://tracing timeline of each step")
-    progress = parser.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
-                          help="progress bar on rank 0 (default: when stderr is a terminal)")
-    progress.add_argument("--no-progress", dest="progress", action="store_false")
     ltfb = parser.add_argument_group("LTFB (Jacobs et al. MLHPC'17; docs/ltfb.md)")
     ltfb.add_argument("--algorithm", choices=("dp", "ltfb"), default="dp",
                       help="dp: one data-parallel trainer (default); ltfb: K trainers with "
@@ -85,6 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ltfb.add_argument("--tournament-holdout", type=float, default=0.05, metavar="F",
                       help="fraction of each trainer's training samples held out for "
                            "tournaments (default 0.05)")
+
+
+def add_session_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every training command takes besides its own: recipe overrides, the backend, the
+    log level and the progress bar (``hpcdl train``, ``hpcdl demo``)."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="recipe overrides with dotted keys, e.g. batch.per_rank=32 epochs=2")
+    parser.add_argument("--backend", default=None,
+                        help="comm backend (auto, mpi, ring, shm, gloo, ccl); default: the "
+                             "recipe's comm.backend")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    progress = parser.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
+                          help="progress bar on rank 0 (default: when stderr is a terminal)")
+    progress.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -117,20 +113,25 @@ def _recipe_value_error(recipe: str, exc: Exception) -> BadInputError:
     return BadInputError(f"{recipe}: {exc}")
 
 
-def _abort_unless_shared(exc: BaseException, world) -> None:
+@contextlib.contextmanager
+def _abort_unless_shared(world) -> Iterator[None]:
     """An error this rank may have alone ends the job here, before any teardown that needs
     the peers (a shared window freed, a barrier, a library finalized): they wait for this rank
     in the step's collective. Bad input prints its one line and exits 2 (a shard unreadable
     on one node), anything else its traceback, once, with rank and host, and exits 1. Errors
-    every rank raised together (a checkpoint the disk had no room for) return, for the caller
-    to re-raise up to hpcdl/cli/main.py, which prints them once."""
+    every rank raised together (a checkpoint the disk had no room for) propagate up to
+    hpcdl/cli/main.py, which prints them once; the session closes collectively."""
     from hpcdl.cli.main import report_bad_input
     from hpcdl.debug.faults import abort_on_unshared_error
 
-    if isinstance(exc, BadInputError) and not exc.agreed and world.Get_size() > 1:
-        report_bad_input(COMMAND, exc)  # MPI_Abort ...
-        os._exit(EXIT_BAD_INPUT)  # ... which MPICH returns from once its launcher knows
-    abort_on_unshared_error(exc)
+    try:
+        yield
+    except BaseException as exc:
+        if isinstance(exc, BadInputError) and not exc.agreed and world.Get_size() > 1:
+            report_bad_input(COMMAND, exc)  # MPI_Abort ...
+            os._exit(EXIT_BAD_INPUT)  # ... which MPICH returns from once its launcher knows
+        abort_on_unshared_error(exc)
+        raise
 
 
 @dataclass
@@ -169,14 +170,10 @@ def _remove_what_was_created(run_dir: RunDirectory, world) -> None:
 
 
 def exit_code(summary: dict) -> int:
-    """The exit code every rank returns for a run that ended: EXIT_STOPPED_BY_SIGNAL
-    (checkpointed: the job requeues) when the ranks agreed to stop on a signal, else 0.
-
-    A signal that came after the run's last agreement (during the final evaluation, the
-    final checkpoint or the teardown) changes nothing: the run is complete and its final
-    checkpoint written, so there is nothing to requeue for; and ranks it reached at different
-    moments would otherwise exit with different codes, which no agreement can prevent (the
-    signal can always land after the last one). It is logged on the ranks it reached."""
+    """EXIT_STOPPED_BY_SIGNAL when the ranks agreed to stop on a signal, else 0. A signal after
+    the run's last agreement changes nothing (the run is complete, its final checkpoint
+    written, and ranks it reached at different moments would otherwise exit differently): it
+    is logged on the ranks it reached."""
     from hpcdl.train import signals
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
@@ -269,31 +266,27 @@ def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirec
     from hpcdl.train.checkpoint import resume_layout
     from hpcdl.train.trainer import Trainer
 
-    with _session(args, world, config) as session:
+    with _session(args, world, config) as session, _abort_unless_shared(world):
         comm = session.comm
-        try:
-            # The checkpoint's rank count, batch and epoch length, read first: a resume on
-            # another rank count (requeued onto other nodes) adapts the per-rank batch, or is
-            # refused here naming the rank counts that would work, before any rank loads data.
-            layout = resume_layout(args.resume, args.out, world)
-            with agreed(world):
-                try:
-                    trainer = session.own(Trainer(
-                        config, args.data, args.out, comm, options=_train_options(args),
-                        timeline=session.timeline, resume_layout=layout))
-                except ValueError as exc:
-                    if layout and layout.get("world_size") != comm.size:
-                        raise BadInputError(
-                            f"--resume {args.resume}: the checkpoint in {args.out} was written "
-                            f"by {layout.get('world_size')} ranks: {exc}") from exc
-                    raise _recipe_value_error(args.recipe, exc) from exc
-            # each log interval, the rank the others waited for (two tiny allreduces)
-            trainer.after_step_hooks.append(
-                StragglerReport(comm, config.train.log_every_steps))
-            return _train_to_the_end(trainer, args, world, run_dir)
-        except BaseException as exc:
-            _abort_unless_shared(exc, world)
-            raise  # every rank raised it: the session closes collectively
+        # The checkpoint's rank count, batch and epoch length, read first: a resume on
+        # another rank count (requeued onto other nodes) adapts the per-rank batch, or is
+        # refused here naming the rank counts that would work, before any rank loads data.
+        layout = resume_layout(args.resume, args.out, world)
+        with agreed(world):
+            try:
+                trainer = session.own(Trainer(
+                    config, args.data, args.out, comm, options=_train_options(args),
+                    timeline=session.timeline, resume_layout=layout))
+            except ValueError as exc:
+                if layout and layout.get("world_size") != comm.size:
+                    raise BadInputError(
+                        f"--resume {args.resume}: the checkpoint in {args.out} was written "
+                        f"by {layout.get('world_size')} ranks: {exc}") from exc
+                raise _recipe_value_error(args.recipe, exc) from exc
+        # each log interval, the rank the others waited for (two tiny allreduces)
+        trainer.after_step_hooks.append(
+            StragglerReport(comm, config.train.log_every_steps))
+        return _train_to_the_end(trainer, args, world, run_dir)
 
 
 def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> int:
@@ -324,9 +317,6 @@ def run_ltfb(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> 
                                           timeline=session.timeline))
             except (ValueError, KeyError) as exc:
                 raise _recipe_value_error(args.recipe, exc) from exc
-        try:
+        with _abort_unless_shared(world):
             session.watch(runner.comm, runner.trainer.run_dir)
             return _train_to_the_end(runner, args, world, run_dir, trainers=ltfb.trainers)
-        except BaseException as exc:
-            _abort_unless_shared(exc, world)
-            raise  # every rank raised it: the session closes collectively

@@ -307,3 +307,4 @@ class ShardedImageNet:
         for f, *_ in self._files.values():
             f.close()
         self._files.clear()
+

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hpcdl.cpus import affinity_cores, cpu_socket, format_cpu_list, online_cpus, threads_per_rank
-from hpcdl.mpi_library import launcher_of
+from hpcdl.mpi_library import RANK_ENV, WORLD_SIZE_ENV, launcher_of
 
 #: File systems where HDF5's POSIX locks fail or serialise readers.
 PARALLEL_FS = ("lustre", "gpfs", "nfs", "nfs4", "beegfs", "cephfs", "ceph", "pvfs2",
@@ -28,10 +28,8 @@ PARALLEL_FS = ("lustre", "gpfs", "nfs", "nfs4", "beegfs", "cephfs", "ceph", "pvf
 THREAD_ENV = ("OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY", "KMP_BLOCKTIME",
               "KMP_HW_SUBSET", "MKL_NUM_THREADS", "MKL_DYNAMIC", "OPENBLAS_NUM_THREADS")
 #: Environment variables launchers set, as (variable, what it means).
-LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS",
-                     "SLURM_NTASKS", "MV2_COMM_WORLD_SIZE", "PALS_SIZE")
-LAUNCHER_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
-                     "MV2_COMM_WORLD_RANK", "PALS_RANKID")
+LAUNCHER_SIZE_ENV = (*WORLD_SIZE_ENV, "MPI_LOCALNRANKS", "SLURM_NTASKS")
+LAUNCHER_RANK_ENV = (*RANK_ENV, "SLURM_PROCID")
 LOW_SPACE_BYTES = 1 << 30
 #: Clocks further apart than this make cross-host timestamps (stall reports, logs) misleading.
 CLOCK_SKEW_S = 0.5

@@ -31,6 +31,7 @@ from hpcdl.cpus import cpu_flags, cpu_mhz
 from hpcdl.errors import BadInputError
 from hpcdl.host import interface_bytes
 from hpcdl.io import atomic_write_text
+from hpcdl.mpi_library import launched_world_size
 from hpcdl.plan.cpu import cpu_identity
 from hpcdl.plan.machine import parse_machine, user_machines_dir
 
@@ -138,16 +139,6 @@ def allreduce_records(timeout_s: float = 600) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- across hosts
-def launched_world_size() -> int:
-    """Ranks the launcher started (1 when run without one): decided from the environment,
-    so a plain ``hpcdl plan --calibrate`` never initialises MPI for it."""
-    for key in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"):
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 1
-
-
 def sleeping_barrier(comm, poll_s: float = 0.05) -> None:
     """A barrier whose waiting ranks sleep (MPI_Barrier spins a core: on a shared node it would
     slow the rank being waited for)."""

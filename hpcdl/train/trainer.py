@@ -30,6 +30,7 @@ import torch
 
 from hpcdl.comm.base import sum_over
 from hpcdl.comm.policy import create_policy
+from hpcdl.cpus import memory_format_name
 from hpcdl.debug.inject import injected_pause
 from hpcdl.errors import BadInputError, agreed, mark_agreed
 from hpcdl.optim.factory import set_learning_rate
@@ -267,17 +268,15 @@ class Trainer:
                 num_classes=self.config.model.get("num_classes"))
 
     def _memory_format(self) -> torch.memory_format:
-        if not self.config.train.channels_last:
-            return torch.contiguous_format
-        if torch.get_num_threads() == 1:
-            # Measured with torch 2.13 CPU: the input-gradient of a strided 1x1 convolution
-            # (ResNet's downsample) in channels_last on one thread corrupts the heap ("double
-            # free or corruption"); with two or more threads it is correct.
+        """hpcdl.cpus.memory_format_name's rule (channels_last only with >= 2 threads)."""
+        threads = torch.get_num_threads()
+        if memory_format_name(self.config.train.channels_last, threads) == "channels_last":
+            return torch.channels_last
+        if self.config.train.channels_last:
             log.warning("train.channels_last: torch %s crashes in channels_last convolution "
                         "backward with one thread per rank; training in contiguous format "
                         "(give each rank >= 2 cores to use channels_last)", torch.__version__)
-            return torch.contiguous_format
-        return torch.channels_last
+        return torch.contiguous_format
 
     def _precision(self) -> str:
         """train.precision as every rank of the communicator resolves it
