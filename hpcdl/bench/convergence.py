@@ -8,21 +8,6 @@ run             global batch  optimizer and schedule
 ==============  ============  =====================================================
 ``baseline``    128           momentum SGD, lr 0.1, poly(2) decay, no warm-up
 ``sgd_scaled``  1,536         momentum SGD, lr 0.1·1536/128 (linear scaling), warm-up
-
-1,536 ≈ 60,000 / 40. Goal: ``lars_minus_baseline_top1`` ≥ −1 point. ``--runs lars,lars_bf16`` is
-the bf16 check: the same recipe, seed and data order, so the difference
-``lars_bf16_minus_lars_top1`` (goal ≥ −0.3 points) is bf16's rounding alone. The other runs
-say nothing of precision and train in float32; ``lars_bf16`` says ``bfloat16``, not ``auto``,
-so on a CPU without AVX512-BF16/AMX it is emulated (``auto`` would fall back to float32 and the
-check would compare fp32 with itself): slower, with the same rounding. Which of the two it
-was is in every bench JSON's ``machine.bf16_native``.
-
-Every run computes each forward pass (hence batch norm) on the baseline's per-rank batch, 64 on
-2 ranks; the large batch accumulates 12 of them per step, as the paper's 32K batch is many
-workers at a small batch each.
-``--holdout`` trains on the first 50,000 training images and evaluates on the last 10,000
-(never the test set): the split the LARS and warm-up settings were chosen on.
-=======
 ``lars``        1,536         LARS (η = 0.02, lr 2), warm-up, poly(2)
 ``lars_bf16``   1,536         ``lars`` in bf16 autocast (``train.precision: bfloat16``,
                              emulated where bf16 is not native); when asked for
@@ -31,8 +16,10 @@ workers at a small batch each.
 1,536 ≈ 60,000 / 40, as 32K ≈ 1.28 M / 40; every forward pass is the baseline's per-rank batch
 (the large batch accumulates). ``--holdout`` trains on the first 50,000 training images and
 evaluates on the last 10,000. The bench JSON's ratios: ``lars_minus_baseline_top1`` (goal ≥ −1
-point), ``lars_bf16_minus_lars_top1``. ``--study`` runs the accuracy-vs-batch sweep instead
-(hpcdl/bench/batch_study.py). docs/performance.md, "Convergence".
+point), ``lars_bf16_minus_lars_top1`` (goal ≥ −0.3: bf16's rounding alone, the same seed and
+data order; whether bf16 was native is the JSON's ``machine.bf16_native``). ``--study`` runs
+the accuracy-vs-batch sweep instead (hpcdl/bench/batch_study.py). docs/performance.md,
+"Convergence".
 
     mpiexec -n 2 hpcdl bench convergence --json convergence.json
 """

@@ -633,16 +633,13 @@ def run(args: argparse.Namespace) -> int:
             matmul_flops_per_s(args.matmul_size, dtype=precision)))
         hosts = world.allgather((MPI.Get_processor_name(), link_shaping(args.nic)))
         if comm.rank == 0:
-            for record in records.values():
-                record.update(model=args.model, image_size=args.image_size,
-                              threads=args.threads,
-                              memory_format=memory_format_name(
-                                  args.memory_format == "channels_last", args.threads),
-                              malloc=malloc, precision=precision,
-                              wire_dtype="bfloat16" if record["mode"] == "ours_bf16"
-                              else "float32",
-                              shard_update=bool(args.shard_update and record["mode"] == "ours"),
-                              backend=record_backend(record["mode"], comm, steppers),
+            layout = memory_format_name(args.memory_format == "channels_last", args.threads)
+            for mode, record in records.items():
+                record.update(model=args.model, image_size=args.image_size, threads=args.threads,
+                              memory_format=layout, malloc=malloc, precision=precision,
+                              wire_dtype="bfloat16" if mode == "ours_bf16" else "float32",
+                              shard_update=bool(args.shard_update and mode == "ours"),
+                              backend=record_backend(mode, comm, steppers),
                               input="synthetic" if args.synthetic else args.data)
             report = bench_report("train", list(records.values()),
                                   ratios_of(records, matmul, train_flops_per_image),
@@ -654,12 +651,11 @@ def run(args: argparse.Namespace) -> int:
                     breakdown["dense_gflops_per_s"] * 1e9 / matmul
                 report["compute_breakdown"] = breakdown
                 print_breakdown(breakdown, matmul)
-            report["machine"]["threads_per_rank"] = args.threads
-            report["machine"]["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
-            report["machine"].update(hosts_note(hosts, args.nic))
+            report["machine"].update(
+                threads_per_rank=args.threads, omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+                **hosts_note(hosts, args.nic),
+                load_average={"before": list(load_before), "after": list(os.getloadavg())})
             if absent:
                 report["absent_modes"] = absent
-            report["machine"]["load_average"] = {"before": list(load_before),
-                                                 "after": list(os.getloadavg())}
             emit(report, COLUMNS, args.json)
     return 0
