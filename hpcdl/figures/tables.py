@@ -806,21 +806,20 @@ SIMULATE_DIR = "plan-simulate-2026-12-01"
 #: (file stem, label, the paper's minutes) of the papers' two runs on Stampede2's fat tree
 SIMULATED_RUNS = (("alexnet-bn-skx", "AlexNet-BN, 1,024 SKX × 2 ranks", 11),
                   ("resnet50-knl", "ResNet-50, 2,048 KNL", 20))
-#: per run, the (allreduce, placement, fabric) cells simulated at 2,048 ranks
+#: per run, the (allreduce, placement, fabric) cells simulated at 2,048 ranks: the ring's
+#: five for both, the other algorithms for AlexNet-BN
+RING_CELLS = tuple(("ring", placement, fabric) for placement, fabric in (
+    ("contiguous", "28to20"), ("contiguous", "nonblocking"), ("scattered", "28to20"),
+    ("random", "28to20"), ("random", "nonblocking")))
 SIMULATED_CELLS = {
-    "alexnet-bn-skx": (("ring", "contiguous", "28to20"), ("ring", "contiguous", "nonblocking"),
-                       ("ring", "scattered", "28to20"), ("ring", "random", "28to20"),
-                       ("ring", "random", "nonblocking"),
-                       ("hierarchical", "contiguous", "28to20"),
+    "alexnet-bn-skx": (*RING_CELLS, ("hierarchical", "contiguous", "28to20"),
                        ("hierarchical", "random", "28to20"),
                        ("rabenseifner", "contiguous", "28to20"),
                        ("rabenseifner", "contiguous", "nonblocking"),
                        ("rabenseifner", "scattered", "28to20"),
                        ("rabenseifner", "scattered", "nonblocking"),
                        ("rabenseifner", "random", "28to20")),
-    "resnet50-knl": (("ring", "contiguous", "28to20"), ("ring", "contiguous", "nonblocking"),
-                     ("ring", "scattered", "28to20"), ("ring", "random", "28to20"),
-                     ("ring", "random", "nonblocking"))}
+    "resnet50-knl": RING_CELLS}
 FABRICS = {"28to20": "28:20", "nonblocking": "non-blocking"}
 
 
