@@ -17,9 +17,10 @@ run             global batch  optimizer and schedule
 (the large batch accumulates). ``--holdout`` trains on the first 50,000 training images and
 evaluates on the last 10,000. The bench JSON's ratios: ``lars_minus_baseline_top1`` (goal ≥ −1
 point), ``lars_bf16_minus_lars_top1`` (goal ≥ −0.3: bf16's rounding alone, the same seed and
-data order; whether bf16 was native is the JSON's ``machine.bf16_native``). ``--study`` runs
-the accuracy-vs-batch sweep instead (hpcdl/bench/batch_study.py). docs/performance.md,
-"Convergence".
+data order; ``bfloat16``, not ``auto``, which would fall back to float32 where bf16 is not
+native and compare fp32 with itself; which it was is the JSON's ``machine.bf16_native``).
+``--study`` runs the accuracy-vs-batch sweep instead (hpcdl/bench/batch_study.py).
+docs/performance.md, "Convergence".
 
     mpiexec -n 2 hpcdl bench convergence --json convergence.json
 """
