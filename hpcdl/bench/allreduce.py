@@ -175,14 +175,11 @@ def time_memcpy(nbytes: int, repeats: int) -> float:
     """One core copying ``nbytes`` (what a rank does when it copies a bucket in or out)."""
     import torch
 
+    from hpcdl.plan.class_rates import median_time
+
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return median_time(lambda: dst.copy_(src), repeats)
 
 
 def measure_backend(name: str, sizes: list[int], repeats: int, warmup: int) -> list[dict]:

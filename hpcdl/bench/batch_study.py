@@ -32,6 +32,7 @@ from hpcdl.bench.runs import (
     fmnist_recipe,
     fmnist_shards,
     micro_batching,
+    parse_choices,
     report_runs,
     run_record,
     stopped_by_signal,
@@ -406,10 +407,8 @@ def run_study(args: argparse.Namespace) -> int:
 
     args.batch_list = parse_list(args.batches, int, "--batches")
     args.grid_list = parse_list(args.grid, float, "--grid")
-    args.optimizer_list = [o.strip() for o in args.optimizers.split(",") if o.strip()]
-    if not args.optimizer_list or set(args.optimizer_list) - set(OPTIMIZERS):
-        raise mark_agreed(BadInputError(f"--optimizers {args.optimizers!r}: choose "
-                         f"from {','.join(OPTIMIZERS)}"))
+    args.optimizer_list = parse_choices("convergence", "--optimizers", args.optimizers,
+                                        OPTIMIZERS)
     if args.seeds < 1:
         raise mark_agreed(BadInputError("--seeds must be >= 1"))
     if args.extend_edges < 0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 COMMAND = "optim"
 HELP = "LARS step time vs torch.optim.SGD(momentum, foreach=True) on ResNet-50's parameters"
@@ -25,24 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-decay", type=float, default=5e-5)
 
 
-def time_steps(optimizer, steps: int, warmup: int) -> list[float]:
-    """Seconds per ``optimizer.step()``, after ``warmup`` untimed steps."""
-    for _ in range(warmup):
-        optimizer.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from hpcdl.bench import check_model_argument
     from hpcdl.models import create_model
     from hpcdl.optim import LARS, param_groups
+    from hpcdl.plan.class_rates import call_times
     from hpcdl.results import bench_report, emit
 
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
@@ -65,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     }
     records = []
     for name, optimizer in candidates.items():
-        times = time_steps(optimizer, args.steps, args.warmup)
+        times = call_times(optimizer.step, args.steps, warmup=args.warmup)
         records.append({"optimizer": name, "model": args.model, "tensors": len(params),
                         "parameters": numel, "threads": args.threads, "steps": args.steps,
                         "median_ms": 1e3 * statistics.median(times),

@@ -162,20 +162,25 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (which pay
-    oneDNN's primitive creation and the allocator's first touch).
-
-    The median, not the minimum: on a busy machine the minimum of a few calls is the one that
-    ran alone, a rate the step being predicted does not see."""
+def call_times(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (which pay
+    oneDNN's primitive creation and the allocator's first touch)."""
     for _ in range(warmup):
         fn()
     times = []
-    for _ in range(max(1, repeats)):
+    for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """The median of :func:`call_times` (at least one call).
+
+    The median, not the minimum: on a busy machine the minimum of a few calls is the one that
+    ran alone, a rate the step being predicted does not see."""
+    return statistics.median(call_times(fn, max(1, repeats), warmup))
 
 
 def time_layer(module: Any, shape: Sequence[int], rows: int, input_grad: bool,
