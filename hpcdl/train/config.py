@@ -90,11 +90,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every_steps: int = 10
     channels_last: bool = False
-    # The compute dtype (resolve_precision): auto = bf16 autocast where the CPU computes bf16
-    # natively (AVX512-BF16 or AMX), float32 elsewhere; bfloat16 = bf16 even where it is
-    # emulated (several times slower, the same rounding: accuracy checks, never speed).
-    # Master weights, gradients and LARS trust ratios stay float32 in every case. A recipe
-    # that omits the key trains in float32 as before; the shipped recipes say auto.
+    # The compute dtype, float32 | auto | bfloat16 (resolve_precision; docs/training.md,
+    # "Precision"): a recipe that omits the key trains in float32, the shipped ones say auto.
     precision: str = "float32"
     # Goyal et al. (arXiv:1706.02677 §2.2): rescale the momentum buffer by lr(t)/lr(t-1)
     # for optimizers whose buffer holds lr·g (LARS); a no-op for torch's SGD.
@@ -113,9 +110,7 @@ CONSISTENCY_ALGORITHMS = ("sync", "local_sgd", "hierarchical_local_sgd", "powers
 class CommConfig:
     backend: str = "auto"
     bucket_mb: float = DEFAULT_BUCKET_MB   # MiB; checked in validate (comm.bucket_mb > 0)
-    # The gradients' dtype on the wire: auto = bfloat16 when the run computes in bf16 and the
-    # backend carries bf16 (ring, shm), float32 otherwise (hpcdl.train.precision); float32
-    # or bfloat16 = that, whatever the compute dtype.
+    # The gradients' dtype on the wire, auto | float32 | bfloat16 (hpcdl.train.precision)
     wire_dtype: str = "auto"
     # How replicas stay consistent (hpcdl/comm/policy.py, docs/comm.md): sync,
     # local_sgd, hierarchical_local_sgd or powersgd.

@@ -267,7 +267,7 @@ class LTFB:
             record.update(local_score=None, partner_score=None, winner=self.index,
                           replaced=False)
         else:
-            self._average_bn_statistics()  # one model per trainer before it is sent
+            trainer.average_bn_statistics()  # one model per trainer before it is sent
             model_tensors = state_tensors(trainer.model)
             tensors = state_tensors(trainer.model, trainer.optimizer) \
                 if self.ltfb.exchange == "weights+optimizer" else model_tensors
@@ -294,11 +294,6 @@ class LTFB:
                  round_index, trainer.step, self.index, partner, metric,
                  record["local_score"], record["partner_score"], record["winner"])
         return record
-
-    def _average_bn_statistics(self) -> None:
-        stats = [b for b in self.trainer.model.buffers() if b.is_floating_point() and b.numel()]
-        if stats and not self.trainer.options.no_comm:
-            self.comm.allreduce_(stats, average=True)
 
     def _scratch_model(self) -> torch.nn.Module:
         """A second model of the same architecture to hold the partner's (built once)."""
