@@ -322,27 +322,19 @@ def _expected(raw: Any, origin: str) -> dict[str, Any]:
     return {"top1": top1, "source": source, "checked": checked}
 
 
+#: The smallest value of each integer key the schema bounds.
+_LEAST = {"batch.global": 1, "batch.per_rank": 1, "batch.accumulation": 1,
+          "train.checkpoint_every_steps": 0, "train.eval_every_epochs": 0, "train.total_steps": 1,
+          "train.keep_checkpoints": 1, "train.log_every_steps": 1}
+
+
 def _check_values(config: Config, origin: str) -> None:
     """Ranges a type check cannot catch."""
-    b = config.batch
-    if b.global_ <= 0:
-        raise RecipeError(f"{origin}: batch.global must be > 0, got {b.global_}")
-    if b.per_rank is not None and b.per_rank <= 0:
-        raise RecipeError(f"{origin}: batch.per_rank must be > 0 or null, got {b.per_rank}")
-    if b.accumulation < 1:
-        raise RecipeError(f"{origin}: batch.accumulation must be >= 1, got {b.accumulation}")
-    t = config.train
-    for key in ("checkpoint_every_steps", "eval_every_epochs"):
-        if getattr(t, key) < 0:
-            raise RecipeError(f"{origin}: train.{key} must be >= 0, got {getattr(t, key)}")
-    if t.total_steps is not None and t.total_steps < 1:
-        raise RecipeError(f"{origin}: train.total_steps must be >= 1 or null, got "
-                          f"{t.total_steps}")
-    if t.keep_checkpoints < 1:
-        raise RecipeError(f"{origin}: train.keep_checkpoints must be >= 1, got "
-                          f"{t.keep_checkpoints}")
-    if t.log_every_steps < 1:
-        raise RecipeError(f"{origin}: train.log_every_steps must be >= 1, got {t.log_every_steps}")
+    for dotted, least in _LEAST.items():
+        section, key = dotted.split(".")
+        value = _section_to_dict(getattr(config, section))[key]
+        if value is not None and value < least:  # (null: an optional key left to its rule)
+            raise RecipeError(f"{origin}: {dotted} must be >= {least}, got {value}")
     if config.data.crop not in ("random_resized", "caffe_square", "caffe_short_side"):
         raise RecipeError(f"{origin}: data.crop must be random_resized, caffe_square or "
                           f"caffe_short_side, got {config.data.crop!r}")

@@ -18,7 +18,6 @@ import copy
 import json
 import logging
 import os
-import signal
 import socket
 import time
 from dataclasses import dataclass, replace
@@ -231,7 +230,7 @@ class LTFB:
         every = min(self.ltfb.stop_check_steps, self.ltfb.interval)
         if trainer.step % every == 0 and self._agree_stop():
             # agreed over the world: every rank of every trainer stops at this step
-            trainer.request_stop(signals.pending() or signal.SIGUSR1)
+            trainer.request_stop()
 
     def _agree_stop(self) -> bool:
         """One integer summed over the world: has any rank been signalled? (A signal that

@@ -355,13 +355,10 @@ class Trainer:
                 if stopped != "signal" and self._last_checkpoint_step != self.step:
                     self.save_checkpoint()
             finally:
-                self._close_progress()
+                self._close_outputs()
         summary = self.summary(stopped, time.perf_counter() - start)
         if self.rank == 0 and self.options.write_files:
             write_summary(os.path.join(self.run_dir, "summary.json"), summary)
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
         return summary
 
     def _total_steps(self) -> int:
@@ -429,7 +426,7 @@ class Trainer:
             raise NonFiniteLossError(self.step + 1, local_loss if not math.isfinite(local_loss)
                                      else math.nan)
         if stop and self._stop_agreed is None:  # this rank's signal or another's
-            self._stop_agreed = signals.pending() or signal.SIGUSR1
+            self.request_stop()
         if self.config.train.momentum_correction:
             from hpcdl.optim import apply_momentum_correction
 
@@ -929,17 +926,19 @@ class Trainer:
             self._progress = tqdm(total=self._last_step(), initial=self.step, unit="step",
                                   dynamic_ncols=True)
 
-    def _close_progress(self) -> None:
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
+    def _close_outputs(self) -> None:
+        """The progress bar and metrics.jsonl (nothing when they are closed already)."""
+        for output in (self._progress, self._metrics):
+            if output is not None:
+                output.close()
+        self._progress = self._metrics = None
 
-    def request_stop(self, signum: int = signal.SIGUSR1) -> None:
-        """Checkpoint and stop at the end of the current step, as on a signal. An agreed
-        decision: call it on every rank at the same step, from an after-step hook, after an
-        agreement of your own (LTFB's stop check across trainers). A rank's own wish to stop
-        must go through an agreement first, or it checkpoints alone and the others wait."""
-        self._stop_agreed = signum
+    def request_stop(self, signum: int | None = None) -> None:
+        """Checkpoint and stop at the end of the current step, as on ``signum`` (default: the
+        signal this rank received, else SIGUSR1). An agreed decision: call it on every rank at
+        the same step, from an after-step hook, after an agreement of your own (LTFB's stop
+        check across trainers), or this rank checkpoints alone and the others wait."""
+        self._stop_agreed = signum or signals.pending() or signal.SIGUSR1
 
     def write_metrics(self, record: dict[str, Any]) -> None:
         """Append a record to metrics.jsonl (rank 0; a no-op on the others)."""
@@ -1009,9 +1008,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the reducer's thread and remove its hooks."""
         self.policy.close()
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        self._close_outputs()
 
 
 def _os_message(exc: OSError) -> str:
