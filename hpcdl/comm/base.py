@@ -25,8 +25,8 @@ import torch
 from mpi4py import MPI
 
 from hpcdl.buckets import DEFAULT_BUCKET_MB, bucket_bytes, check_bucket_bytes
-from hpcdl.debug import NULL_MONITOR, abort_on_unshared_error
-from hpcdl.env import env_flag, env_tristate
+from hpcdl.debug import NULL_MONITOR, abort_on_unshared_error, debug_enabled
+from hpcdl.env import env_tristate
 from hpcdl.io import Closing
 from hpcdl.topology import ranks_per_node_from_env, split_nodes
 
@@ -47,11 +47,6 @@ def segment_bounds(numel: int, parts: int) -> list[int]:
     for j in range(parts):
         bounds.append(bounds[-1] + base + (1 if j < extra else 0))
     return bounds
-
-
-def debug_enabled() -> bool:
-    """HPCDL_DEBUG=1: check every collective's signature, not only a layout's first call."""
-    return env_flag("HPCDL_DEBUG")
 
 
 def require_thread_multiple() -> None:

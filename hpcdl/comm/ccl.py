@@ -1,17 +1,9 @@
 """``ccl``: Intel oneCCL's allreduce, called through its C API with ctypes.
 
-Design choices (reasons, settings and measurements: docs/comm.md, "oneCCL on a cluster"):
-
-- The C API (``oneapi/ccl.h``, oneCCL 2022+) with ctypes on tensors' memory: nothing compiled,
-  nothing tied to a torch version (the PyTorch bindings are archived; torch's ``xccl`` is XPU).
-- ``libccl.so.2`` (the loader) is opened first, by name, with RTLD_GLOBAL, from ``$CCL_ROOT/lib``
-  else the dynamic loader's path: the header declares every function weak.
-- Rendezvous: rank 0's 4096-byte unique id is broadcast on the communicator's MPI duplicate.
-- One host: ``CCL_KVS_IFACE=lo``, ``FI_PROVIDER=tcp``, ``FI_TCP_IFACE=lo``, ``CCL_ATL_SHM=1`` are
-  defaults set before the first load and kept (the rendezvous rereads them per communicator).
-- ``onecclSum`` then x 1/p (the CPU plugin rejects ``onecclAvg``); bf16 on the wire is summed by
-  oneCCL; ``barrier`` is a one-element allreduce; reduce-scatter/allgather go through MPI.
-- ctypes drops the GIL during each call, so the communication thread overlaps autograd.
+oneCCL 2022+, on tensors' memory: nothing compiled, no torch version tied, and the GIL
+dropped during each call so the communication thread overlaps autograd. Loading,
+rendezvous, the one-host defaults, summing then scaling by 1/p (the CPU plugin rejects
+``onecclAvg``), and what goes through MPI instead: docs/comm.md, "oneCCL on a cluster".
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpcdl.cpus import format_cpu_list as compact_ranks  # [0,1,2,5] -> '0-2,5': 2,048 fit
 from hpcdl.debug.inject import injected_pause
 from hpcdl.debug.log import LOGGER_NAME
 from hpcdl.env import VARIABLES, env_seconds, env_text
@@ -166,12 +167,7 @@ def disagreeing(seq: int, beats: Mapping[int, Mapping[str, Any]]) -> dict[str, l
 
 def not_arrived(seq: int, size: int, beats: Mapping[int, Mapping[str, Any]]) -> list[int]:
     """Ranks that have not entered collective number ``seq``: behind it, or silent."""
-    late = []
-    for rank in range(size):
-        beat = beats.get(rank)
-        if beat is None or int(beat["seq"]) < seq:
-            late.append(rank)
-    return late
+    return [rank for rank in range(size) if rank not in beats or int(beats[rank]["seq"]) < seq]
 
 
 def describe_rank_state(beat: Mapping[str, Any] | None, now: float) -> str:
@@ -199,7 +195,7 @@ def format_stall_report(rank: int, size: int, seq: int, name: str, waited_s: flo
     groups = disagreeing(seq, beats)
     head = f"stall: rank {rank} has waited {waited_s:.1f} s in collective #{seq} {name}; "
     if late:
-        head += f"{len(late)} of {size} rank(s) have not arrived: {_compact_ranks(late)}"
+        head += f"{len(late)} of {size} rank(s) have not arrived: {compact_ranks(late)}"
     elif size == 1:  # a world-level call on a one-rank communicator (LTFB's exchange)
         head += "its peers are outside this rank's communicator (the call's name gives them)"
     elif len(groups) <= 1:
@@ -209,7 +205,7 @@ def format_stall_report(rank: int, size: int, seq: int, name: str, waited_s: flo
         lines[0] += ("" if late else "every rank has arrived ") + \
             f"but they are in DIFFERENT collectives at #{seq} (a mismatch: rerun with " \
             f"HPCDL_DEBUG=1 to fail at the first differing call):"
-        lines += [f"    rank{'s' if len(r) > 1 else ''} {_compact_ranks(r)}: {what}"
+        lines += [f"    rank{'s' if len(r) > 1 else ''} {compact_ranks(r)}: {what}"
                   for what, r in groups.items()]
     lines += rank_states(late, beats, now, max_listed, "logs/heartbeat/")
     return "\n".join(lines)
@@ -222,18 +218,6 @@ def rank_states(ranks: Sequence[int], beats: Mapping[int, Mapping[str, Any]], no
     if len(ranks) > max_listed:
         lines.append(f"  ... and {len(ranks) - max_listed} more (see {more_in})")
     return lines
-
-
-def _compact_ranks(ranks: Sequence[int]) -> str:
-    """[0,1,2,5,7,8] -> '0-2,5,7-8' so 2,048 ranks fit on a line."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(parts)
 
 
 def utc_clock(t: float) -> str:
@@ -293,7 +277,7 @@ def _ranks_on_hosts(ranks: Sequence[int], hosts: Sequence[str], max_hosts: int =
     by_host: dict[str, list[int]] = {}
     for r in ranks:
         by_host.setdefault(hosts[r] if r < len(hosts) else "?", []).append(r)
-    parts = [f"{_compact_ranks(rs)} on {host}" for host, rs in list(by_host.items())[:max_hosts]]
+    parts = [f"{compact_ranks(rs)} on {host}" for host, rs in list(by_host.items())[:max_hosts]]
     if len(by_host) > max_hosts:
         parts.append(f"... {len(by_host) - max_hosts} more hosts")
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
@@ -330,11 +314,9 @@ def stall_verdict(rank: int, size: int, seq: int | None,
         inside = (f"inside #{seq}" if seqs == [seq] else
                   f"inside collectives {', '.join(f'#{s}' for s in seqs)} (sent, not received)"
                   ) if seq is not None else "inside an MPI call"
-        parts.append(f"slow link: every rank is alive and {inside} since "
-                     f"{utc_clock(since)}; data moves slowly or not at all between hosts "
-                     f"{','.join(where)}" if len(where) > 1 else
-                     f"slow link: every rank is alive and {inside} since "
-                     f"{utc_clock(since)} (one host: an MPI progress problem)")
+        link = (f"; data moves slowly or not at all between hosts {','.join(where)}"
+                if len(where) > 1 else " (one host: an MPI progress problem)")
+        parts.append(f"slow link: every rank is alive and {inside} since {utc_clock(since)}{link}")
     return "; ".join(parts)
 
 

@@ -1,18 +1,11 @@
 """A bound on start-up: MPI_Init and the communicator's creation end within
 ``HPCDL_STARTUP_TIMEOUT_S`` (300 s; 0: no bound), or the rank says where it was stuck and what
-to try, and ends itself (docs/debugging.md, the variables' table and the faults' table).
+to try, and ends itself (docs/debugging.md, the variables' and the faults' tables). The bound
+is a daemon thread with its own clock: no MPI, no peer, no file system.
 
-Nothing else watches a rank before its communicator exists, and a PMI that never answers holds
-MPI_Init, ``Win.Allocate_shared`` or oneCCL's init to the time limit. The bound is a daemon
-thread with its own clock: no MPI, no peer, no file system; one line on stderr, this rank's
-children killed, ``os._exit`` with the stall exit code. 300 s is far above the tens of seconds
-MPI_Init and a communicator take at 2,048 ranks.
-
-Every ``hpcdl`` command runs inside :func:`mpi_init_bounded` (hpcdl/cli/main.py): the process's
-first import of ``mpi4py.MPI``, wherever it happens, runs MPI_Init under the bound, and a
-command that never imports it (``plan``, ``slurm render``, ``report``) never starts MPI. The
-bound sits on the import because that is where MPI_Init happens; a list of the commands that
-use MPI would be one more thing to keep in step.
+Every ``hpcdl`` command runs inside :func:`mpi_init_bounded`: the process's first import of
+``mpi4py.MPI``, wherever it happens, runs MPI_Init under the bound, and a command that never
+imports it never starts MPI.
 """
 from __future__ import annotations
 
@@ -25,6 +18,7 @@ import threading
 from collections.abc import Iterator, Mapping
 
 from hpcdl.env import env_seconds
+from hpcdl.mpi_library import RANK_ENV
 
 #: What to try when start-up does not end: the usual cause is the launcher's PMI.
 WHAT_TO_TRY = ("the launcher's PMI may not suit this MPI: try the other PMI (srun --mpi=pmi2 "
@@ -46,10 +40,8 @@ def startup_message(what: str, limit_s: float, rank: str) -> str:
 
 def _rank_label() -> str:
     """This rank as far as the launcher says (MPI may be what is stuck)."""
-    for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return f"rank {os.environ[var]}"
-    return "rank ?"
+    said = [os.environ[v] for v in (*RANK_ENV, "SLURM_PROCID") if os.environ.get(v, "").isdigit()]
+    return f"rank {said[0]}" if said else "rank ?"
 
 
 def _end(what: str, limit_s: float) -> None:
@@ -151,18 +143,15 @@ class _BoundedLoader(importlib.abc.Loader):
         import mpi4py
 
         rc = mpi4py.rc
-        initialize = rc.initialize
-        if not initialize:  # the program initialises MPI itself: leave it so
-            self._inner.exec_module(module)
-            return
-        rc.initialize = False
-        if rc.finalize is None:
+        initialize = rc.initialize  # False: the program initialises MPI itself; leave it so
+        if initialize and rc.finalize is None:
             rc.finalize = True
+        rc.initialize = False
         try:
             self._inner.exec_module(module)
         finally:
             rc.initialize = initialize
-        if not module.Is_initialized():
+        if initialize and not module.Is_initialized():
             with startup_bound(MPI_INIT):
                 _init_releasing_the_gil(module)
 

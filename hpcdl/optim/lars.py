@@ -14,20 +14,13 @@ Groups with ``lars=False`` (BatchNorm and biases, the MLPerf skip list) take the
 step v ← m·v + lr·(g + wd·w). ``trust_clip=True`` clips the local rate at the global one,
 effective rate min(λ·lr, lr).
 
-Variants the published runs used, each a param-group key (defaults: the form above):
-- ``trust_ratio_wd=False``: λ = η·‖w‖/(‖g‖ + ε), without β·‖w‖ in the denominator (NVCaffe's
-  later ``GetLocalRate``, borisgin/nvcaffe src/caffe/solvers/sgd_solver.cpp);
-- ``larc_clip=True``: NVIDIA's LARC "clip" policy, effective rate min(λ, lr): the local rate
-  never exceeds the global one (apex LARC; NVCaffe ``larc_policy: "clip"``);
-- ``param_groups(model, wd, skip_list=False)``: every tensor gets the trust ratio and weight
-  decay, biases included, as Intel Caffe's ``SGDSolver::GetLocalRate`` does for every learnable
-  blob with lr_mult > 0 (intel/caffe src/caffe/solvers/sgd_solver.cpp); the default is the
-  MLPerf skip list (BN and biases: plain momentum, no decay).
+Variants the published runs used are param-group keys: ``trust_ratio_wd=False`` (NVCaffe's
+later ``GetLocalRate``), ``larc_clip=True`` (NVIDIA's LARC "clip", apex and NVCaffe) and
+``param_groups(model, wd, skip_list=False)`` (Intel Caffe: every tensor adapted and decayed;
+both Caffes' src/caffe/solvers/sgd_solver.cpp); what each computes: docs/recipes.md.
 
-The step is batched: the norms of every tensor of a group come from two ``torch._foreach_norm``
-calls, the trust ratios are computed on one stacked vector, and the updates are ``_foreach``
-ops with a per-tensor scale, so ResNet-50's 161 tensors cost a handful of kernel launches,
-not 161 Python iterations (``hpcdl bench optim`` measures it against SGD).
+The step is batched (``torch._foreach_norm``, one stacked vector of trust ratios, ``_foreach``
+updates): ResNet-50's 161 tensors cost a handful of kernel launches (``hpcdl bench optim``).
 """
 from __future__ import annotations
 

@@ -182,15 +182,16 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _temporary_dir(path: str) -> str:
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+def _temporary_name(path: str, kind: str = "") -> str:
+    """``.ckpt-STEP.pt.tmp`` (the write), or ``.ckpt-STEP.pt.KIND.tmp``, beside ``path``."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{kind}tmp")
 
 
 def begin_write(path: str) -> str:
     """Rank 0, before any rank writes a part of checkpoint ``path``: remove the stale
     temporaries of the run, make the (empty) temporary directory, return it."""
     remove_stale_temporaries(os.path.dirname(os.path.dirname(path)))
-    tmp = _temporary_dir(path)
+    tmp = _temporary_name(path)
     os.makedirs(tmp)
     return tmp
 
@@ -229,7 +230,7 @@ def commit(tmp: str, path: str, manifest: Mapping[str, Any],
     fsync_directory(tmp)
     replaced = None
     if os.path.lexists(path):  # a checkpoint of this step from another line: this one wins
-        replaced = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.replaced.tmp")
+        replaced = _temporary_name(path, "replaced.")
         os.rename(path, replaced)
         log.warning("%s replaces the checkpoint of the same step of an earlier line", path)
     os.rename(tmp, path)
@@ -594,8 +595,7 @@ def prune_checkpoints(run_dir: str, keep: int, line: str | None = None) -> list[
     doomed = mine[:-keep] if keep > 0 else []
     pruned = []
     for entry in doomed:
-        tmp = os.path.join(os.path.dirname(entry.path),
-                           f".{os.path.basename(entry.path)}.pruned.tmp")
+        tmp = _temporary_name(entry.path, "pruned.")
         try:
             os.rename(entry.path, tmp)
         except FileNotFoundError:

@@ -90,11 +90,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every_steps: int = 10
     channels_last: bool = False
-    # The compute dtype (resolve_precision): auto = bf16 autocast where the CPU computes bf16
-    # natively (AVX512-BF16 or AMX), float32 elsewhere; bfloat16 = bf16 even where it is
-    # emulated (several times slower, the same rounding: accuracy checks, never speed).
-    # Master weights, gradients and LARS trust ratios stay float32 in every case. A recipe
-    # that omits the key trains in float32 as before; the shipped recipes say auto.
+    # The compute dtype, float32 | auto | bfloat16 (resolve_precision; docs/training.md,
+    # "Precision"): a recipe that omits the key trains in float32, the shipped ones say auto.
     precision: str = "float32"
     # Goyal et al. (arXiv:1706.02677 §2.2): rescale the momentum buffer by lr(t)/lr(t-1)
     # for optimizers whose buffer holds lr·g (LARS); a no-op for torch's SGD.
@@ -113,9 +110,7 @@ CONSISTENCY_ALGORITHMS = ("sync", "local_sgd", "hierarchical_local_sgd", "powers
 class CommConfig:
     backend: str = "auto"
     bucket_mb: float = DEFAULT_BUCKET_MB   # MiB; checked in validate (comm.bucket_mb > 0)
-    # The gradients' dtype on the wire: auto = bfloat16 when the run computes in bf16 and the
-    # backend carries bf16 (ring, shm), float32 otherwise (hpcdl.train.precision); float32
-    # or bfloat16 = that, whatever the compute dtype.
+    # The gradients' dtype on the wire, auto | float32 | bfloat16 (hpcdl.train.precision)
     wire_dtype: str = "auto"
     # How replicas stay consistent (hpcdl/comm/policy.py, docs/comm.md): sync,
     # local_sgd, hierarchical_local_sgd or powersgd.
@@ -327,27 +322,19 @@ def _expected(raw: Any, origin: str) -> dict[str, Any]:
     return {"top1": top1, "source": source, "checked": checked}
 
 
+#: The smallest value of each integer key the schema bounds.
+_LEAST = {"batch.global": 1, "batch.per_rank": 1, "batch.accumulation": 1,
+          "train.checkpoint_every_steps": 0, "train.eval_every_epochs": 0, "train.total_steps": 1,
+          "train.keep_checkpoints": 1, "train.log_every_steps": 1}
+
+
 def _check_values(config: Config, origin: str) -> None:
     """Ranges a type check cannot catch."""
-    b = config.batch
-    if b.global_ <= 0:
-        raise RecipeError(f"{origin}: batch.global must be > 0, got {b.global_}")
-    if b.per_rank is not None and b.per_rank <= 0:
-        raise RecipeError(f"{origin}: batch.per_rank must be > 0 or null, got {b.per_rank}")
-    if b.accumulation < 1:
-        raise RecipeError(f"{origin}: batch.accumulation must be >= 1, got {b.accumulation}")
-    t = config.train
-    for key in ("checkpoint_every_steps", "eval_every_epochs"):
-        if getattr(t, key) < 0:
-            raise RecipeError(f"{origin}: train.{key} must be >= 0, got {getattr(t, key)}")
-    if t.total_steps is not None and t.total_steps < 1:
-        raise RecipeError(f"{origin}: train.total_steps must be >= 1 or null, got "
-                          f"{t.total_steps}")
-    if t.keep_checkpoints < 1:
-        raise RecipeError(f"{origin}: train.keep_checkpoints must be >= 1, got "
-                          f"{t.keep_checkpoints}")
-    if t.log_every_steps < 1:
-        raise RecipeError(f"{origin}: train.log_every_steps must be >= 1, got {t.log_every_steps}")
+    for dotted, least in _LEAST.items():
+        section, key = dotted.split(".")
+        value = _section_to_dict(getattr(config, section))[key]
+        if value is not None and value < least:  # (null: an optional key left to its rule)
+            raise RecipeError(f"{origin}: {dotted} must be >= {least}, got {value}")
     if config.data.crop not in ("random_resized", "caffe_square", "caffe_short_side"):
         raise RecipeError(f"{origin}: data.crop must be random_resized, caffe_square or "
                           f"caffe_short_side, got {config.data.crop!r}")

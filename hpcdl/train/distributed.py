@@ -11,15 +11,10 @@
         optimizer.step()                                      # wait, then the wrapped step
 
 The design is Horovod's PyTorch binding (Sergeev & Del Balso, arXiv:1802.05799): a hook per
-gradient launches the reduction when the gradient is ready; ``step()`` waits, then steps. What
-differs (the Horovod/DDP mapping: docs/own_loop.md):
-
-- Composition, not re-creation: the wrapper shares the user's ``param_groups`` and ``state``
-  (LARS has no default ``lr``; loaded state stays) and is still a ``torch.optim.Optimizer``.
-- The reducer is the trainer's (``build_reducer``), so LARS's trust ratio is taken on the
-  averaged gradient, after the allreduce (You et al., ICPP'18).
-- Accumulation is DDP's ``no_sync()`` (Li et al., VLDB 2020, §3.2.4); a second backward
-  outside it before ``step()`` raises instead of racing the communication thread.
+gradient launches the reduction when the gradient is ready; ``step()`` waits, then steps, so
+LARS's trust ratio is taken on the averaged gradient (You et al., ICPP'18). Accumulation is
+DDP's ``no_sync()`` (Li et al., VLDB 2020, §3.2.4). What differs from Horovod and DDP, and why:
+docs/own_loop.md.
 """
 from __future__ import annotations
 

@@ -18,7 +18,6 @@ import copy
 import json
 import logging
 import os
-import signal
 import socket
 import time
 from dataclasses import dataclass, replace
@@ -231,7 +230,7 @@ class LTFB:
         every = min(self.ltfb.stop_check_steps, self.ltfb.interval)
         if trainer.step % every == 0 and self._agree_stop():
             # agreed over the world: every rank of every trainer stops at this step
-            trainer.request_stop(signals.pending() or signal.SIGUSR1)
+            trainer.request_stop()
 
     def _agree_stop(self) -> bool:
         """One integer summed over the world: has any rank been signalled? (A signal that
@@ -267,7 +266,7 @@ class LTFB:
             record.update(local_score=None, partner_score=None, winner=self.index,
                           replaced=False)
         else:
-            self._average_bn_statistics()  # one model per trainer before it is sent
+            trainer.average_bn_statistics()  # one model per trainer before it is sent
             model_tensors = state_tensors(trainer.model)
             tensors = state_tensors(trainer.model, trainer.optimizer) \
                 if self.ltfb.exchange == "weights+optimizer" else model_tensors
@@ -294,11 +293,6 @@ class LTFB:
                  round_index, trainer.step, self.index, partner, metric,
                  record["local_score"], record["partner_score"], record["winner"])
         return record
-
-    def _average_bn_statistics(self) -> None:
-        stats = [b for b in self.trainer.model.buffers() if b.is_floating_point() and b.numel()]
-        if stats and not self.trainer.options.no_comm:
-            self.comm.allreduce_(stats, average=True)
 
     def _scratch_model(self) -> torch.nn.Module:
         """A second model of the same architecture to hold the partner's (built once)."""

@@ -6,11 +6,9 @@ in the reverse order (``hpcdl train``, the demo, LTFB's runs, the training bench
                                       timeline=session.timeline))
         trainer.train()
 
-Opening, collective over ``world``: the recipe's communicator (:func:`open_communicator`), the
-process (:func:`setup_run_process`), compute threads (hpcdl/train/threads.py), the timeline and
-the stall watchdog. Closing: ``abort_on_unshared_error`` first (an error of this rank alone ends
-the job before any teardown waits for peers), the timeline saved, owned objects closed last
-first, the communicator last.
+Closing: ``abort_on_unshared_error`` first (an error of this rank alone ends the job before any
+teardown waits for peers), the timeline saved, owned objects closed last first, the
+communicator last.
 """
 from __future__ import annotations
 

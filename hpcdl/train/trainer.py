@@ -38,6 +38,7 @@ from hpcdl.topology import node_path
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train import signals
 from hpcdl.train.config import Config, elastic_batch, resolve_batch, write_resolved_config
+from hpcdl.train.distributed import broadcast_parameters
 from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
 from hpcdl.train.precision import agreed_precision, describe
 
@@ -301,12 +302,9 @@ class Trainer:
         log.info("IPEX %s applied to model and optimizer", getattr(ipex, "__version__", "?"))
 
     # -- replicas ----------------------------------------------------------------------------
-    def _model_tensors(self) -> list[torch.Tensor]:
-        return [t for t in self.model.state_dict().values() if t.numel() > 0]
-
     def broadcast_model(self) -> None:
         """Every rank starts from rank 0's parameters and buffers."""
-        self.comm.broadcast_(self._model_tensors(), root=0)
+        broadcast_parameters(self.model, self.comm)
 
     def params_sha256(self) -> str:
         """sha256 of the parameters (summary.json): equal across runs iff bit-identical."""
@@ -357,13 +355,10 @@ class Trainer:
                 if stopped != "signal" and self._last_checkpoint_step != self.step:
                     self.save_checkpoint()
             finally:
-                self._close_progress()
+                self._close_outputs()
         summary = self.summary(stopped, time.perf_counter() - start)
         if self.rank == 0 and self.options.write_files:
             write_summary(os.path.join(self.run_dir, "summary.json"), summary)
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
         return summary
 
     def _total_steps(self) -> int:
@@ -431,7 +426,7 @@ class Trainer:
             raise NonFiniteLossError(self.step + 1, local_loss if not math.isfinite(local_loss)
                                      else math.nan)
         if stop and self._stop_agreed is None:  # this rank's signal or another's
-            self._stop_agreed = signals.pending() or signal.SIGUSR1
+            self.request_stop()
         if self.config.train.momentum_correction:
             from hpcdl.optim import apply_momentum_correction
 
@@ -492,11 +487,7 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Top-1/top-5 and loss on the validation split, each rank its part, summed over all
         ranks. BN running statistics are averaged first, so every rank evaluates one model."""
-        if not self.options.no_comm:
-            stats = [b for n, b in self.model.named_buffers()
-                     if b.is_floating_point() and b.numel() > 0]
-            if stats:
-                self.comm.allreduce_(stats, average=True)
+        self.average_bn_statistics()
         self.model.eval()
         sums = np.zeros(4, dtype=np.float64)  # loss·n, top-1 correct, top-5 correct, n
         with torch.no_grad(), self._span("evaluate", "eval"), self.policy.averaged():
@@ -520,10 +511,17 @@ class Trainer:
                   "loss": total[0] / count, "top1": total[1] / count, "top5": total[2] / count,
                   "samples": int(total[3]), "time": time.time()}
         self.last_eval, self._last_eval_step = result, self.step
-        self._write_metrics(result)
+        self.write_metrics(result)
         log.info("eval step %d: top-1 %.4f top-5 %.4f loss %.4f (%d images)", self.step,
                  result["top1"], result["top5"], result["loss"], result["samples"])
         return result
+
+    def average_bn_statistics(self) -> None:
+        """Collective: every rank's BN running statistics replaced by their mean over the ranks
+        (the model evaluated, or sent to an LTFB partner, is then one model)."""
+        stats = [b for b in self.model.buffers() if b.is_floating_point() and b.numel() > 0]
+        if stats and not self.options.no_comm:
+            self.comm.allreduce_(stats, average=True)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -624,6 +622,7 @@ class Trainer:
             self.schedule = recipe_schedule(self.config, self.steps_per_epoch, self.total_steps)
 
     def _load_mean_buffers(self, per_rank: list[dict[str, torch.Tensor]]) -> None:
+        """This rank's buffers set to their mean over ``per_rank`` (one: that state's own)."""
         own = dict(self.model.named_buffers())
         with torch.no_grad():
             for name in per_rank[0] if per_rank else ():
@@ -641,11 +640,7 @@ class Trainer:
 
     def _load_rank_state(self, state: dict[str, Any]) -> None:
         ckpt.set_rng_state(state)
-        own = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for name, value in state.get("buffers", {}).items():
-                if name in own:
-                    own[name].copy_(value)
+        self._load_mean_buffers([state.get("buffers", {})])
         self.policy.load_rank_state(state.get("consistency"), self.model, self.optimizer)
 
     def _mean_buffers(self) -> dict[str, torch.Tensor]:
@@ -785,10 +780,9 @@ class Trainer:
             return None
         path, state, own = loaded
         self.load_state_dict(state, path, own)
-        if self.rank == 0 and self.options.write_files:
-            self._continue_line(spec, path)
         self.resumed_from = path
         if self.rank == 0 and self.options.write_files:
+            self._continue_line(spec, path)
             truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
         read = _io_counters() - start_io if start_io is not None else None
         log.info("resumed from %s at step %d (epoch %d)%s", path, self.step,
@@ -932,23 +926,22 @@ class Trainer:
             self._progress = tqdm(total=self._last_step(), initial=self.step, unit="step",
                                   dynamic_ncols=True)
 
-    def _close_progress(self) -> None:
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
+    def _close_outputs(self) -> None:
+        """The progress bar and metrics.jsonl (nothing when they are closed already)."""
+        for output in (self._progress, self._metrics):
+            if output is not None:
+                output.close()
+        self._progress = self._metrics = None
 
-    def request_stop(self, signum: int = signal.SIGUSR1) -> None:
-        """Checkpoint and stop at the end of the current step, as on a signal. An agreed
-        decision: call it on every rank at the same step, from an after-step hook, after an
-        agreement of your own (LTFB's stop check across trainers). A rank's own wish to stop
-        must go through an agreement first, or it checkpoints alone and the others wait."""
-        self._stop_agreed = signum
+    def request_stop(self, signum: int | None = None) -> None:
+        """Checkpoint and stop at the end of the current step, as on ``signum`` (default: the
+        signal this rank received, else SIGUSR1). An agreed decision: call it on every rank at
+        the same step, from an after-step hook, after an agreement of your own (LTFB's stop
+        check across trainers), or this rank checkpoints alone and the others wait."""
+        self._stop_agreed = signum or signals.pending() or signal.SIGUSR1
 
     def write_metrics(self, record: dict[str, Any]) -> None:
         """Append a record to metrics.jsonl (rank 0; a no-op on the others)."""
-        self._write_metrics(record)
-
-    def _write_metrics(self, record: dict[str, Any]) -> None:
         if self._metrics is not None:
             self._metrics.write(record)
 
@@ -965,7 +958,7 @@ class Trainer:
                   "images_per_s": self.global_batch * w.steps / max(w.step_s, 1e-9),
                   "step_s": w.step_s / w.steps, "data_wait_s": w.data_wait_s / w.steps,
                   "comm_wait_s": w.comm_wait_s / w.steps, "time": time.time()}
-        self._write_metrics(record)
+        self.write_metrics(record)
         if self._progress is not None:
             self._progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}",
                                        img_s=f"{record['images_per_s']:.0f}")
@@ -1015,9 +1008,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the reducer's thread and remove its hooks."""
         self.policy.close()
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        self._close_outputs()
 
 
 def _os_message(exc: OSError) -> str:

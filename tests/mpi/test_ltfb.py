@@ -88,7 +88,7 @@ def test_exchange_leaves_both_sides_bit_identical_copies_of_the_winner(
         loser = partners[t] is not None and t > partners[t]
         if loser:
             sabotage(ltfb.trainer.model)
-        ltfb._average_bn_statistics()
+        ltfb.trainer.average_bn_statistics()
         model, opt = ltfb.trainer.model, ltfb.trainer.optimizer
         before = world.allgather((t, digest(state_tensors(model)),
                                   digest(state_tensors(model, opt)[len(state_tensors(model)):])))
