@@ -53,9 +53,10 @@ def test_powersgd_matches_pytorchs_hook_step_by_step(comm, world):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hpcdl.bench.relaxed import init_torch_distributed
+    from hpcdl.comm.gloo import init_process_group_over_mpi
 
-    init_torch_distributed(world)
+    if not dist.is_initialized():  # torch's default group, once per process
+        init_process_group_over_mpi(world)
     theirs = GradientIsInput()
     ddp = DDP(theirs, bucket_cap_mb=1)
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=RANK,
@@ -130,11 +131,12 @@ def test_powersgd_policy_with_lars_trains_as_ddp_with_pytorchs_hook(comm, world)
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hpcdl.bench.relaxed import init_torch_distributed
+    from hpcdl.comm.gloo import init_process_group_over_mpi
     from hpcdl.comm.policy import create_policy
     from hpcdl.optim import create_optimizer
 
-    init_torch_distributed(world)
+    if not dist.is_initialized():  # torch's default group, once per process
+        init_process_group_over_mpi(world)
     lars = {"name": "lars", "momentum": 0.9, "weight_decay": 5e-4, "trust_coefficient": 0.02}
     ours, theirs = small_cnn(), small_cnn()
     policy = create_policy(comm, list(ours.named_parameters()), algorithm="powersgd",
