@@ -219,8 +219,12 @@ def test_generic_template_trains_two_ranks_to_the_end(uninterrupted_run, workdir
 def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, uninterrupted_run, recipe,
                                                            shards, workdir):
     run_dir = workdir / "run-requeue"
+    # The tiny run trains its 25 steps in well under a second, faster than the poll below
+    # sees step 2 where bf16 is native: rank 0's first checkpoint write (step 5) pauses, so
+    # the signal lands mid-run (a pause changes no number: the run stays bit-comparable).
     submitted = sbatch(render_demo(recipe, shards, run_dir),
-                       env=job_env(workdir, HPCDL_DOCTOR="0"))
+                       env=job_env(workdir, HPCDL_DOCTOR="0",
+                                   HPCDL_INJECT="0:checkpoint1:sleep=8"))
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     metrics = run_dir / "metrics.jsonl"
