@@ -28,7 +28,10 @@ pytestmark = [pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs 
 
 #: 4 here (2 cores: about 40 s a launch); HPCDL_SIGNAL_SKEW_RANKS=8 on a bigger machine
 RANKS = int(os.environ.get("HPCDL_SIGNAL_SKEW_RANKS", "4"))
-MAX_STEPS = 60       # the uninterrupted run; every trial stops well before (a few steps each)
+#: a signalled launch's cap: the recipe's whole run (20 epochs of 24 steps), which no trial
+#: reaches however fast the steps are (each stops within SKEW_S + one step of its first signal)
+MAX_STEPS = 480
+FINAL_STEPS = 8      # the last resume and the uninterrupted reference run this far past the stops
 SKEW_TRIALS = 3      # launches signalled mid-training, after the one signalled during set-up
 SKEW_S = 2.0         # each rank's delivery: the first one's moment + uniform(0, SKEW_S)
 LAUNCH_LIMIT_S = 240  # a launch still running then is hung (ranks split): the test fails
@@ -61,11 +64,11 @@ def setup(tmp_path_factory):
     return root
 
 
-def launch(root, run, *extra):
+def launch(root, run, *extra, max_steps=MAX_STEPS):
     cmd = ["mpiexec", "-n", str(RANKS), sys.executable, "-m", "hpcdl.cli.main", "train",
            "--recipe", str(root / "tiny.yaml"), "--data", str(root / "shards"),
            "--out", str(root / run), "--deterministic", "--no-eval", "--no-progress",
-           "--max-steps", str(MAX_STEPS), f"batch.global={2 * RANKS}", *extra]
+           "--max-steps", str(max_steps), f"batch.global={2 * RANKS}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIEXEC_TIMEOUT": str(LAUNCH_LIMIT_S + 60)}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -174,7 +177,6 @@ def check_stopped(root, run, code, out, stops):
 def test_skewed_signals_stop_every_rank_at_one_step_and_resume_exactly(setup):
     seed = int(os.environ.get("HPCDL_TEST_SEED", time.time_ns() % 2**32))
     rng, root = random.Random(seed), setup
-    reference = launch(root, "ref", "--resume", "none")
     run_dir, stops, trials = root / "run", [], [("seed", seed)]
 
     # Set-up: every rank is signalled once its log exists (communicator up), before the first
@@ -207,12 +209,17 @@ def test_skewed_signals_stop_every_rank_at_one_step_and_resume_exactly(setup):
         check_stopped(root, "run", code, out, stops)
         assert start < stops[-1] < MAX_STEPS, (stops, trials)
 
-    code, out = finish(launch(root, "run"))
+    # The max-steps cap only ends the run (the schedule spans the recipe's epochs), so a
+    # reference to a few steps past the last stop sees the same learning rates as the chain.
+    final = stops[-1] + FINAL_STEPS
+    last, reference = launch(root, "run", max_steps=final), launch(root, "ref", "--resume",
+                                                                     "none", max_steps=final)
+    code, out = finish(last)
     assert code == 0, out[-3000:]
     resumed = json.loads((run_dir / "summary.json").read_text())
     code, out = finish(reference)
     assert code == 0, out[-3000:]
     ref = json.loads((root / "ref" / "summary.json").read_text())
-    assert resumed["steps"] == ref["steps"] == MAX_STEPS
+    assert resumed["steps"] == ref["steps"] == final
     assert resumed["backend"] == ref["backend"] == "shm"
     assert resumed["params_sha256"] == ref["params_sha256"], (stops, trials)

@@ -215,6 +215,31 @@ def test_a_warned_raw_mpi_call_that_returns_is_reported_as_slow_not_dead(tmp_pat
                "(slow, not dead)" in r.getMessage() for r in caplog.records)
 
 
+def test_a_main_thread_waiting_on_a_thread_blocked_in_a_file_write_is_named_as_such(
+        tmp_path, caplog):
+    # Seen in CI on a hung run directory: rank 0's main thread waited in TensorBoard's
+    # ``flush()`` (a queue join, no file call of its own) for the event writer's thread, which
+    # was blocked in its write; the report named no call and the peer's abort came first.
+    write = time.sleep  # a C call under a file-system name, as a file's write is
+    writer = threading.Thread(target=lambda: write(1.0), name="event-writer")
+    writer.start()
+    waiter = threading.Thread(target=writer.join)  # the "main" thread: waits, calls no file
+    waiter.start()
+    monitor = CollectiveMonitor(rank=0, size=2)
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=1.0, abort_s=0), str(tmp_path), "j",
+                        None, hosts=["h1", "h2"])
+    dog._main_ident = waiter.ident
+    with caplog.at_level(logging.WARNING, logger="hpcdl"):
+        t0 = time.time()
+        dog.tick(t0)
+        dog.tick(t0 + 1.5)
+        assert dog.reports and "in file system: write at" in dog.reports[0]
+        assert "on thread 'event-writer' (the main thread waits for it)" in dog.reports[0]
+        waiter.join()
+        dog.tick(t0 + 2.0)
+    assert any("stall over: file system: write at" in r.getMessage() for r in caplog.records)
+
+
 def test_the_rank_that_ends_itself_takes_its_children_along():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:

@@ -43,6 +43,10 @@ STALL_EXIT_CODE = 4
 #: Seconds the deciding thread waits for a file-system step (reading heartbeats, a dump, a log
 #: line) before it goes on without it: a hung file system must not hold the abort.
 IO_WAIT_S = 2.0
+#: The watchdog's own threads (its file-system steps, MPI_Abort): never what the main thread
+#: waits for.
+WATCHDOG_THREADS = frozenset({"hpcdl-stall-watchdog", "hpcdl-watchdog-io", "hpcdl-heartbeat-write",
+                              "hpcdl-heartbeat-read", "hpcdl-stall-dump", "hpcdl-mpi-abort"})
 
 
 def run_bounded(work: Any, timeout_s: float, name: str = "hpcdl-watchdog-io") -> bool:
@@ -370,6 +374,12 @@ def blocked_call(frame: Any) -> str | None:
     return f"{FILE_PREFIX if name in FILE_CALLS else ''}{name} at {short}:{line}"
 
 
+def frame_key(frame: Any) -> tuple | None:
+    """Where a thread's newest frame stands: unchanged between two looks, the thread has not
+    moved (None: no such thread)."""
+    return None if frame is None else (id(frame), frame.f_lasti, frame.f_lineno)
+
+
 def kill_child_processes() -> list[int]:
     """SIGKILL this process's children (data-loader workers...): they must not outlive it.
     Returns their pids."""
@@ -464,6 +474,9 @@ class StallWatchdog(threading.Thread):
         self._blocked_since = 0.0
         self._blocked_what: str | None = None
         self._blocked_checked = False
+        # the other thread the blocked main thread waits for, in a file-system call: (ident,
+        # frame key); a stop is over when either thread moves
+        self._file_thread: tuple[int, tuple] | None = None
         self._blocked_warned = False
         self.reports: list[str] = []
         if heartbeat_dir:
@@ -557,20 +570,24 @@ class StallWatchdog(threading.Thread):
     def _watch_main_thread(self, now: float) -> None:
         """Outside the communicator's collectives: is the main thread blocked in a raw MPI
         call (a control Allreduce, a checkpoint's bcast, a user's Barrier) for too long?"""
-        frame = sys._current_frames().get(self._main_ident)
-        key = None if frame is None else (id(frame), frame.f_lasti, frame.f_lineno)
-        if key != self._blocked_key:
+        frames = sys._current_frames()
+        frame = frames.get(self._main_ident)
+        key = frame_key(frame)
+        moved = self._file_thread is not None and \
+            frame_key(frames.get(self._file_thread[0])) != self._file_thread[1]
+        if key != self._blocked_key or moved:
             self._note_blocked_over(now)
             self._blocked_key, self._blocked_since = key, now
             self._blocked_what, self._blocked_checked, self._blocked_warned = None, False, False
+            self._file_thread = None
             return
         waited = now - self._blocked_since
         if frame is None or waited < self.quiet_s:
             return
         if not self._blocked_checked:  # once per stop: reading the source is not free
             self._blocked_checked = True
-            self._blocked_what = blocked_call(frame)
-        del frame
+            self._blocked_what = blocked_call(frame) or self._thread_in_file_system(frames)
+        del frame, frames
         what, t = self._blocked_what, self.thresholds
         if what is None:
             return
@@ -581,6 +598,21 @@ class StallWatchdog(threading.Thread):
             self._aborting = True
             text = self._report_blocked(what, waited, now, logging.CRITICAL)
             self._end_job(blocked_label(what), None, waited, self._blocked_since, now, text)
+
+    def _thread_in_file_system(self, frames: Mapping[int, Any]) -> str | None:
+        """A label for the main thread waiting on another thread (TensorBoard's event writer
+        behind ``flush()``, a queue's consumer) that is blocked in a file-system call; None
+        when no such thread. The watchdog's own threads do not count."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in frames.items():
+            name = names.get(ident, "?")
+            if ident == self._main_ident or name in WATCHDOG_THREADS:
+                continue
+            what = blocked_call(frame)
+            if what is not None and what.startswith(FILE_PREFIX):
+                self._file_thread = (ident, frame_key(frame))
+                return f"{what} on thread {name!r} (the main thread waits for it)"
+        return None
 
     def _note_blocked_over(self, ended: float) -> None:
         """A warned raw MPI call that returned after all: slow, not dead."""
