@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Packaging smoke test (issue 15): what a cluster user installs is a wheel, not this checkout.
+# Packaging smoke test: what a cluster user installs is a wheel, not this checkout.
 # Build the wheel, install it into a fresh venv, and from a directory outside the repository
 # run the README's first commands: `mpiexec -n 2 hpcdl demo` (a few steps) and
 # `hpcdl train --recipe demo_fmnist` (a shipped recipe by name). Also check that the wheel
