@@ -194,12 +194,27 @@ def test_a_warned_collective_that_completes_is_reported_as_slow_not_dead(tmp_pat
                and "(slow, not dead)" in r.getMessage() for r in caplog.records)
 
 
+def _wait_until_in(thread: threading.Thread, function: str) -> None:
+    """Until ``thread``'s newest frame is ``function``'s (it has reached the call it blocks
+    in): the watchdog's first look must already see it there."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and frame.f_code.co_name == function:
+            time.sleep(0.05)  # from the function's first instruction into its blocking call
+            return
+        time.sleep(0.01)
+    pytest.fail(f"{thread.name} never reached {function}")
+
+
 def test_a_warned_raw_mpi_call_that_returns_is_reported_as_slow_not_dead(tmp_path, caplog):
     # Seen on the test cluster (a link down for 20 s): rank 0 waited in the trainer's raw
     # loss Allreduce, warned, and the call returned once the link was back.
-    Barrier = time.sleep  # noqa: N806 - a C call under a blocking MPI name, as mpi4py's are
-    worker = threading.Thread(target=lambda: Barrier(1.0))
+    r, w = os.pipe()
+    Barrier = os.read  # noqa: N806 - a C call under a blocking MPI name, as mpi4py's are
+    worker = threading.Thread(target=lambda: Barrier(r, 1))  # blocks until released
     worker.start()
+    _wait_until_in(worker, "<lambda>")
     monitor = CollectiveMonitor(rank=0, size=2)
     dog = StallWatchdog(monitor, StallThresholds(warn_s=1.0, abort_s=0), str(tmp_path), "j",
                         None, hosts=["h1", "h2"])
@@ -209,7 +224,10 @@ def test_a_warned_raw_mpi_call_that_returns_is_reported_as_slow_not_dead(tmp_pat
         dog.tick(t0)
         dog.tick(t0 + 1.5)
         assert dog.reports and "in MPI Barrier at" in dog.reports[0]
+        os.write(w, b"x")
         worker.join()
+        os.close(r)
+        os.close(w)
         dog.tick(t0 + 2.0)
     assert any("stall over: MPI Barrier at" in r.getMessage() and "completed after 2.0 s "
                "(slow, not dead)" in r.getMessage() for r in caplog.records)
@@ -220,11 +238,14 @@ def test_a_main_thread_waiting_on_a_thread_blocked_in_a_file_write_is_named_as_s
     # Seen in CI on a hung run directory: rank 0's main thread waited in TensorBoard's
     # ``flush()`` (a queue join, no file call of its own) for the event writer's thread, which
     # was blocked in its write; the report named no call and the peer's abort came first.
-    write = time.sleep  # a C call under a file-system name, as a file's write is
-    writer = threading.Thread(target=lambda: write(1.0), name="event-writer")
+    r, w = os.pipe()
+    write = os.read  # a C call under a file-system name that blocks until released
+    writer = threading.Thread(target=lambda: write(r, 1), name="event-writer")
     writer.start()
     waiter = threading.Thread(target=writer.join)  # the "main" thread: waits, calls no file
     waiter.start()
+    _wait_until_in(writer, "<lambda>")
+    _wait_until_in(waiter, "_wait_for_tstate_lock")
     monitor = CollectiveMonitor(rank=0, size=2)
     dog = StallWatchdog(monitor, StallThresholds(warn_s=1.0, abort_s=0), str(tmp_path), "j",
                         None, hosts=["h1", "h2"])
@@ -235,7 +256,10 @@ def test_a_main_thread_waiting_on_a_thread_blocked_in_a_file_write_is_named_as_s
         dog.tick(t0 + 1.5)
         assert dog.reports and "in file system: write at" in dog.reports[0]
         assert "on thread 'event-writer' (the main thread waits for it)" in dog.reports[0]
+        os.write(w, b"x")
         waiter.join()
+        os.close(r)
+        os.close(w)
         dog.tick(t0 + 2.0)
     assert any("stall over: file system: write at" in r.getMessage() for r in caplog.records)
 
