@@ -101,15 +101,17 @@ def emit(report: Mapping[str, Any], columns: Sequence[str], json_path: str | Non
 
 
 @contextlib.contextmanager
-def png_axes(path: str, figsize: tuple[float, float], dpi: int = 110) -> Iterator[Any]:
-    """Matplotlib axes (Agg: batch and login nodes have no display) whose figure is laid out
-    and written to ``path`` as a PNG, atomically, when the block ends."""
+def png_axes(path: str, figsize: tuple[float, float], dpi: int = 110,
+             ncols: int = 1) -> Iterator[Any]:
+    """Matplotlib axes (Agg: batch and login nodes have no display; ``ncols`` > 1: a row of
+    them) whose figure is laid out and written to ``path`` as a PNG, atomically, when the
+    block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=figsize)
+    fig, ax = plt.subplots(1, ncols, figsize=figsize)
     try:
         yield ax
         fig.tight_layout()
