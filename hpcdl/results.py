@@ -22,6 +22,14 @@ from typing import Any
 from hpcdl.cpus import bf16_native, cpu_capability, cpu_model_name
 from hpcdl.io import atomic_write, atomic_write_text
 
+#: The planner's goal: predicted ÷ measured step time inside this band (``hpcdl plan
+#: --validate``'s ``within_15_percent``, the docs' planner tables).
+PLAN_BAND = (0.85, 1.15)
+
+
+def in_band(ratio: float) -> bool:
+    return PLAN_BAND[0] <= ratio <= PLAN_BAND[1]
+
 
 def machine_info(ranks: int = 1) -> dict[str, Any]:
     """What a reader needs to compare numbers across machines."""
