@@ -224,10 +224,8 @@ class SharedMemoryCommunicator(Communicator):
         if self.inter_node == "ring":
             bf16 = self.wire_dtype == torch.bfloat16 and array.dtype == np.float32
             ring_allreduce(comm, array, False, DEFAULT_CHUNK_BYTES, bf16, self._wait)
-        elif self._yields():
-            self._wait(comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM))
         else:
-            comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+            self._call(comm, "Allreduce", MPI.IN_PLACE, array, op=MPI.SUM)
 
     def _leaders_reduce_whole(self, window, views, bounds, average) -> None:
         """Unequal ranks per node: the leader gathers its node's slices, reduces the whole
