@@ -171,6 +171,9 @@ class Communicator(Closing):
     object's traffic never matches a user's messages on ``mpi_comm``."""
 
     backend = "base"
+    #: whether ``wire_dtype=torch.bfloat16`` is this backend's (ring, shm, ccl): bf16 sent,
+    #: summed in fp32
+    sends_bf16 = False
     #: hpcdl.debug.watch_collectives(comm, run_dir) installs a live monitor; default no-op.
     _monitor = NULL_MONITOR
 
@@ -438,6 +441,11 @@ class Communicator(Closing):
     def _check_wire_dtype(self, wire_dtype: torch.dtype | None) -> torch.dtype | None:
         if wire_dtype in (None, torch.float32):
             return None
+        if self.sends_bf16:
+            if wire_dtype == torch.bfloat16:
+                return wire_dtype
+            raise ValueError(f"{self.backend}: wire_dtype must be float32 or bfloat16, not "
+                             f"{wire_dtype}")
         raise ValueError(f"backend {self.backend!r} does not support wire_dtype={wire_dtype}; "
                          f"bf16 on the wire is implemented by backends 'ring' and 'shm'")
 
