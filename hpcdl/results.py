@@ -22,6 +22,14 @@ from typing import Any
 from hpcdl.cpus import bf16_native, cpu_capability, cpu_model_name
 from hpcdl.io import atomic_write, atomic_write_text
 
+#: The planner's goal: predicted ÷ measured step time inside this band (``hpcdl plan
+#: --validate``'s ``within_15_percent``, the docs' planner tables).
+PLAN_BAND = (0.85, 1.15)
+
+
+def in_band(ratio: float) -> bool:
+    return PLAN_BAND[0] <= ratio <= PLAN_BAND[1]
+
 
 def machine_info(ranks: int = 1) -> dict[str, Any]:
     """What a reader needs to compare numbers across machines."""
@@ -101,15 +109,17 @@ def emit(report: Mapping[str, Any], columns: Sequence[str], json_path: str | Non
 
 
 @contextlib.contextmanager
-def png_axes(path: str, figsize: tuple[float, float], dpi: int = 110) -> Iterator[Any]:
-    """Matplotlib axes (Agg: batch and login nodes have no display) whose figure is laid out
-    and written to ``path`` as a PNG, atomically, when the block ends."""
+def png_axes(path: str, figsize: tuple[float, float], dpi: int = 110,
+             ncols: int = 1) -> Iterator[Any]:
+    """Matplotlib axes (Agg: batch and login nodes have no display; ``ncols`` > 1: a row of
+    them) whose figure is laid out and written to ``path`` as a PNG, atomically, when the
+    block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=figsize)
+    fig, ax = plt.subplots(1, ncols, figsize=figsize)
     try:
         yield ax
         fig.tight_layout()

@@ -26,18 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hpcdl.bench.runs import (
-    bench_workdir,
-    fmnist_model,
-    fmnist_recipe,
-    fmnist_shards,
-    micro_batching,
-    parse_choices,
-    report_runs,
-    run_record,
-    stopped_by_signal,
-    train_run,
-)
+from hpcdl.bench.runs import fmnist_model, fmnist_recipe, micro_batching
 from hpcdl.errors import BadInputError, mark_agreed
 from hpcdl.io import atomic_write_text
 
@@ -401,14 +390,15 @@ def run_study(args: argparse.Namespace) -> int:
 
     from mpi4py import MPI
 
+    from hpcdl.bench import runs as bench_runs
     from hpcdl.train.config import CommConfig
     from hpcdl.train.session import RunSession
     from hpcdl.train.trainer import EXIT_STOPPED_BY_SIGNAL
 
     args.batch_list = parse_list(args.batches, int, "--batches")
     args.grid_list = parse_list(args.grid, float, "--grid")
-    args.optimizer_list = parse_choices("convergence", "--optimizers", args.optimizers,
-                                        OPTIMIZERS)
+    args.optimizer_list = bench_runs.parse_choices("convergence", "--optimizers",
+                                                   args.optimizers, OPTIMIZERS)
     if args.seeds < 1:
         raise mark_agreed(BadInputError("--seeds must be >= 1"))
     if args.extend_edges < 0:
@@ -418,20 +408,21 @@ def run_study(args: argparse.Namespace) -> int:
     # --out is refused instead of mixing batch-norm batches.
     args.micro_batch = study_micro_batch(args, world.size)
     log = logging.getLogger("hpcdl.bench")
-    with bench_workdir(world, args.out, "hpcdl-study-") as out:
+    with bench_runs.bench_workdir(world, args.out, "hpcdl-study-") as out:
         start = time.perf_counter()
-        shards = {"tune": fmnist_shards(world, args, out, holdout=True),
-                  "final": fmnist_shards(world, args, out, holdout=False)}
+        shards = {"tune": bench_runs.fmnist_shards(world, args, out, holdout=True),
+                  "final": bench_runs.fmnist_shards(world, args, out, holdout=False)}
         session = RunSession(world, CommConfig(backend=args.backend), log_level=None)
 
         def runner(run: StudyRun, run_dir: str) -> dict[str, Any] | None:
             recipe = study_recipe(run, args, world.size)
             log.info("study run %s (%s split)", run.key, run.phase)
-            summary = train_run(session.comm, recipe, shards[run.phase], run_dir,
-                                args.max_steps)
-            if stopped_by_signal(summary, run.key, out):
+            summary = bench_runs.train_run(session.comm, recipe, shards[run.phase], run_dir,
+                                           args.max_steps)
+            if bench_runs.stopped_by_signal(summary, run.key, out):
                 return None
-            return {**run_record(run.key, recipe, summary), "decay_policy": args.decay_policy}
+            record = bench_runs.run_record(run.key, recipe, summary)
+            return {**record, "decay_policy": args.decay_policy}
 
         with session:
             result = execute_study(args, runner, out, write=world.rank == 0,
@@ -439,9 +430,10 @@ def run_study(args: argparse.Namespace) -> int:
         if result is None:
             return EXIT_STOPPED_BY_SIGNAL
         if world.rank == 0:
-            report_runs("convergence-study", result["rows"], result["ratios"], world.size,
-                        STUDY_COLUMNS, args.json, start, runs=result["runs"],
-                        split="tuned on the last 10,000 training images; finals on the test set")
+            bench_runs.report_runs(
+                "convergence-study", result["rows"], result["ratios"], world.size,
+                STUDY_COLUMNS, args.json, start, runs=result["runs"],
+                split="tuned on the last 10,000 training images; finals on the test set")
             default_plot = (os.path.join(out, "study.png") if args.out
                             else "convergence-study.png")
             print(f"wrote {plot_study(result['rows'], args.plot or default_plot)}")

@@ -41,9 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(loaded_library(initialize=False).flavor)
         return 0
-    from hpcdl.debug.startup import import_mpi_within_bound
+    from mpi4py import MPI  # MPI_Init: bounded by hpcdl.cli.main (HPCDL_STARTUP_TIMEOUT_S)
 
-    MPI = import_mpi_within_bound()  # MPI_Init, bounded (HPCDL_STARTUP_TIMEOUT_S)
     return check_world(MPI.COMM_WORLD, args)
 
 

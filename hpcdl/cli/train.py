@@ -223,13 +223,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hpcdl.debug.startup import import_mpi_within_bound
+    from mpi4py import MPI  # MPI_Init: bounded by hpcdl.cli.main (HPCDL_STARTUP_TIMEOUT_S)
+
     from hpcdl.errors import agreed
     from hpcdl.train.config import load_recipe
     from hpcdl.train.session import check_output_dir
     from hpcdl.train.trainer import require_ipex
 
-    world = import_mpi_within_bound().COMM_WORLD  # MPI_Init, bounded (HPCDL_STARTUP_TIMEOUT_S)
+    world = MPI.COMM_WORLD
     # Rank 0 looks before any rank can create --out: the others wait in this broadcast.
     run_dir = RunDirectory(world.bcast(first_missing_directory(args.out)
                                        if world.Get_rank() == 0 else None, root=0), args.out)

@@ -171,6 +171,9 @@ class Communicator(Closing):
     object's traffic never matches a user's messages on ``mpi_comm``."""
 
     backend = "base"
+    #: whether ``wire_dtype=torch.bfloat16`` is this backend's (ring, shm, ccl): bf16 sent,
+    #: summed in fp32
+    sends_bf16 = False
     #: hpcdl.debug.watch_collectives(comm, run_dir) installs a live monitor; default no-op.
     _monitor = NULL_MONITOR
 
@@ -271,12 +274,7 @@ class Communicator(Closing):
         bf16/fp16 tensors are reduced in float32 and rounded back once (You et al. keep the
         reduction in fp32). Integers are summed exactly; averaging them is an error.
         """
-        tensors = self._as_list(tensors, "allreduce_")
-        meta = {"shapes": [tuple(t.shape) for t in tensors],
-                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                "average": bool(average)}
-        self._check_open()
-        self._check_signature("allreduce_", meta)
+        tensors = self._checked_tensors(tensors, "allreduce_", average=bool(average))
         for dtype, bucket in self._buckets(tensors):
             self._allreduce_bucket(bucket, dtype, average)
 
@@ -352,10 +350,7 @@ class Communicator(Closing):
         bounds = self.shard_bounds(buffer.numel())
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
         mine = np.empty(counts[self.rank], dtype=array.dtype)
-        if self._yields():
-            self._wait(self._comm.Ireduce_scatter(array, mine, counts, op=MPI.SUM))
-        else:
-            self._comm.Reduce_scatter(array, mine, counts, op=MPI.SUM)
+        self._call(self._comm, "Reduce_scatter", array, mine, counts, op=MPI.SUM)
         if average:
             scale_(mine, self.size)
         array[bounds[self.rank]:bounds[self.rank + 1]] = mine
@@ -364,38 +359,24 @@ class Communicator(Closing):
         array = numpy_view(buffer)
         bounds = self.shard_bounds(buffer.numel())
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
-        spec = [array, (counts, bounds[:-1])]
-        if self._yields():
-            self._wait(self._comm.Iallgatherv(MPI.IN_PLACE, spec))
-        else:
-            self._comm.Allgatherv(MPI.IN_PLACE, spec)
+        self._call(self._comm, "Allgatherv", MPI.IN_PLACE, [array, (counts, bounds[:-1])])
 
     def broadcast_(self, tensors: torch.Tensor | Sequence[torch.Tensor], root: int = 0) -> None:
         """Copy ``root``'s tensors to every rank, in place (bit-exact: sent as bytes)."""
-        tensors = self._as_list(tensors, "broadcast_")
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast_: root {root} is not a rank of a world of {self.size}")
-        meta = {"shapes": [tuple(t.shape) for t in tensors],
-                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors], "root": root}
-        self._check_open()
-        self._check_signature("broadcast_", meta)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        packed = torch.empty(nbytes, dtype=torch.uint8)
-        offset = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            if self.rank == root:
-                packed[offset:offset + n].copy_(_bytes_of(t))
-            offset += n
-        flat_meta = self._flat_meta(packed, None, root=root)
-        if nbytes:
-            self._collective("broadcast", flat_meta, lambda: self._broadcast(packed, root))
-        offset = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            if self.rank != root:
-                _bytes_of(t).copy_(packed[offset:offset + n])
-            offset += n
+        views = [_bytes_of(t) for t in self._checked_tensors(tensors, "broadcast_", root=root)]
+        packed = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
+        pieces = packed.split([v.numel() for v in views])
+        if self.rank == root:
+            for piece, view in zip(pieces, views, strict=True):
+                piece.copy_(view)
+        if packed.numel():
+            self._collective("broadcast", self._flat_meta(packed, None, root=root),
+                             lambda: self._broadcast(packed, root))
+        if self.rank != root:
+            for piece, view in zip(pieces, views, strict=True):
+                view.copy_(piece)
 
     def barrier(self) -> None:
         self._collective("barrier", {}, self._comm.Barrier)
@@ -460,6 +441,11 @@ class Communicator(Closing):
     def _check_wire_dtype(self, wire_dtype: torch.dtype | None) -> torch.dtype | None:
         if wire_dtype in (None, torch.float32):
             return None
+        if self.sends_bf16:
+            if wire_dtype == torch.bfloat16:
+                return wire_dtype
+            raise ValueError(f"{self.backend}: wire_dtype must be float32 or bfloat16, not "
+                             f"{wire_dtype}")
         raise ValueError(f"backend {self.backend!r} does not support wire_dtype={wire_dtype}; "
                          f"bf16 on the wire is implemented by backends 'ring' and 'shm'")
 
@@ -477,17 +463,14 @@ class Communicator(Closing):
                 and not self._prefers_staging:
             self.allreduce_flat_(bucket[0].view(-1), average)  # nothing to fuse: no copy
             return
-        numel = sum(t.numel() for t in bucket)
-        flat = self._staging_buffer(numel, dtype)
-        offset = 0
-        for t in bucket:
-            flat[offset:offset + t.numel()].view(t.shape).copy_(t)
-            offset += t.numel()
+        flat = self._staging_buffer(sum(t.numel() for t in bucket), dtype)
+        pieces = [piece.view(t.shape) for piece, t in
+                  zip(flat.split([t.numel() for t in bucket]), bucket, strict=True)]
+        for piece, t in zip(pieces, bucket, strict=True):
+            piece.copy_(t)
         self.allreduce_flat_(flat, average)
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
-            offset += t.numel()
+        for piece, t in zip(pieces, bucket, strict=True):
+            t.copy_(piece)
 
     _prefers_staging = False
 
@@ -518,8 +501,10 @@ class Communicator(Closing):
             "torch."), "numel": buffer.numel(), "bytes": buffer.numel() * buffer.element_size(),
             "bucket": bucket, **extra}
 
-    def _as_list(self, tensors: torch.Tensor | Sequence[torch.Tensor],
-                 what: str) -> list[torch.Tensor]:
+    def _checked_tensors(self, tensors: torch.Tensor | Sequence[torch.Tensor], what: str,
+                         **agreed: Any) -> list[torch.Tensor]:
+        """``tensors`` as a list of CPU tensors, after the signature check of call ``what``:
+        their shapes and dtypes, and the ``agreed`` arguments (average, root)."""
         out = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         for i, t in enumerate(out):
             if not isinstance(t, torch.Tensor):
@@ -527,6 +512,9 @@ class Communicator(Closing):
             if t.device.type != "cpu":
                 raise ValueError(f"{what}: tensor {i} is on {t.device}; hpcdl.comm reduces CPU "
                                  f"tensors")
+        self._check_open()
+        self._check_signature(what, {"shapes": [tuple(t.shape) for t in out], "dtypes": [
+            str(t.dtype).removeprefix("torch.") for t in out], **agreed})
         return out
 
     def _check_flat(self, buffer: torch.Tensor) -> None:
@@ -540,6 +528,14 @@ class Communicator(Closing):
         """Waits of this call sleep between tests: oversubscribed node, or a background
         communication thread (:func:`yield_waits_in_this_thread`)."""
         return self.yield_while_waiting or waits_yield_in_this_thread()
+
+    def _call(self, comm: MPI.Intracomm, name: str, *args: Any, **kwargs: Any) -> None:
+        """``comm.Name(*args)``; where waits yield (:meth:`_yields`), its non-blocking form
+        ``Iname`` and a sleeping wait instead, so that waiting does not spin a core."""
+        if self._yields():
+            self._wait(getattr(comm, "I" + name.lower())(*args, **kwargs))
+        else:
+            getattr(comm, name)(*args, **kwargs)
 
     def _wait(self, request: MPI.Request) -> None:
         if self._yields():

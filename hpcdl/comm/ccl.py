@@ -179,6 +179,7 @@ class CCLCommunicator(Communicator):
     """oneCCL's allreduce and broadcast on flat CPU buffers; topology and checks from MPI."""
 
     backend = "ccl"
+    sends_bf16 = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -224,13 +225,6 @@ class CCLCommunicator(Communicator):
         _check(self._lib, self._lib.onecclCommInitRank(ctypes.byref(comm), self.size, uid,
                                                        self.rank), "onecclCommInitRank")
         return comm
-
-    def _check_wire_dtype(self, wire_dtype: torch.dtype | None) -> torch.dtype | None:
-        if wire_dtype in (None, torch.float32):
-            return None
-        if wire_dtype == torch.bfloat16:
-            return wire_dtype
-        raise ValueError(f"ccl: wire_dtype must be float32 or bfloat16, not {wire_dtype}")
 
     # -- the algorithm (oneCCL's) -------------------------------------------------------------
     def _allreduce(self, buffer: torch.Tensor, average: bool) -> None:

@@ -16,9 +16,6 @@ class MPICommunicator(Communicator):
 
     def _allreduce(self, buffer: torch.Tensor, average: bool) -> None:
         array = numpy_view(buffer)
-        if self._yields():  # non-blocking, so the wait can sleep instead of spin
-            self._wait(self._comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM))
-        else:
-            self._comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        self._call(self._comm, "Allreduce", MPI.IN_PLACE, array, op=MPI.SUM)
         if average:
             scale_(array, self.size)

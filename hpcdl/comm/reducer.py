@@ -206,10 +206,7 @@ class GradientReducer(Closing):
         self.total_comm_wait_s += self.comm_wait_s
         self.steps += 1
         self._armed = False
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"gradient allreduce failed on rank {self.comm.rank}: "
-                               f"{error}") from error
+        self._raise_failure("gradient allreduce")
         for bucket in self.buckets:
             if not self.reduce_scatter:
                 self._unpack(bucket)
@@ -236,10 +233,7 @@ class GradientReducer(Closing):
         for bucket in same:
             bucket.done.wait()
             bucket.done.clear()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"model average failed on rank {self.comm.rank}: "
-                               f"{error}") from error
+        self._raise_failure("model average")
         with torch.no_grad():
             for bucket in same:
                 for position, p in enumerate(bucket.params):
@@ -273,6 +267,10 @@ class GradientReducer(Closing):
     def _wait_done(self, bucket: Bucket, what: str) -> None:
         bucket.done.wait()
         bucket.done.clear()
+        self._raise_failure(what)
+
+    def _raise_failure(self, what: str) -> None:
+        """Raise here what the communication thread caught (once), naming ``what`` failed."""
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"{what} failed on rank {self.comm.rank}: {error}") from error

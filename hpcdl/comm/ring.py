@@ -159,11 +159,7 @@ def _allgather(comm, segment, wire, chunk, right, left, wait) -> None:
 class RingCommunicator(Communicator):
     backend = "ring"
     chunk_bytes = DEFAULT_CHUNK_BYTES
-
-    def _check_wire_dtype(self, wire_dtype):
-        if wire_dtype in (None, torch.float32, torch.bfloat16):
-            return None if wire_dtype == torch.float32 else wire_dtype
-        raise ValueError(f"ring: wire_dtype must be float32 or bfloat16, not {wire_dtype}")
+    sends_bf16 = True
 
     def _allreduce(self, buffer: torch.Tensor, average: bool) -> None:
         bf16 = self.wire_dtype == torch.bfloat16 and buffer.dtype == torch.float32

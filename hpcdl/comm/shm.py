@@ -61,6 +61,7 @@ class SharedMemoryCommunicator(Communicator):
     backend = "shm"
     _prefers_staging = True   # fusion packs straight into the staging window
     inter_node = "mpi"        # or "ring": the algorithm across nodes
+    sends_bf16 = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -68,11 +69,6 @@ class SharedMemoryCommunicator(Communicator):
         self._stage: SharedWindow | None = None
         self.cross_comm = (self._comm.Split(self.local_rank, self.node_index)
                            if self.uniform_nodes else MPI.COMM_NULL)
-
-    def _check_wire_dtype(self, wire_dtype):
-        if wire_dtype in (None, torch.float32, torch.bfloat16):
-            return None if wire_dtype == torch.float32 else wire_dtype
-        raise ValueError(f"shm: wire_dtype must be float32 or bfloat16, not {wire_dtype}")
 
     # -- buffers ---------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -224,10 +220,8 @@ class SharedMemoryCommunicator(Communicator):
         if self.inter_node == "ring":
             bf16 = self.wire_dtype == torch.bfloat16 and array.dtype == np.float32
             ring_allreduce(comm, array, False, DEFAULT_CHUNK_BYTES, bf16, self._wait)
-        elif self._yields():
-            self._wait(comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM))
         else:
-            comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+            self._call(comm, "Allreduce", MPI.IN_PLACE, array, op=MPI.SUM)
 
     def _leaders_reduce_whole(self, window, views, bounds, average) -> None:
         """Unequal ranks per node: the leader gathers its node's slices, reduces the whole

@@ -14,7 +14,7 @@ import platform
 import shutil
 import socket
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -176,9 +176,8 @@ def threads_of(info: Mapping[str, Any]) -> int:
     return int(info.get("hpcdl_threads") or info["torch_threads"])
 
 
-def check_launcher_mismatch(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def check_launcher_mismatch(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:
     """The launcher started P > 1 processes but MPI says each is a world of one."""
-    findings = []
     for info in ranks:
         if info["size"] != 1:
             continue
@@ -187,7 +186,7 @@ def check_launcher_mismatch(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]
         if not claimed:
             continue
         said = ", ".join(f"{k}={v}" for k, v in sorted(claimed.items()))
-        findings.append(Finding(
+        yield Finding(
             "error", "launcher-mismatch",
             f"the launcher started this process as one of several ({said}) but MPI reports "
             f"size 1 on {info['host']}: mpi4py is linked to {info['mpi_library']!r}, a different "
@@ -195,27 +194,24 @@ def check_launcher_mismatch(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]
             "launch with the mpiexec of the MPI mpi4py was built against (`python -c \"import "
             "mpi4py; print(mpi4py.get_config())\"`), or rebuild mpi4py against the site MPI: "
             "`module load <mpi>; MPICC=mpicc pip install --no-binary=mpi4py --force-reinstall "
-            "mpi4py` (with Slurm: srun --mpi=pmix or pmi2, whichever the MPI supports)"))
-    return findings
+            "mpi4py` (with Slurm: srun --mpi=pmix or pmi2, whichever the MPI supports)")
 
 
-def check_oversubscription(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def check_oversubscription(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:
     """Threads x ranks on a node must not exceed its cores."""
-    findings = []
     for host, infos in _by_host(ranks).items():
         cores = infos[0]["node_cpus"]
         total = sum(threads_of(i) for i in infos)
         if total > cores:
             per = sorted({threads_of(i) for i in infos})
-            findings.append(Finding(
+            yield Finding(
                 "warning", "oversubscribed",
                 f"{host}: {len(infos)} rank(s) x {'/'.join(map(str, per))} thread(s) = {total} "
                 f"threads on {cores} core(s) available to the job"
                 f"{_omp_note(infos)}",
                 f"run at most {cores} threads per node: fewer ranks per node, or "
                 f"OMP_NUM_THREADS={max(1, cores // len(infos))} with one rank per socket "
-                f"(mpiexec -n P -ppn <sockets> -bind-to socket; srun --cpu-bind=sockets)"))
-    return findings
+                f"(mpiexec -n P -ppn <sockets> -bind-to socket; srun --cpu-bind=sockets)")
 
 
 def _omp_note(infos: Sequence[Mapping[str, Any]]) -> str:
@@ -223,9 +219,8 @@ def _omp_note(infos: Sequence[Mapping[str, Any]]) -> str:
     return f" (OMP_NUM_THREADS={'/'.join(sorted(omp))})" if omp else ""
 
 
-def check_shared_cores(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def check_shared_cores(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:
     """Two ranks of one node whose affinity masks overlap compete for the same cores."""
-    findings = []
     for host, infos in _by_host(ranks).items():
         pairs = [(a["rank"], b["rank"], sorted(set(a["cpus"]) & set(b["cpus"])))
                  for i, a in enumerate(infos) for b in infos[i + 1:]]
@@ -234,15 +229,13 @@ def check_shared_cores(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
             shown = "; ".join(f"ranks {a},{b} share cores {format_cpu_list(c)}"
                               for a, b, c in pairs[:4])
             more = f" (and {len(pairs) - 4} more pairs)" if len(pairs) > 4 else ""
-            findings.append(Finding(
+            yield Finding(
                 "warning", "shared-cores", f"{host}: {shown}{more}",
-                f"bind each rank to its own cores: {binding_fix(infos[0])}"))
-    return findings
+                f"bind each rank to its own cores: {binding_fix(infos[0])}")
 
 
-def check_socket_span(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def check_socket_span(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:
     """One rank per socket was meant (ranks on the node == sockets) but a rank spans two."""
-    findings = []
     for host, infos in _by_host(ranks).items():
         sockets = infos[0]["node_sockets"]
         if sockets < 2 or len(infos) != sockets:
@@ -251,13 +244,12 @@ def check_socket_span(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
         if spanning:
             listed = ", ".join(f"rank {i['rank']} on sockets {format_cpu_list(i['sockets'])}"
                                for i in spanning)
-            findings.append(Finding(
+            yield Finding(
                 "warning", "socket-span",
                 f"{host}: {len(infos)} ranks for {sockets} sockets (one rank per socket) but "
                 f"{listed}: its threads cross the socket link to reach memory",
                 f"bind one rank per socket: {binding_fix(infos[0])} (check with `hpcdl doctor` "
-                f"again: each rank should list one socket)"))
-    return findings
+                f"again: each rank should list one socket)")
 
 
 # -- the MPI implementations' pinning traps (one rank per socket, You et al. ICPP'18) ----------
@@ -304,11 +296,10 @@ def _narrow_reason(info: Mapping[str, Any]) -> str:
             f"{env.get('HYDRA_BINDING', 'unset')})")
 
 
-def check_narrow_binding(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def check_narrow_binding(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:
     """A rank bound to fewer cores than its threads (OMP_NUM_THREADS), or to one core when
     the node gives each rank of a one-rank-per-socket layout several: its threads share
     those cores and the rest of the socket idles."""
-    findings = []
     for host, infos in _by_host(ranks).items():
         narrow = []
         for info in infos:
@@ -321,25 +312,21 @@ def check_narrow_binding(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
             listed = ", ".join(f"rank {i['rank']} has {len(i['cpus'])} core(s) for {w} "
                                f"thread(s)" for i, w in narrow[:4])
             first, wanted = narrow[0]
-            findings.append(Finding(
+            yield Finding(
                 "warning", "narrow-binding",
                 f"{host}: {listed}: {_narrow_reason(first)}",
-                f"give each rank its socket's cores: {binding_fix(first, wanted)}"))
-    return findings
+                f"give each rank its socket's cores: {binding_fix(first, wanted)}")
 
 
-def check_mpi_pinning_env(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def check_mpi_pinning_env(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:
     """Pinning settings that undo one rank per socket, by MPI (Intel MPI developer reference,
     'Process Pinning'; Open MPI mpirun(1) 'Mapping, ranking and binding')."""
-    findings = []
     for host, infos in _by_host(ranks).items():
         info = infos[0]
         env, flavor = info.get("pinning_env", {}), info.get("mpi_flavor")
         per_socket = info["node_sockets"] >= 2 and len(infos) == info["node_sockets"]
         for message in _pinning_env_traps(flavor, env, per_socket):
-            findings.append(Finding("warning", "mpi-pinning", f"{host}: {message}",
-                                    binding_fix(info)))
-    return findings
+            yield Finding("warning", "mpi-pinning", f"{host}: {message}", binding_fix(info))
 
 
 def _pinning_env_traps(flavor: str | None, env: Mapping[str, str],
@@ -364,9 +351,9 @@ def _pinning_env_traps(flavor: str | None, env: Mapping[str, str],
     return traps
 
 
-def check_hdf5_locking(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def check_hdf5_locking(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:
     """HDF5's POSIX file locks on Lustre/GPFS/NFS fail (errno 38/524) or serialise opens."""
-    findings, seen = [], set()
+    seen = set()
     for info in ranks:
         locking = (info.get("hdf5_file_locking") or "").strip().upper()
         if locking in ("FALSE", "0", "BEST_EFFORT"):
@@ -376,36 +363,34 @@ def check_hdf5_locking(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
             if fs not in PARALLEL_FS or (role, fs, info["host"]) in seen:
                 continue
             seen.add((role, fs, info["host"]))
-            findings.append(Finding(
+            yield Finding(
                 "warning", "hdf5-locking",
                 f"{info['host']}: the {role} directory {info.get(f'{role}_dir')} is on {fs} "
                 f"and HDF5_USE_FILE_LOCKING is {info.get('hdf5_file_locking') or 'unset'}: "
                 f"opening shards takes POSIX locks that {fs} refuses or serialises",
                 "export HDF5_USE_FILE_LOCKING=FALSE in the job script (shards are read-only "
-                "during training), or stage the shards to node-local disk (hpcdl stage)"))
-    return findings
+                "during training), or stage the shards to node-local disk (hpcdl stage)")
 
 
-def check_staging_space(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
-    findings, seen = [], set()
+def check_staging_space(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:
+    seen = set()
     for info in ranks:
         if info.get("staging_exists") is False and info["host"] not in seen:
             seen.add(info["host"])
-            findings.append(Finding(
+            yield Finding(
                 "error", "staging-missing",
                 f"{info['host']}: staging directory {info['staging_dir']} does not exist",
                 "create it in the job script (mkdir -p) or pass --staging the node-local "
-                "scratch directory ($TMPDIR)"))
+                "scratch directory ($TMPDIR)")
             continue
         free = info.get("staging_free_bytes")
         if free is None or free >= LOW_SPACE_BYTES or info["host"] in seen:
             continue
         seen.add(info["host"])
-        findings.append(Finding(
+        yield Finding(
             "warning", "staging-space",
             f"{info['host']}: only {free / 2**30:.2f} GiB free in {info['staging_dir']}",
-            "point --staging (and $TMPDIR) at the node-local disk with room for the shards"))
-    return findings
+            "point --staging (and $TMPDIR) at the node-local disk with room for the shards")
 
 
 def check_clock_skew(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
@@ -451,23 +436,21 @@ def oneccl_found() -> bool:
     return find_library() is not None
 
 
-def check_accelerators(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def check_accelerators(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:
     """IPEX / oneCCL are optional: say what is missing and how to get it (never faked)."""
     info = ranks[0]
-    findings = []
     if not info["oneccl"]:
-        findings.append(Finding(
+        yield Finding(
             "info", "accelerators", "oneCCL's libccl.so.2 not found in $CCL_ROOT/lib nor on "
             "LD_LIBRARY_PATH (optional, for --backend ccl)",
             "module load ccl (sets CCL_ROOT), or eval \"$(tests/ccl_env.sh)\" to assemble it "
-            "from PyPI (docs/comm.md)"))
+            "from PyPI (docs/comm.md)")
     if not info["ipex"]:
         # measured, docs/intel.md: not worth a day on a torch 2.8 environment
-        findings.append(Finding(
+        yield Finding(
             "info", "accelerators", "intel-extension-for-pytorch not installed (optional, "
             "for --ipex)", "skip it: IPEX gives ≈1.0× on ResNet-50 with torch 2.8 and cannot "
-            f"sit beside torch {info['torch']} (docs/intel.md)"))
-    return findings
+            f"sit beside torch {info['torch']} (docs/intel.md)")
 
 
 def check_pretend_nodes(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:

@@ -24,7 +24,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -526,16 +526,22 @@ class StallWatchdog(threading.Thread):
         if self._blocked_warned:  # the raw call returned, and a collective began at ``since``
             self._note_blocked_over(since)
             self._blocked_key, self._blocked_warned = None, False
-        waited = now - since
-        t = self.thresholds
-        if t.warn_s and waited >= t.warn_s and self._warned_seq != seq:
-            self._warned_seq = seq
-            self._warned = (seq, name, since)
-            self._report(seq, name, waited, now, logging.WARNING)
+        if self._warn_then_abort(self._warned_seq == seq, f"#{seq} {name}", seq, since, now,
+                                 lambda waited, level: self._report(seq, name, waited, now, level)):
+            self._warned_seq, self._warned = seq, (seq, name, since)
+
+    def _warn_then_abort(self, warned: bool, where: str, seq: int | None, since: float,
+                         now: float, report: Callable[[float, int], str]) -> bool:
+        """``report(waited, level)`` once past warn_s (True: it warned now), and past abort_s
+        end the job with the report at CRITICAL: a collective's wait and a raw call's alike."""
+        t, waited = self.thresholds, now - since
+        warn = bool(t.warn_s and waited >= t.warn_s and not warned)
+        if warn:
+            report(waited, logging.WARNING)
         if t.abort_s and waited >= t.abort_s and not self._aborting:
             self._aborting = True
-            text = self._report(seq, name, waited, now, logging.CRITICAL)
-            self._end_job(f"#{seq} {name}", seq, waited, since, now, text)
+            self._end_job(where, seq, waited, since, now, report(waited, logging.CRITICAL))
+        return warn
 
     def _publish(self, record: dict[str, Any]) -> None:
         """Write the heartbeat on a thread of its own; none while the last one still hangs
@@ -588,16 +594,11 @@ class StallWatchdog(threading.Thread):
             self._blocked_checked = True
             self._blocked_what = blocked_call(frame) or self._thread_in_file_system(frames)
         del frame, frames
-        what, t = self._blocked_what, self.thresholds
-        if what is None:
-            return
-        if t.warn_s and waited >= t.warn_s and not self._blocked_warned:
+        what = self._blocked_what
+        if what is not None and self._warn_then_abort(
+                self._blocked_warned, blocked_label(what), None, self._blocked_since, now,
+                lambda waited, level: self._report_blocked(what, waited, now, level)):
             self._blocked_warned = True
-            self._report_blocked(what, waited, now, logging.WARNING)
-        if t.abort_s and waited >= t.abort_s and not self._aborting:
-            self._aborting = True
-            text = self._report_blocked(what, waited, now, logging.CRITICAL)
-            self._end_job(blocked_label(what), None, waited, self._blocked_since, now, text)
 
     def _thread_in_file_system(self, frames: Mapping[int, Any]) -> str | None:
         """A label for the main thread waiting on another thread (TensorBoard's event writer

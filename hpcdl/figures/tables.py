@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.figures.growth import NOISE_BYTES
+from hpcdl.results import PLAN_BAND, in_band
 
 RESULTS = "docs/results"
 SAME_RUN = ("ratios between modes of one run are computed per run, then the median "
@@ -628,15 +629,8 @@ MODEL_NAMES = {"alexnet_bn": "AlexNet-BN", "resnet50": "ResNet-50",
                "alexnet_bvlc": "Caffe's AlexNet (LRN, grouped conv)"}
 
 
-PLAN_BAND = (0.85, 1.15)  # the planner's goal: predicted ÷ measured inside this band
-
-
 def plan_ratio(record: Mapping[str, Any]) -> float:
     return record["predicted_step_s"] / record["measured_step_s"]
-
-
-def in_band(ratio: float) -> bool:
-    return PLAN_BAND[0] <= ratio <= PLAN_BAND[1]
 
 
 def worst(ratios: Sequence[float]) -> float:

@@ -154,9 +154,7 @@ class CaffeAlexNet(nn.Module):
             nn.init.normal_(layer.weight, std=std)
             nn.init.constant_(layer.bias, bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.avgpool(self.features(x))
-        return self.classifier(torch.flatten(x, 1))
+    forward = AlexNet.forward  # features -> average pool -> classifier, as AlexNet's
 
 
 @register_model("alexnet_bvlc")

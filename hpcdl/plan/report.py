@@ -152,42 +152,31 @@ def plan_json(p: Plan, plans: Sequence[Plan], machine: Machine, work: Workload,
 
 def plot_sweep(path: str, plans: Sequence[Plan], title: str) -> None:
     """Iteration time by term, scaling efficiency and time to train against process count."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from hpcdl.results import png_axes
 
     procs = [p.procs for p in plans]
-    fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, label, style in (("iteration_s", "iteration", "k-"),
-                              ("compute_s", "compute", "o-"),
-                              ("optimizer_s", "LARS update", "d:"),
-                              ("comm_s", "allreduce (total)", "s--"),
-                              ("comm_exposed_s", "allreduce (exposed)", "s-"),
-                              ("data_s", "data loading (per node)", "^:")):
-        values = [getattr(p, key) for p in plans]
-        if any(v > 0 for v in values):
-            ax_t.plot(procs, [v if v > 0 else float("nan") for v in values], style, label=label)
-    ax_t.set_xscale("log", base=2)
-    ax_t.set_yscale("log")
-    ax_t.set_xlabel("MPI ranks")
-    ax_t.set_ylabel("seconds per iteration")
-    ax_t.legend(fontsize=8)
-    ax_e.plot(procs, [p.scaling_efficiency * 100 for p in plans], "o-")
-    ax_e.set_xscale("log", base=2)
-    ax_e.set_ylim(0, 105)
-    ax_e.set_xlabel("MPI ranks")
-    ax_e.set_ylabel("scaling efficiency (%)")
-    ax_e2 = ax_e.twinx()
-    ax_e2.plot(procs, [p.total_s / 60 for p in plans], "s:", color="tab:red")
-    ax_e2.set_yscale("log")
-    ax_e2.set_ylabel("time to train (min)", color="tab:red")
-    fig.suptitle(title)
-    fig.tight_layout()
-
-    def save(f: Any) -> None:
-        fig.savefig(f, format="png", dpi=110)
-
-    from hpcdl.io import atomic_write
-    atomic_write(path, save)
-    plt.close(fig)
+    with png_axes(path, (11, 4.2), ncols=2) as (ax_t, ax_e):
+        for key, label, style in (("iteration_s", "iteration", "k-"),
+                                  ("compute_s", "compute", "o-"),
+                                  ("optimizer_s", "LARS update", "d:"),
+                                  ("comm_s", "allreduce (total)", "s--"),
+                                  ("comm_exposed_s", "allreduce (exposed)", "s-"),
+                                  ("data_s", "data loading (per node)", "^:")):
+            values = [getattr(p, key) for p in plans]
+            if any(v > 0 for v in values):
+                ax_t.plot(procs, [v if v > 0 else float("nan") for v in values], style,
+                          label=label)
+        for ax in (ax_t, ax_e):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("MPI ranks")
+        ax_t.set_yscale("log")
+        ax_t.set_ylabel("seconds per iteration")
+        ax_t.legend(fontsize=8)
+        ax_e.plot(procs, [p.scaling_efficiency * 100 for p in plans], "o-")
+        ax_e.set_ylim(0, 105)
+        ax_e.set_ylabel("scaling efficiency (%)")
+        ax_e2 = ax_e.twinx()
+        ax_e2.plot(procs, [p.total_s / 60 for p in plans], "s:", color="tab:red")
+        ax_e2.set_yscale("log")
+        ax_e2.set_ylabel("time to train (min)", color="tab:red")
+        ax_t.figure.suptitle(title)

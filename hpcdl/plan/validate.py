@@ -157,11 +157,11 @@ def median_measurement(runs: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 def bf16_skip_reason(flags: set[str] | None = None) -> str:
     """Why the bf16 rows are not run here (the planner has no bf16 rates yet)."""
-    from hpcdl.cpus import cpu_flags
+    from hpcdl.cpus import BF16_FLAGS, cpu_flags
     from hpcdl.plan.cpu import cpu_identity
 
     flags = cpu_flags() if flags is None else flags
-    if not flags & {"avx512_bf16", "amx_bf16"}:
+    if not flags & BF16_FLAGS:
         return (f"bf16 rows skipped: this CPU ({cpu_identity()['capability']}) has no native "
                 "bf16 (AVX512-BF16 or AMX)")
     return ("bf16 rows skipped: the CPU has native bf16, but machine files hold fp32 class "
@@ -235,13 +235,13 @@ def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str 
                       procs_list: Sequence[int], bf16: str, complete: bool) -> dict[str, Any]:
     """The bench JSON of a validation (``complete`` False while rows are still to come); rows
     never measured (budget) are listed under ``not_measured``; ``bf16`` says why no bf16 rows."""
-    from hpcdl.results import bench_report
+    from hpcdl.results import bench_report, in_band
 
     records = [row.record() for row in rows if row.runs]
     ratios: dict[str, Any] = {f"{r['model']}@{r['image_size']}_np{r['ranks']}":
                               r["predicted_vs_measured"] for r in records}
     ratios["within_15_percent"] = bool(records) and all(
-        0.85 <= r["predicted_vs_measured"] <= 1.15 for r in records)
+        in_band(r["predicted_vs_measured"]) for r in records)
     report = bench_report("plan-validate", records, ratios, ranks=max(procs_list))
     report.update(machine_file=machine.path, bf16=bf16, complete=complete,
                   not_measured=[row.label for row in rows if not row.runs])

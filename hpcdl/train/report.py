@@ -4,9 +4,12 @@ rate and the throughput breakdown (compute, data wait, communication wait), as Y
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
+from hpcdl.results import png_axes
 from hpcdl.train.metrics import read_metrics, read_summary
 
 __all__ = ["plot_run", "summarize_run", "expected_vs_measured"]
@@ -21,32 +24,20 @@ def _latest_per_step(records: list[dict[str, Any]], kind: str) -> list[dict[str,
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _figure(title: str, xlabel: str, ylabel: str):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    return fig, ax
-
-
-def _save(fig, path: str) -> str:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+@contextlib.contextmanager
+def _figure(path: str, title: str, xlabel: str, ylabel: str) -> Iterator[Any]:
+    """Axes whose figure is written to ``path`` when the block ends (hpcdl.results.png_axes)."""
+    with png_axes(path, (6.4, 4.0), dpi=100) as ax:
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        yield ax
 
 
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Write ``loss.png``, ``accuracy.png``, ``lr.png`` and ``throughput.png`` to
     RUN_DIR/plots (or ``out_dir``); returns the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # batch nodes and login nodes have no display
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics (is {run_dir} an hpcdl run directory?)")
@@ -58,34 +49,29 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     out_dir = out_dir or os.path.join(run_dir, "plots")
     os.makedirs(out_dir, exist_ok=True)
     steps = [r["step"] for r in train]
-    written = []
-
-    fig, ax = _figure("Training loss", "step", "loss (mean over ranks)")
-    ax.plot(steps, [r["loss"] for r in train], label="train")
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="validation")
-    ax.legend()
-    written.append(_save(fig, os.path.join(out_dir, "loss.png")))
-
-    fig, ax = _figure("Validation accuracy", "step", "accuracy")
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["top1"] for r in evals], "o-", label="top-1")
-        ax.plot([r["step"] for r in evals], [r["top5"] for r in evals], "s--", label="top-5")
-        ax.set_ylim(0, 1)
+    written = [os.path.join(out_dir, name) for name in
+               ("loss.png", "accuracy.png", "lr.png", "throughput.png")]
+    with _figure(written[0], "Training loss", "step", "loss (mean over ranks)") as ax:
+        ax.plot(steps, [r["loss"] for r in train], label="train")
+        if evals:
+            ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-",
+                    label="validation")
         ax.legend()
-    else:
-        ax.text(0.5, 0.5, "no evaluation yet", ha="center", transform=ax.transAxes)
-    written.append(_save(fig, os.path.join(out_dir, "accuracy.png")))
-
-    fig, ax = _figure("Learning rate (schedule)", "step", "lr")
-    ax.plot(steps, [r["lr"] for r in train])
-    written.append(_save(fig, os.path.join(out_dir, "lr.png")))
-
-    written.append(_plot_throughput(train, os.path.join(out_dir, "throughput.png")))
+    with _figure(written[1], "Validation accuracy", "step", "accuracy") as ax:
+        if evals:
+            ax.plot([r["step"] for r in evals], [r["top1"] for r in evals], "o-", label="top-1")
+            ax.plot([r["step"] for r in evals], [r["top5"] for r in evals], "s--", label="top-5")
+            ax.set_ylim(0, 1)
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "no evaluation yet", ha="center", transform=ax.transAxes)
+    with _figure(written[2], "Learning rate (schedule)", "step", "lr") as ax:
+        ax.plot(steps, [r["lr"] for r in train])
+    _plot_throughput(train, written[3])
     return written
 
 
-def _plot_throughput(train: list[dict[str, Any]], path: str) -> str:
+def _plot_throughput(train: list[dict[str, Any]], path: str) -> None:
     """Per-step time split into data wait, communication wait and the rest (compute), with
     images/s on a second axis: where a slow run spends its time."""
     steps = [r["step"] for r in train]
@@ -93,14 +79,13 @@ def _plot_throughput(train: list[dict[str, Any]], path: str) -> str:
     comm = [r.get("comm_wait_s", 0.0) for r in train]
     compute = [max(r.get("step_s", 0.0) - d - c, 0.0) for r, d, c in zip(train, data, comm,
                                                                       strict=True)]
-    fig, ax = _figure("Throughput breakdown (rank 0)", "step", "seconds per step")
-    ax.stackplot(steps, compute, comm, data, labels=["compute", "comm wait", "data wait"],
-                 alpha=0.8)
-    ax.legend(loc="upper left")
-    right = ax.twinx()
-    right.plot(steps, [r["images_per_s"] for r in train], "k-", lw=1, label="images/s")
-    right.set_ylabel("images/s (global)")
-    return _save(fig, path)
+    with _figure(path, "Throughput breakdown (rank 0)", "step", "seconds per step") as ax:
+        ax.stackplot(steps, compute, comm, data, labels=["compute", "comm wait", "data wait"],
+                     alpha=0.8)
+        ax.legend(loc="upper left")
+        right = ax.twinx()
+        right.plot(steps, [r["images_per_s"] for r in train], "k-", lw=1, label="images/s")
+        right.set_ylabel("images/s (global)")
 
 
 def summarize_run(run_dir: str) -> str:

@@ -86,18 +86,12 @@ class TrainOptions:
     verify_shards: bool = False          # sha256 of every shard read, before training
 
 
-def derive_seed(seed: int, epoch: int, rank: int) -> int:
+def derive_seed(seed: int, *position: int) -> int:
     """A seed from (seed, epoch, rank): distinct streams per rank and epoch, reproducible
-    from the recipe alone."""
-    mixed = np.random.SeedSequence([seed, epoch, rank]).generate_state(1, dtype=np.uint64)[0]
+    from the recipe alone; (seed, epoch, step, rank) when a run resumes at ``step`` on another
+    rank count: a function of the run's position, so an elastic resume is itself repeatable."""
+    mixed = np.random.SeedSequence([seed, *position]).generate_state(1, dtype=np.uint64)[0]
     return int(mixed & 0x7FFF_FFFF_FFFF_FFFF)
-
-
-def resume_seed(seed: int, epoch: int, step: int, rank: int) -> int:
-    """The seed of rank ``rank`` when a run resumes at ``step`` on another rank count: a
-    function of the run's position, so an elastic resume is itself repeatable."""
-    mixed = np.random.SeedSequence([seed, epoch, step, rank]).generate_state(1, dtype=np.uint64)
-    return int(mixed[0] & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 def seed_everything(seed: int) -> None:
@@ -598,7 +592,7 @@ class Trainer:
         elif state.get("rng"):  # a single-file checkpoint holds every rank's statistics
             self._load_mean_buffers([r.get("buffers", {}) for r in state["rng"]])
         epoch = self.step // self.steps_per_epoch
-        seed_everything(resume_seed(self.config.train.seed, epoch, self.step, self.rank))
+        seed_everything(derive_seed(self.config.train.seed, epoch, self.step, self.rank))
         saved = int(state.get("world_size", 0))
         log.warning("%s was written by %d ranks (%s per rank × accumulation %s), this run has %d "
                     "(%d × %d), global batch %d: BN statistics averaged over the %d saved ranks, "
