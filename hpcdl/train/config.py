@@ -62,7 +62,11 @@ class DataConfig:
     image_size: int = 224        # side of the square training crop, px
     val_resize: int = 256        # validation: short side resized to this, then center-cropped
     min_scale: float = 0.08      # random_resized: smallest share of the image's area cropped
-    workers: int = 4             # decoding threads per rank
+    # Decode threads per rank, each given a core of its own by the sbatch templates. One
+    # thread decodes many times what a core's bf16 step consumes (docs/data.md, "Decode
+    # threads per compute core", the measured table): a 24- or 64-core rank needs 1 or 2, and
+    # 2 leaves room for photographs, which decode slower than the measured synthetic JPEGs.
+    workers: int = 2
     rotate_shards: bool = False  # a node reads other shards each epoch (all staged on it)
     # Train crop: random_resized (Inception/torchvision, min_scale..1), or Caffe's fixed-size
     # crop after resizing to val_resize² (caffe_square) or short side val_resize
