@@ -339,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
     if 1 in shard_rates and 2 in shard_rates:
         ratios["shard_ranks_2_vs_1"] = shard_rates[2] / shard_rates[1]
     report = bench_report("loader", results, ratios)
+    if args.note:
+        report["note"] = args.note
     emit(report, ["name", "workers", "ranks", "images_per_s", "images_per_s_per_core",
                   "seconds"], args.json)
     return 0
