@@ -6,7 +6,9 @@ Checks, each an error naming the value unless said otherwise:
     what a rank's memory holds is a warning (:func:`activation_bytes_per_image`);
   * DATA/manifest.json exists and has at least one train shard per node (uneven: warning);
   * the time limit leaves room for training before the checkpoint signal, and the signal
-    comes early enough for a checkpoint to be written (:func:`checkpoint_seconds`).
+    comes early enough for a checkpoint to be written (:func:`checkpoint_seconds`);
+  * a rank's cores hold its decode threads (the recipe's ``data.workers``) beside at least one
+    compute thread (:func:`compute_threads`; skx and knl, whose cores are known here).
 
 Every user string reaches the script through :func:`shlex.quote` (or the #SBATCH quoting,
 which sbatch parses the same way), so a job name like ``x $(rm -rf ~)`` stays a name.
@@ -23,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["ARCHES", "CHECKPOINT_EXIT", "JobSpec", "KNL_MEMORY_MODES", "RenderError", "Rendered",
-           "LAUNCHERS", "MPIS", "activation_bytes_per_image", "checkpoint_seconds", "parse_time",
-           "render", "render_job", "validate"]
+           "LAUNCHERS", "MPIS", "activation_bytes_per_image", "checkpoint_seconds",
+           "compute_threads", "parse_time", "render", "render_job", "validate"]
 
 TEMPLATE_DIR = Path(__file__).resolve().parent
 LAUNCHERS = ("auto", "srun-pmi2", "srun-pmix", "mpirun", "ibrun")
@@ -105,6 +107,8 @@ class Rendered:
     warnings: list[str]
     ranks: int
     per_rank_batch: int | None
+    compute_threads: int | None = None   # per rank; None: the node's cores decide at run time
+    decode_workers: int = 0              # decode threads per rank, on cores of their own
 
 
 def parse_time(text: str) -> int:
@@ -257,6 +261,35 @@ def _check_memory(spec: JobSpec, config, ranks_per_node: int | None, per_rank: i
     return params
 
 
+def rank_cores(spec: JobSpec) -> int | None:
+    """Cores a rank of the template may use for compute and decode threads; None for generic,
+    whose cores are read on the node."""
+    if spec.arch == "skx":
+        return spec.cores_per_socket
+    if spec.arch == "knl":
+        return spec.knl_cores - spec.knl_os_cores
+    return None
+
+
+def compute_threads(spec: JobSpec, workers: int) -> int | None:
+    """OpenMP threads per rank once ``workers`` decode threads have cores of their own (the
+    loader's threads decode while the step computes; on a core shared with a compute thread
+    they would slow every layer's slowest thread). None: decided on the node (generic)."""
+    if workers < 0:
+        raise RenderError(f"data.workers={workers}: must be >= 0 (0 decodes on the compute "
+                          f"thread)")
+    cores = rank_cores(spec)
+    if cores is None:
+        return None
+    if cores - workers < 1:
+        ranks = ARCHES[spec.arch].ranks_per_node
+        raise RenderError(f"data.workers={workers}: a {spec.arch} node cannot hold {ranks} "
+                          f"rank(s) x (1 compute thread + {workers} decode threads) on "
+                          f"{cores} core(s) per rank; lower data.workers (docs/data.md, "
+                          f"\"Decode threads per compute core\") or give the rank more cores")
+    return cores - workers
+
+
 def _check_time(spec: JobSpec, params: int | None) -> int:
     limit = parse_time(spec.time)
     if not 0 < spec.signal_seconds <= MAX_SIGNAL_S:
@@ -313,6 +346,7 @@ def validate(spec: JobSpec) -> tuple[list[str], int | None, int | None, object]:
     ranks, per_rank = _check_batch(spec, config, ranks_per_node, warnings)
     params = _check_memory(spec, config, ranks_per_node, per_rank, warnings)
     _check_time(spec, params)
+    compute_threads(spec, config.data.workers)
     return warnings, ranks, per_rank, config
 
 
@@ -388,6 +422,8 @@ def render_job(spec: JobSpec) -> Rendered:
     template = (TEMPLATE_DIR / arch.template).read_text(encoding="utf-8")
     body = (TEMPLATE_DIR / "job_body.sh").read_text(encoding="utf-8").rstrip("\n")
     rpn = spec.ranks_per_node
+    workers = config.data.workers
+    threads = compute_threads(spec, workers)
     values = {
         "SBATCH_COMMON": _sbatch_common(spec, run_dir),
         "SBATCH_RANKS": f"#SBATCH --ntasks-per-node={rpn}" if rpn else "",
@@ -398,7 +434,10 @@ def render_job(spec: JobSpec) -> Rendered:
         "KNL_CORES": str(spec.knl_cores),
         "KNL_OS_CORES": str(spec.knl_os_cores),
         "KNL_MEMORY_MODE": spec.knl_memory_mode,
+        "DECODE_WORKERS": str(workers),
+        "COMPUTE_THREADS": str(threads) if threads is not None else "auto",
         "JOB_BODY": body,
     }
-    return Rendered(render(template, values), run_dir, warnings, ranks or 0, per_rank)
+    return Rendered(render(template, values), run_dir, warnings, ranks or 0, per_rank,
+                    threads, workers)
 

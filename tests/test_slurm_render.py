@@ -21,6 +21,7 @@ from hpcdl.slurm.render import (
     render,
     render_job,
 )
+from hpcdl.train.config import DataConfig
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_RECIPE = """\
@@ -179,6 +180,85 @@ def test_checkpoint_exit_code_is_the_trainers():
     assert CHECKPOINT_EXIT == EXIT_STOPPED_BY_SIGNAL
 
 
+# ---- decode threads get cores of their own (docs/data.md, "Decode threads per compute core")
+
+def test_skx_gives_the_recipes_decode_threads_cores_beside_the_compute_threads(job):
+    workers = DataConfig().workers  # the tiny recipe leaves data.workers at its default
+    rendered = render_job(with_(job, arch="skx", ranks_per_node=None, cores_per_socket=24))
+    assert (rendered.compute_threads, rendered.decode_workers) == (24 - workers, workers)
+    assert "#SBATCH --cpus-per-task=24" in rendered.script
+    assert f"THREADS_PER_RANK={24 - workers}" in rendered.script
+    assert f"DECODE_WORKERS={workers}" in rendered.script
+
+
+def test_the_workers_override_moves_cores_between_decode_and_compute(job):
+    spec = with_(job, arch="skx", ranks_per_node=None, overrides=["data.workers=1"])
+    assert render_job(spec).compute_threads == 23
+
+
+def test_knl_leaves_decode_cores_beside_the_os_cores(job):
+    rendered = render_job(with_(job, arch="knl", ranks_per_node=None,
+                                overrides=["data.workers=4"]))
+    assert rendered.compute_threads == 68 - 4 - 4
+    assert "THREADS_PER_RANK=60" in rendered.script
+    assert "#SBATCH --cpus-per-task=68" in rendered.script
+
+
+def test_a_socket_without_room_for_compute_and_decode_threads_is_an_error(job):
+    with pytest.raises(RenderError, match=r"data.workers=4: a skx node cannot hold 2 rank\(s\) "
+                                          r"x \(1 compute thread \+ 4 decode threads\) on 4 "):
+        render_job(with_(job, arch="skx", ranks_per_node=None, cores_per_socket=4,
+                         overrides=["data.workers=4"]))
+
+
+def test_negative_workers_are_an_error_naming_the_key(job):
+    with pytest.raises(RenderError, match=r"data.workers=-1"):
+        render_job(with_(job, overrides=["data.workers=-1"]))
+
+
+def test_cli_refuses_a_node_too_small_for_its_decode_threads_in_one_line(job):
+    result = subprocess.run(
+        [sys.executable, "-m", "hpcdl.cli.main", "slurm", "render", "--arch", "skx",
+         "--nodes", "1", "--cores-per-socket", "3", "--recipe", job.recipe, "--data", job.data,
+         "--out", job.out, "data.workers=3"], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and "data.workers=3" in result.stderr
+
+
+def hwloc_stub(tmp_path: Path, sockets: int, cores: int) -> None:
+    """A `hwloc-calc` answering the generic template's two questions about the node."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "hwloc-calc"
+    stub.write_text(f"#!/bin/sh\ncase $2 in package) echo {sockets};; core) echo {cores};; "
+                    f"esac\n")
+    stub.chmod(0o755)
+
+
+def test_generic_takes_decode_cores_from_each_ranks_share(job, tmp_path):
+    hwloc_stub(tmp_path, sockets=1, cores=16)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_job(with_(job, overrides=["data.workers=3"])).script)  # 2 ranks
+    threads = tmp_path / "threads"
+    rc, calls = run_under_stubs(script, tmp_path, HPCDL_DOCTOR="0", HPCDL_STAGE="0",
+                                STUB_THREADS=str(threads))
+    assert rc == 0
+    assert "--cpus-per-task=8" in train_launch(calls)  # 16 cores / 2 ranks
+    assert threads.read_text().split() == ["5"]         # 8 - 3 decode threads
+
+
+def test_generic_share_too_small_keeps_one_compute_thread(job, tmp_path):
+    hwloc_stub(tmp_path, sockets=1, cores=2)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_job(job).script)
+    threads = tmp_path / "threads"
+    rc, calls = run_under_stubs(script, tmp_path, HPCDL_DOCTOR="0", HPCDL_STAGE="0",
+                                STUB_THREADS=str(threads))
+    assert rc == 0
+    assert "--cpus-per-task=1" in train_launch(calls)
+    assert threads.read_text().split() == ["1"]
+
+
 def test_cli_error_exits_nonzero_and_names_the_value(job):
     result = subprocess.run(
         [sys.executable, "-m", "hpcdl.cli.main", "slurm", "render", "--arch", "generic",
@@ -205,6 +285,9 @@ if name in ("srun", "numactl"):
 if name == "hpcdl" and args[:2] == ["prep", "stage"] and os.environ.get("STUB_USR1") == "stage":
     os.kill(os.getppid(), signal.SIGUSR1)  # the time limit while staging
 if name == "hpcdl" and args[:1] == ["train"]:
+    if os.environ.get("STUB_THREADS"):  # the compute threads the template gave the ranks
+        with open(os.environ["STUB_THREADS"], "a") as threads:
+            threads.write(os.environ.get("OMP_NUM_THREADS", "unset") + "\\n")
     if os.environ.get("STUB_USR1") == "train":  # checkpoint when the job script forwards USR1
         signal.signal(signal.SIGUSR1, lambda *_: sys.exit({exit}))
         os.kill(os.getppid(), signal.SIGUSR1)

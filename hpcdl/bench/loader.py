@@ -6,6 +6,9 @@ floor of any JPEG loader) and ``hpcdl prep shard`` at 1 and 2 ranks (``--shard-r
 ``--generate N`` writes N ImageNet-like 500x375 JPEGs first. Goals: ``hdf5_vs_imagefolder``
 >= 3, ``hdf5_vs_imagefolder_resized`` and ``hdf5_vs_webdataset`` >= 1.5,
 ``shard_ranks_2_vs_1`` >= 1.8. docs/performance.md, "Loader".
+
+``--pace STEP.json ...`` measures instead whether decode keeps pace with the bf16 step
+(:mod:`hpcdl.bench.pace`; docs/data.md, "Decode threads per compute core").
 """
 from __future__ import annotations
 
@@ -39,6 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rank counts to time `prep shard` at ('' to skip)")
     parser.add_argument("--no-resized-baselines", action="store_true",
                         help="skip ImageFolder and WebDataset over the shards' pre-resized JPEGs")
+    parser.add_argument("--pace", nargs="+", metavar="STEP_JSON",
+                        help="instead: decode rate per worker thread, and data wait of ranks "
+                             "consuming at each file's bf16 step rate (docs/results/"
+                             "bf16-step-vs-plain-torch-*/MODEL.json)")
+    parser.add_argument("--pace-workers", default="0,1,2",
+                        help="--pace: decode threads per rank to try (must include 1)")
+    parser.add_argument("--pace-seconds", type=float, default=4.0,
+                        help="--pace: seconds timed per configuration")
+    parser.add_argument("--pace-repeats", type=int, default=1,
+                        help="--pace: run every configuration this many times, in rotated order")
+    parser.add_argument("--note", default="",
+                        help="a line kept in the JSON (say whether the machine was shared)")
     parser.add_argument("--json", metavar="FILE", help="write the results here (bench JSON)")
 
 
@@ -239,14 +254,11 @@ def resized_baselines(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
+def prepare_shards(args: argparse.Namespace) -> None:
+    """The --src tree (written first with --generate) and its shards in --shards."""
     from hpcdl.data_prep.shard import shard_tree
     from hpcdl.data_prep.synthetic import make_imagenet_tree
-    from hpcdl.results import bench_report, emit
 
-    torch.set_num_threads(1)
     if not args.generate and not os.path.isdir(os.path.join(args.src, "train")):
         raise SystemExit(f"hpcdl bench loader: --src {args.src}: no train/ folder; expected "
                          f"TREE/train/<class>/*.JPEG, or add --generate N to write one there")
@@ -258,6 +270,40 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(args.shards, "manifest.json")):
         print(f"sharding {args.src} -> {args.shards}", flush=True)
         shard_tree(args.src, args.shards, args.num_shards)
+
+
+def run_pace(args: argparse.Namespace) -> int:
+    """--pace: the decode sweep and the paced ranks, one JSON (hpcdl.bench.pace)."""
+    from hpcdl.bench.pace import load_average, measure, step_rate
+    from hpcdl.results import bench_report, emit
+
+    steps = [step_rate(path) for path in args.pace]  # bad input stops before any work
+    try:
+        workers = [int(w) for w in args.pace_workers.split(",") if w.strip()]
+    except ValueError:
+        raise SystemExit(f"hpcdl bench loader: --pace-workers {args.pace_workers!r}: expected "
+                         f"counts like 0,1,2") from None
+    prepare_shards(args)
+    start_load = load_average()
+    records, ratios = measure(args.shards, steps, workers, args.pace_seconds, args.batch,
+                              args.image_size, args.pace_repeats)
+    report = bench_report("loader-pace", records, ratios)
+    report.update(step_rates=steps, note=args.note,
+                  load_average={"start": start_load, "end": load_average()})
+    emit(report, ["repeat", "kind", "model", "layout", "workers", "images_per_cpu_s",
+                  "data_wait_fraction", "delivered_vs_step"], args.json)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from hpcdl.results import bench_report, emit
+
+    torch.set_num_threads(1)
+    if args.pace:
+        return run_pace(args)
+    prepare_shards(args)
     files = imagefolder_files(args.src)
     # Per core = per CPU second of this process (all its threads): on a shared machine that
     # is steadier than wall time, and it is what a core-hour budget pays for.
@@ -293,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
     if 1 in shard_rates and 2 in shard_rates:
         ratios["shard_ranks_2_vs_1"] = shard_rates[2] / shard_rates[1]
     report = bench_report("loader", results, ratios)
+    if args.note:
+        report["note"] = args.note
     emit(report, ["name", "workers", "ranks", "images_per_s", "images_per_s_per_core",
                   "seconds"], args.json)
     return 0

@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(rendered.script)
     layout = f"{rendered.ranks} ranks" if rendered.ranks else "ranks discovered at run time"
     batch = f", per-rank batch {rendered.per_rank_batch}" if rendered.per_rank_batch else ""
+    compute = (f"{rendered.compute_threads} compute" if rendered.compute_threads is not None
+               else "compute threads from the node's cores")
     print(f"hpcdl slurm render: {args.arch}, {args.nodes} node(s), {layout}{batch}; "
+          f"{compute} + {rendered.decode_workers} decode thread(s) per rank; "
           f"log: {rendered.run_dir}/logs/slurm-JOBID.out", file=sys.stderr)
     return 0

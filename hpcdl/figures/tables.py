@@ -8,6 +8,7 @@ file or an arithmetic of fields stated in ``how``.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -371,6 +372,64 @@ def loader(root: Path) -> str:
     table = md(["side", "img/s per core"], rows)
     ratios = ", ".join(f"`{k}` {f(v)}" for k, v in report["ratios"].items())
     return f"{table}\n\n{ratios}"
+
+
+PACE_FILE = "loader-pace-bf16-2026-12-02.json"
+PACE_THREADS = (1, 2)  # decode threads per rank whose reach the table gives
+
+
+def pace_cores_covered(threads: int, step_per_core: float, decode_per_thread: float) -> int:
+    """Cores of the largest rank that ``threads`` decode threads keep fed when each takes a
+    core from compute: the largest C with (C − threads) × step ≤ threads × decode."""
+    return math.floor(threads * (step_per_core + decode_per_thread) / step_per_core)
+
+
+def _pace_sizing(report: Mapping[str, Any]) -> str:
+    decode = report["ratios"]["decode_images_per_cpu_s_per_worker"]
+    rows = []
+    for step in report["step_rates"]:
+        s, model = step["images_per_s_per_core"], step["model"]
+        need = report["ratios"][f"{model}_decode_threads_per_compute_core"]
+        rows.append([f"{model}, {step['image_size']} px, batch {step['batch']} "
+                     f"([step file](results/{Path(step['source']).relative_to(RESULTS)}))",
+                     f(s, 1), f"{decode:,.0f}", f"**{f(need, 3)}**", f"{1 / need:.0f}",
+                     *(str(pace_cores_covered(w, s, decode)) for w in PACE_THREADS)])
+    return md(["bf16 step (`variants.hpcdl_cl`)", "step img/s per core",
+               "decode img/s per thread", "decode threads per compute core",
+               "compute cores one decode thread feeds",
+               *(f"largest rank (cores) {w} decode thread{'s' * (w > 1)} "
+                 f"feed{'s' * (w == 1)}" for w in PACE_THREADS)], rows)
+
+
+def _pace_waits(report: Mapping[str, Any]) -> str:
+    runs: dict[tuple[str, str, int], list[Mapping[str, Any]]] = {}
+    for r in report["results"]:
+        if r["kind"] == "paced":
+            runs.setdefault((r["model"], r["layout"], r["workers"]), []).append(r)
+    rows = [[model, layout, str(workers),
+             spread([100 * r["data_wait_fraction"] for r in rs], 1),
+             spread([r["cpu_vs_step"] for r in rs], 3),
+             spread([r["delivered_vs_step"] for r in rs], 2)]
+            for (model, layout, workers), rs in runs.items()]
+    return md(["model", "layout", "decode threads per rank", "data wait, % of wall",
+               "img per core-second (compute + decode) ÷ step", "delivered img/s ÷ step (wall)"],
+              rows, right=2)
+
+
+@table("loader-pace", PACE_FILE,
+       how="decode img/s per thread: the median over repeats of images per CPU-second with one "
+           "worker thread; step img/s per core: the step file's batch ÷ its median CPU s per "
+           "step; decode threads per compute core = step ÷ decode; the largest rank w threads "
+           "feed = floor(w × (step + decode) ÷ step) cores, each thread taking one; each "
+           "paced cell is the median [min–max] over repeats of that run's ratio.")
+def loader_pace(root: Path) -> str:
+    report = load(root, PACE_FILE)
+    load_avg = report["load_average"]
+    return (f"{_pace_sizing(report)}\n\n{_pace_waits(report)}\n\n"
+            f"Machine: {report['machine']['cpu']}, torch capability "
+            f"`{report['machine']['cpu_capability']}`, {report['machine']['cores']} cores; load "
+            f"average {f(load_avg['start'][0], 1)} at the start, {f(load_avg['end'][0], 1)} at "
+            f"the end. Note: {report['note']}.")
 
 
 OPTIM_FILE = "optim-lars-resnet50-2026-12-02.json"

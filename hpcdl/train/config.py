@@ -62,7 +62,12 @@ class DataConfig:
     image_size: int = 224        # side of the square training crop, px
     val_resize: int = 256        # validation: short side resized to this, then center-cropped
     min_scale: float = 0.08      # random_resized: smallest share of the image's area cropped
-    workers: int = 4             # decoding threads per rank
+    # Decode threads per rank, each given a core of its own by the sbatch templates. One
+    # thread decodes what tens of cores' bf16 steps consume (docs/data.md, "Decode threads
+    # per compute core", the measured table; tests/test_loader_pace.py holds this default to
+    # it): one feeds the skx template's socket, the second is room for photographs, which may
+    # decode slower than the measured synthetic JPEGs, and for larger sockets.
+    workers: int = 2
     rotate_shards: bool = False  # a node reads other shards each epoch (all staged on it)
     # Train crop: random_resized (Inception/torchvision, min_scale..1), or Caffe's fixed-size
     # crop after resizing to val_resize² (caffe_square) or short side val_resize
