@@ -210,7 +210,7 @@ class Trainer:
         self.policy = create_policy(
             comm, list(self.model.named_parameters()), algorithm=config.comm.algorithm,
             local_steps=config.comm.local_steps, sync_warmup_steps=config.comm.sync_warmup_steps,
-            powersgd_rank=config.comm.powersgd_rank, bucket_bytes=config.comm.bucket_bytes,
+            powersgd_rank=config.comm.powersgd_rank, bucket_bytes=self._bucket_bytes(),
             enabled=not self.options.no_comm and comm.size > 1, seed=config.train.seed,
             shard_update=config.comm.shard_update)
         #: whether this rank steps only its slice of the weights (comm.shard_update, P > 1)
@@ -245,6 +245,12 @@ class Trainer:
         #: callables ``hook(trainer)`` run after every optimizer step, before the checkpoint
         #: and stop decisions of that step (LTFB's tournaments, hpcdl/train/ltfb.py)
         self.after_step_hooks: list = []
+
+    def _bucket_bytes(self) -> int:
+        """The recipe's ``comm.bucket_mb``, unless a start-up trial chose the communicator's
+        layout (``comm.backend: auto``, hpcdl/comm/trial.py)."""
+        trial = getattr(self.comm, "trial", None)
+        return self.comm.bucket_bytes if trial is not None else self.config.comm.bucket_bytes
 
     @property
     def reducer(self):
@@ -988,6 +994,8 @@ class Trainer:
             "ranks": self.size,
             "nodes": getattr(self.comm, "num_nodes", 1),
             "backend": getattr(self.comm, "backend", "?"),
+            "comm_trial": trial.record() if (trial := getattr(self.comm, "trial", None))
+            else None,
             "reducer": ("enabled" if self.policy.communicates else "disabled (no_comm)"
                         if self.options.no_comm else "not needed (1 rank)"),
             "shard_update": self.shard_update,
