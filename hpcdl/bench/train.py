@@ -74,9 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comm backend of 'ours': auto (a timed trial of the model's "
                              "gradient buckets picks backend and buckets, printed and kept "
                              "in the JSON's comm_trial), rule, or a name")
-    parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
-                        help="fusion bucket size in MiB, ours and DDP alike (comm.bucket_mb; "
-                             "default %(default)g)")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help=f"fusion bucket size in MiB, ours and DDP alike (comm.bucket_mb; "
+                             f"default {DEFAULT_BUCKET_MB:g}, or what --backend auto's trial "
+                             f"chose; given, the trial keeps it)")
     parser.add_argument("--memory-format", choices=("channels_last", "contiguous"),
                         default="contiguous",
                         help="activation layout of every mode (channels_last: >= 2 threads)")
@@ -172,7 +173,10 @@ def bench_config(args: argparse.Namespace, ranks: int, precision: str = "float32
         "train": {"channels_last": args.memory_format == "channels_last",
                   "log_every_steps": 10 ** 9, "precision": precision},
         # ours sends float32 as DDP does; ours_bf16 is the bf16-on-the-wire mode
-        "comm": {"backend": args.backend, "bucket_mb": args.bucket_mb, "wire_dtype": "float32",
+        # --bucket-mb given: auto's trial times backends at that size only
+        "comm": {"backend": args.backend, "trial_buckets": args.bucket_mb is None,
+                 "bucket_mb": DEFAULT_BUCKET_MB if args.bucket_mb is None else args.bucket_mb,
+                 "wire_dtype": "float32",
                  "shard_update": bool(getattr(args, "shard_update", False))},
     }, origin="hpcdl bench train")
 

@@ -66,8 +66,8 @@ def largest_node(world: MPI.Intracomm, ranks_per_node: int | None = None) -> int
 
 
 def rule_backend(most_ranks_on_a_node: int) -> str:
-    """The rule (docs/comm.md, "The rule"): ``shm`` whenever some node holds more than one
-    rank, else ``mpi`` (the vendor's allreduce)."""
+    """The rule (docs/comm.md, "Choosing the backend"): ``shm`` whenever a node holds more
+    than one rank, else ``mpi`` (the vendor's allreduce)."""
     return "shm" if most_ranks_on_a_node > 1 else "mpi"
 
 

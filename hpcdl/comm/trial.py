@@ -101,6 +101,8 @@ class TrialResult:
     measurements: list[Measurement] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)
     fallback: str | None = None   # why the rule decided instead (None: the trial did)
+    #: after a resume: what the run resumed used (backend, bucket_mb, first_bucket_mb, steps)
+    previous: dict[str, Any] | None = None
 
     @property
     def layout(self) -> Layout:
@@ -118,7 +120,7 @@ class TrialResult:
                 "budget_s": self.budget_s, "spent_s": round(self.spent_s, 4),
                 "planned": self.planned, "rounds_run": self.rounds_run,
                 "candidates": [asdict(m) for m in self.measurements],
-                "excluded": dict(self.excluded)}
+                "excluded": dict(self.excluded), "previous": self.previous}
 
     def line(self) -> str:
         """The one line the run logs at start."""

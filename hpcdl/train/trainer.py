@@ -39,7 +39,13 @@ from hpcdl.train import checkpoint as ckpt
 from hpcdl.train import signals
 from hpcdl.train.config import Config, elastic_batch, resolve_batch, write_resolved_config
 from hpcdl.train.distributed import broadcast_parameters
-from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
+from hpcdl.train.metrics import (
+    MetricsWriter,
+    params_sha256,
+    read_summary,
+    truncate_metrics,
+    write_summary,
+)
 from hpcdl.train.precision import agreed_precision, describe
 
 __all__ = ["Trainer", "TrainOptions", "NonFiniteLossError", "IpexUnavailableError",
@@ -787,6 +793,7 @@ class Trainer:
         path, state, own = loaded
         self.load_state_dict(state, path, own)
         self.resumed_from = path
+        self._note_backend_change()
         if self.rank == 0 and self.options.write_files:
             self._continue_line(spec, path)
             truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
@@ -795,6 +802,28 @@ class Trainer:
                  self.step // self.steps_per_epoch,
                  f"; this rank read {read} bytes (rchar)" if read is not None else "")
         return path
+
+    def _note_backend_change(self) -> None:
+        """Rank 0, after a resume: ``comm.backend: auto``'s trial ran again at this start (a
+        requeue may land on other nodes), so the backend or buckets may differ from the run
+        resumed; a change is logged as a warning, and summary.json's ``comm_trial`` keeps
+        what the run before used (``previous``)."""
+        trial = getattr(self.comm, "trial", None)
+        if self.rank != 0 or trial is None:
+            return
+        try:
+            before = read_summary(os.path.join(self.run_dir, "summary.json"))
+        except (OSError, ValueError):
+            return  # no summary of the run before (killed outright): nothing to compare
+        used = (before.get("comm_trial") or {}).get("chosen") or {"backend": before.get("backend")}
+        trial.previous = {**used, "steps": before.get("steps")}
+        now = trial.record()["chosen"]
+        if any(now.get(k) != v for k, v in used.items()):
+            log.warning("comm.backend: auto: resumed at step %d on %s, %g MiB buckets, first "
+                        "bucket %g MiB; the run resumed used %s (the trial runs at every start; "
+                        "set comm.backend, comm.bucket_mb and comm.trial_buckets: false to keep "
+                        "one)", self.step, now["backend"], now["bucket_mb"],
+                        now["first_bucket_mb"], used)
 
     def _load_first(self, candidates: list[str]) -> tuple[tuple | None, list]:
         """Collective: try rank 0's ``candidates`` in order until one loads on every rank.

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from mpi4py import MPI
 
 import hpcdl.comm
 from hpcdl.buckets import LAST_BUCKET_BYTES, MIB
@@ -147,3 +148,32 @@ def test_summary_json_keeps_the_trial_and_the_reducer_uses_its_layout(world, sha
     assert record["rounds_run"] == TRIAL_ROUNDS * len(record["candidates"])
     assert {c["backend"] for c in record["candidates"]} | set(record["excluded"]) >= {
         "mpi", "ring", "gloo", "ccl"}
+    assert record["previous"] is None
+
+
+def test_a_resumed_run_records_what_the_run_before_used(world, shards, shared_tmp):
+    # the trial runs again at every start (a requeue may land on other nodes): the resumed
+    # run's summary names what the interrupted one used, whatever this start chose
+    config = tiny_recipe(world.size)
+    run_dir = os.path.join(shared_tmp, "resumed")
+    first = train_steps(config, shards, run_dir, 2, "none")
+    fallback = config_from_dict({**config.to_dict(), "comm": {**config.to_dict()["comm"],
+                                                              "trial_s": 0}})
+    second = train_steps(fallback, shards, run_dir, 3, "auto")
+    assert second["resumed_from"] and second["steps"] == 3
+    assert second["comm_trial"]["previous"] == {**first["comm_trial"]["chosen"], "steps": 2}
+    assert second["comm_trial"]["fallback"] == "comm.trial_s: 0"
+
+
+def train_steps(config, shards, run_dir, steps, resume):
+    with open_communicator(config.comm, MPI.COMM_WORLD,
+                           gradients=recipe_gradients(config)) as comm:
+        trainer = Trainer(config, shards, run_dir, comm,
+                          options=TrainOptions(progress=False, max_steps=steps, evaluate=False))
+        try:
+            trainer.resume(resume)
+            summary = trainer.train()
+        finally:
+            trainer.close()
+    MPI.COMM_WORLD.Barrier()
+    return MPI.COMM_WORLD.bcast(summary, root=0)
