@@ -9,6 +9,7 @@ from mpi4py import MPI
 from hpcdl.buckets import LAST_BUCKET_BYTES, MIB, TRIAL_BUCKET_MB
 from hpcdl.comm.reducer import layout_buckets
 from hpcdl.comm.trial import (
+    TRIAL_MARGIN,
     Layout,
     Measurement,
     bucket_numels,
@@ -58,12 +59,16 @@ def test_a_layout_scores_its_round_plus_its_exposed_last_bucket():
     assert layout_score([]) == 0.0
 
 
-def test_the_lowest_score_wins_and_a_tie_goes_to_the_earlier_measurement():
+def test_the_fastest_wins_only_by_the_margin_so_equals_keep_the_earlier():
     rule, other, slower = (Measurement("shm", 25.0, 1.0, 3, 3, 0.2),
                            Measurement("ring", 25.0, 1.0, 3, 3, 0.2),
                            Measurement("mpi", 25.0, 1.0, 3, 3, 0.3))
     assert choose([rule, other, slower]) is rule
     assert choose([slower, Measurement("ring", 4.0, 1.0, 9, 3, 0.1)]).bucket_mb == 4.0
+    just_inside = Measurement("ring", 25.0, 1.0, 3, 3, 0.2 * (1 - TRIAL_MARGIN) * 1.01)
+    clearly = Measurement("gloo", 25.0, 1.0, 3, 3, 0.2 * (1 - TRIAL_MARGIN) * 0.99)
+    assert choose([rule, just_inside]) is rule
+    assert choose([rule, just_inside, clearly]) is clearly
 
 
 def test_the_budget_is_trial_s_and_at_most_one_percent_of_a_known_run():

@@ -14,8 +14,9 @@ run's own gradient buckets on the run's own communicator can. Each choice, with 
   2020, §3.2.3): a first-order proxy, since the trial runs no backward to overlap with.
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
   ranks (a collective is as slow as its slowest rank), in one allreduce; rank 0 picks the
-  lowest and broadcasts it, and every branch of the trial (stop, skip, exclude) follows
-  values all ranks hold, so every rank opens the same backend.
+  fastest (a later measurement must beat the earlier by :data:`TRIAL_MARGIN`, so noise
+  does not flip a restart between equals) and broadcasts it, and every branch of the trial
+  (stop, skip, exclude) follows values all ranks hold, so every rank opens the same backend.
 - **Bounded**: coordinate descent instead of the full product -- first every candidate at
   the recipe's layout (the rule's candidate first), then the winner at the other bucket
   sizes (:data:`TRIAL_BUCKET_MB`), then the best of those without a first-layers bucket --
@@ -45,10 +46,15 @@ from hpcdl.buckets import (
 )
 from hpcdl.comm.base import yield_waits_in_this_thread
 
-__all__ = ["Layout", "Measurement", "TRIAL_ROUNDS", "TrialResult", "bucket_numels", "choose",
+__all__ = ["Layout", "Measurement", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats",
+           "bucket_numels", "choose",
            "layout_score", "rule_result", "run_trial", "trial_budget", "trial_candidates",
            "trial_layouts", "unavailable_backends"]
 
+#: how much faster a later measurement must be to replace the best so far: within it, two
+#: choices are the same to a few rounds on a shared node, and the earlier (the rule's pick,
+#: the recipe's layout) is kept, so a restart does not flip between equals
+TRIAL_MARGIN = 0.10
 #: timed rounds per measurement, after one untimed round (the first call of a layout also
 #: pays the mismatch check and first-touch page faults)
 TRIAL_ROUNDS = 3
@@ -173,9 +179,19 @@ def layout_score(bucket_seconds: Sequence[float]) -> float:
     return sum(bucket_seconds) + (bucket_seconds[-1] if bucket_seconds else 0.0)
 
 
+def beats(new: Measurement, best: Measurement) -> bool:
+    """Whether ``new`` is faster than ``best`` by more than :data:`TRIAL_MARGIN`."""
+    return new.seconds < best.seconds * (1.0 - TRIAL_MARGIN)
+
+
 def choose(measurements: Sequence[Measurement]) -> Measurement:
-    """The lowest score; a tie goes to the earlier measurement (the rule's candidate)."""
-    return min(measurements, key=lambda m: m.seconds)
+    """The earliest measurement that no later one beats by the margin: the rule's candidate
+    at the recipe's layout unless another is clearly faster."""
+    best = measurements[0]
+    for m in measurements[1:]:
+        if beats(m, best):
+            best = m
+    return best
 
 
 def rule_result(rule: str, bucket_mb: float, budget_s: float, why: str,
@@ -264,7 +280,7 @@ class _Trial:
         m = Measurement(name, layout.bucket_mb, layout.first_bucket_mb, len(buckets),
                         self.rounds, agreed)
         result.measurements.append(m)
-        if best is None or m.seconds < best.seconds:
+        if best is None or beats(m, best):
             if best is not None and best.backend != name:
                 self._drop(best.backend)
             return m

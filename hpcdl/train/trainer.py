@@ -254,9 +254,12 @@ class Trainer:
 
     def _bucket_bytes(self) -> int:
         """The recipe's ``comm.bucket_mb``, unless a start-up trial chose the communicator's
-        layout (``comm.backend: auto``, hpcdl/comm/trial.py)."""
+        layout (``comm.backend: auto``, hpcdl/comm/trial.py; not where the rule decided, and
+        a communicator opened for another section keeps this recipe's)."""
         trial = getattr(self.comm, "trial", None)
-        return self.comm.bucket_bytes if trial is not None else self.config.comm.bucket_bytes
+        if trial is not None and trial.fallback is None:
+            return trial.layout.bucket_bytes
+        return self.config.comm.bucket_bytes
 
     @property
     def reducer(self):
@@ -823,7 +826,7 @@ class Trainer:
                         "bucket %g MiB; the run resumed used %s (the trial runs at every start; "
                         "set comm.backend, comm.bucket_mb and comm.trial_buckets: false to keep "
                         "one)", self.step, now["backend"], now["bucket_mb"],
-                        now["first_bucket_mb"], used)
+                        now["first_bucket_mb"], ", ".join(f"{k} {v}" for k, v in used.items()))
 
     def _load_first(self, candidates: list[str]) -> tuple[tuple | None, list]:
         """Collective: try rank 0's ``candidates`` in order until one loads on every rank.
