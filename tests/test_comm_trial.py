@@ -21,7 +21,7 @@ from hpcdl.comm.trial import (
     trial_layouts,
 )
 from hpcdl.train.config import CommConfig, RecipeError, config_from_dict
-from hpcdl.train.session import open_communicator, recipe_gradients
+from hpcdl.train.session import job_seconds_left, open_communicator, recipe_gradients
 from hpcdl.train.trainer import recipe_model
 
 
@@ -75,6 +75,16 @@ def test_the_budget_is_trial_s_and_at_most_one_percent_of_a_known_run():
     assert trial_budget(3.0) == 3.0
     assert trial_budget(3.0, run_s=100.0) == pytest.approx(1.0)
     assert trial_budget(3.0, run_s=10 * 3600.0) == 3.0
+
+
+def test_a_slurm_jobs_projected_end_is_the_runs_known_length():
+    import time
+
+    left = job_seconds_left({"SLURM_JOB_END_TIME": str(int(time.time()) + 3600)})
+    assert 3500 < left <= 3600
+    assert job_seconds_left({}) is None
+    assert job_seconds_left({"SLURM_JOB_END_TIME": "0"}) is None  # past: unknown
+    assert job_seconds_left({"SLURM_JOB_END_TIME": "soon"}) is None
 
 
 def test_the_rules_choice_records_why_the_trial_did_not_decide():

@@ -252,14 +252,15 @@ def _run(args: argparse.Namespace) -> int:
 def _session(args: argparse.Namespace, world, config, communicator: bool = True):
     """The run session of ``hpcdl train`` (hpcdl/train/session.py); ``communicator`` False:
     none of its own (LTFB's trainers open theirs)."""
-    from hpcdl.train.session import RunSession, recipe_gradients
+    from hpcdl.train.session import RunSession, job_seconds_left, recipe_gradients
 
-    # comm.backend: auto times the recipe model's own gradient buckets (hpcdl/comm/trial.py)
+    # comm.backend: auto times the recipe model's own gradient buckets (hpcdl/comm/trial.py),
+    # for at most 1% of what is left of the Slurm job
     gradients = recipe_gradients(config) if communicator else None
     return RunSession(world, config.comm if communicator else None, run_dir=args.out,
                       backend=args.backend, log_level=args.log_level, timeline=args.timeline,
                       precision=config.train.precision, gradients=gradients,
-                      deterministic=args.deterministic)
+                      deterministic=args.deterministic, run_s=job_seconds_left())
 
 
 def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> int:

@@ -119,8 +119,8 @@ def _init(backend: str, world: MPI.Intracomm, bucket_bytes: int,
     if name in ("auto", "rule"):
         name = auto_backend(world)
     if name not in BACKENDS:
-        raise BackendError(f"unknown comm backend {backend!r}; choose auto, rule or one of "
-                         f"{', '.join(BACKENDS)}")
+        raise BackendError(f"unknown comm backend {backend!r}; choose auto or one of "
+                         f"rule, {', '.join(BACKENDS)}")
     if isinstance(wire_dtype, str):
         names = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
         if wire_dtype.lower() not in names:

@@ -20,7 +20,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from hpcdl.errors import BadInputError
@@ -28,7 +28,8 @@ from hpcdl.io import Closing
 from hpcdl.train.config import CommConfig
 
 __all__ = ["OutputDirError", "RunSession", "check_output_dir", "comm_trial",
-           "open_communicator", "recipe_gradients", "run_directory", "setup_run_process"]
+           "job_seconds_left", "open_communicator", "recipe_gradients", "run_directory",
+           "setup_run_process"]
 
 
 class OutputDirError(BadInputError, OSError):
@@ -137,7 +138,8 @@ def comm_trial(section: CommConfig, world: Any, ranks_per_node: int | None,
 
     started = time.perf_counter()  # the budget covers the checks below too
     rule = hpcdl.comm.auto_backend(world)
-    budget = trial_budget(section.trial_s, run_s)
+    # rank 0's: every branch of the trial compares with it (clocks and run_s may differ)
+    budget = world.bcast(trial_budget(section.trial_s, run_s), root=0)
     why = ("one rank: nothing to reduce" if world.size == 1 else
            "comm.trial_s: 0" if budget <= 0 else
            "--deterministic: a timed choice would not repeat" if deterministic else
@@ -157,6 +159,18 @@ def comm_trial(section: CommConfig, world: Any, ranks_per_node: int | None,
 
     return run_trial(world, gradients, wire, rule, section.bucket_mb, budget, open_candidate,
                      vary_buckets=section.trial_buckets, excluded=excluded, started=started)
+
+
+def job_seconds_left(environ: Mapping[str, str] | None = None) -> float | None:
+    """Seconds until the Slurm job's projected end (``SLURM_JOB_END_TIME``, a Unix time,
+    set by Slurm 22.05 and later), or None outside such a job: the run's length as far as
+    the start-up trial's budget can know it."""
+    env = os.environ if environ is None else environ
+    try:
+        left = float(env.get("SLURM_JOB_END_TIME", "")) - time.time()
+    except ValueError:
+        return None
+    return left if left > 0 else None
 
 
 def recipe_gradients(config: Any) -> list[int]:
