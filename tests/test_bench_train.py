@@ -182,6 +182,7 @@ def test_two_ranks_measure_every_mode_into_the_bench_json(tmp_path):
     assert trial["decided_by"] == "trial"
     assert by_mode["ours"]["backend"] == trial["chosen"]["backend"]
     assert {c["bucket_mb"] for c in trial["candidates"]} == {0.01}
+    assert {r["bucket_mb"] for r in report["results"]} == {0.01}  # DDP's bucket_cap_mb too
     assert f"bench train: comm: {trial['chosen']['backend']}" in proc.stderr
     for record in by_mode.values():
         assert RECORD_KEYS <= set(record)

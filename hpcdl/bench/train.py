@@ -661,6 +661,7 @@ def run(args: argparse.Namespace) -> int:
                               wire_dtype="bfloat16" if mode == "ours_bf16" else "float32",
                               shard_update=bool(args.shard_update and mode == "ours"),
                               backend=record_backend(mode, comm, steppers),
+                              bucket_mb=config.comm.bucket_mb,
                               input="synthetic" if args.synthetic else args.data)
             report = bench_report("train", list(records.values()),
                                   ratios_of(records, matmul, train_flops_per_image),
