@@ -5,6 +5,7 @@ measurements run, a candidate that raises is excluded, summary.json keeps the re
 checked is what ran and what was agreed, never how fast."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 from mpi4py import MPI
@@ -13,7 +14,7 @@ import hpcdl.comm
 from hpcdl.buckets import LAST_BUCKET_BYTES, MIB
 from hpcdl.comm.trial import TRIAL_ROUNDS, Layout, bucket_numels, choose, run_trial
 from hpcdl.train.config import CommConfig, config_from_dict
-from hpcdl.train.session import open_communicator, recipe_gradients
+from hpcdl.train.session import RunSession, open_communicator, recipe_gradients
 from hpcdl.train.trainer import Trainer, TrainOptions
 
 #: ~6 MiB of fp32 gradients: at a 0.5 MiB recipe bucket, 4 MiB, 25 MiB and 64 MiB give three
@@ -52,6 +53,19 @@ def test_every_rank_holds_the_same_times_and_opens_the_same_choice(world):
         picked = choose(trial.measurements)  # the pure rule, on the agreed times
         assert (picked.backend, picked.layout) == (trial.backend, trial.layout)
         assert trial.measurements[0].backend == hpcdl.comm.auto_backend(world)  # rule's first
+
+
+def test_the_run_session_logs_the_trial_once_on_rank_0(world, shared_tmp):
+    run_dir = os.path.join(shared_tmp, "session")
+    section = CommConfig(backend="auto", bucket_mb=0.5, trial_buckets=False)
+    with RunSession(world, section, run_dir=run_dir, log_level="info", threads=None,
+                    gradients=NUMELS) as session:
+        backend = session.comm.backend
+    world.Barrier()
+    logs = [Path(run_dir, "logs", f"rank-{r:04d}.log").read_text() for r in range(world.size)]
+    lines = [line for line in logs[0].splitlines() if "(trial, " in line]
+    assert len(lines) == 1 and f"comm: {backend}, buckets 0.5 MiB" in lines[0]
+    assert all("(trial, " not in log for log in logs[1:])
 
 
 def test_an_ample_budget_runs_every_distinct_measurement_a_tiny_one_only_the_first(world):
