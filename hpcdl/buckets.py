@@ -6,13 +6,15 @@ rule (DDP's bucketing, Li et al., VLDB 2020, §3.2.3): parameters in backward's 
 registration); at most ``bucket_bytes`` a bucket, a larger parameter alone; a change of
 ``kind`` (dtype) starts a bucket; with ``last_bucket_bytes``, the first layers that fit in it
 form the last bucket on their own, unless every parameter fits. The MiB -> bytes conversion of
-``comm.bucket_mb``, the default and the check live here too. Pure arithmetic: no torch, no MPI.
+``comm.bucket_mb``, the default and the check live here too, and the bounds of the start-up
+trial that may choose the layout (hpcdl/comm/trial.py). Pure arithmetic: no torch, no MPI.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["DEFAULT_BUCKET_MB", "LAST_BUCKET_BYTES", "MIB", "bucket_bounds", "bucket_bytes",
+__all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_TRIAL_S", "LAST_BUCKET_BYTES", "MIB",
+           "TRIAL_BUCKET_MB", "TRIAL_RUN_SHARE", "bucket_bounds", "bucket_bytes",
            "check_bucket_bytes", "tail_start"]
 
 MIB = 2**20
@@ -22,6 +24,14 @@ LAST_BUCKET_BYTES = MIB
 #: ``comm.bucket_mb`` when a recipe does not say, and the communicator's own default: the
 #: 25 MiB of PyTorch DDP's ``bucket_cap_mb`` (Li et al., VLDB 2020).
 DEFAULT_BUCKET_MB = 25.0
+#: ``comm.trial_s`` when a recipe does not say: the most seconds ``comm.backend: auto``'s
+#: start-up trial may take ...
+DEFAULT_TRIAL_S = 3.0
+#: ... and at most this share of the run's estimated length, when that is known
+TRIAL_RUN_SHARE = 0.01
+#: bucket sizes (MiB) the trial tries besides the recipe's ``comm.bucket_mb``: DDP's 25 and
+#: a step smaller and larger
+TRIAL_BUCKET_MB = (4.0, 25.0, 64.0)
 
 
 def bucket_bytes(bucket_mb: float) -> int:

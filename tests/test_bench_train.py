@@ -172,10 +172,18 @@ def run_bench_train(out, *flags):
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 def test_two_ranks_measure_every_mode_into_the_bench_json(tmp_path):
-    _, report = run_bench_train(tmp_path / "train.json", "--steps", "2")
+    proc, report = run_bench_train(tmp_path / "train.json", "--steps", "2")
     assert report["bench"] == "train" and report["machine"]["ranks"] == 2
     by_mode = {r["mode"]: r for r in report["results"]}
     assert set(by_mode) == {"ours", "no_comm", "ddp_gloo"}
+    # --backend auto: the trial's choice is printed, ours runs on it, the JSON keeps it;
+    # --bucket-mb given: every candidate was timed at that size
+    trial = report["comm_trial"]
+    assert trial["decided_by"] == "trial"
+    assert by_mode["ours"]["backend"] == trial["chosen"]["backend"]
+    assert {c["bucket_mb"] for c in trial["candidates"]} == {0.01}
+    assert {r["bucket_mb"] for r in report["results"]} == {0.01}  # DDP's bucket_cap_mb too
+    assert f"bench train: comm: {trial['chosen']['backend']}" in proc.stderr
     for record in by_mode.values():
         assert RECORD_KEYS <= set(record)
         assert record["ranks"] == 2 and record["batch_per_rank"] == 4

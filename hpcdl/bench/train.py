@@ -70,10 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: the first three; the first four with --shard-update)")
     parser.add_argument("--no-comm", action="store_true",
                         help="only the compute ceiling (same as --modes no_comm)")
-    parser.add_argument("--backend", default="auto", help="comm backend of 'ours'")
-    parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
-                        help="fusion bucket size in MiB, ours and DDP alike (comm.bucket_mb; "
-                             "default %(default)g)")
+    parser.add_argument("--backend", default="auto",
+                        help="comm backend of 'ours': auto (a timed trial of the model's "
+                             "gradient buckets picks backend and buckets, printed and kept "
+                             "in the JSON's comm_trial), rule, or a name")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help=f"fusion bucket size in MiB, ours and DDP alike (comm.bucket_mb; "
+                             f"default {DEFAULT_BUCKET_MB:g}, or what --backend auto's trial "
+                             f"chose; given, the trial keeps it)")
     parser.add_argument("--memory-format", choices=("channels_last", "contiguous"),
                         default="contiguous",
                         help="activation layout of every mode (channels_last: >= 2 threads)")
@@ -169,9 +173,24 @@ def bench_config(args: argparse.Namespace, ranks: int, precision: str = "float32
         "train": {"channels_last": args.memory_format == "channels_last",
                   "log_every_steps": 10 ** 9, "precision": precision},
         # ours sends float32 as DDP does; ours_bf16 is the bf16-on-the-wire mode
-        "comm": {"backend": args.backend, "bucket_mb": args.bucket_mb, "wire_dtype": "float32",
+        # --bucket-mb given: auto's trial times backends at that size only
+        "comm": {"backend": args.backend, "trial_buckets": args.bucket_mb is None,
+                 "bucket_mb": DEFAULT_BUCKET_MB if args.bucket_mb is None else args.bucket_mb,
+                 "wire_dtype": "float32",
                  "shard_update": bool(getattr(args, "shard_update", False))},
     }, origin="hpcdl bench train")
+
+
+def with_trial_buckets(config, comm):
+    """``config`` with the bucket size ``comm.backend: auto``'s trial chose, so every mode
+    (``ours@BACKEND``, ``ours_bf16``, DDP's ``bucket_cap_mb``) uses the same buckets as
+    ``ours``; rank 0 prints the trial's line. Unchanged without a trial."""
+    if comm.trial is None:
+        return config
+    if comm.rank == 0:
+        print(f"bench train: {comm.trial.line()}", file=sys.stderr, flush=True)
+    return dataclasses.replace(config, comm=dataclasses.replace(
+        config.comm, bucket_mb=comm.trial.bucket_mb))
 
 
 # -- timing -------------------------------------------------------------------------------------
@@ -577,7 +596,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hpcdl.models import create_model, flops
     from hpcdl.results import bench_report, emit
-    from hpcdl.train.session import RunSession
+    from hpcdl.train.session import RunSession, recipe_gradients
 
     world = MPI.COMM_WORLD
     load_before = os.getloadavg()
@@ -585,8 +604,10 @@ def run(args: argparse.Namespace) -> int:
     precision = agreed_precision(args.precision, world)
     config = bench_config(args, world.size, precision)
     # no rank logs: the bench prints its own lines; fail-fast comes with the communicator
-    with RunSession(world, config.comm, log_level=None, threads=args.threads) as session:
+    with RunSession(world, config.comm, log_level=None, threads=args.threads,
+                    gradients=recipe_gradients(config)) as session:
         comm = session.comm
+        config = with_trial_buckets(config, comm)
         macs = flops(create_model(args.model, num_classes=args.num_classes), args.image_size)
         train_flops_per_image = 6.0 * macs  # 2 FLOPs per multiply-add; backward ≈ 2× forward
         loader = make_loader(args, comm, args.warmup + args.steps)
@@ -640,6 +661,7 @@ def run(args: argparse.Namespace) -> int:
                               wire_dtype="bfloat16" if mode == "ours_bf16" else "float32",
                               shard_update=bool(args.shard_update and mode == "ours"),
                               backend=record_backend(mode, comm, steppers),
+                              bucket_mb=config.comm.bucket_mb,
                               input="synthetic" if args.synthetic else args.data)
             report = bench_report("train", list(records.values()),
                                   ratios_of(records, matmul, train_flops_per_image),
@@ -657,5 +679,7 @@ def run(args: argparse.Namespace) -> int:
                 load_average={"before": list(load_before), "after": list(os.getloadavg())})
             if absent:
                 report["absent_modes"] = absent
+            if comm.trial is not None:
+                report["comm_trial"] = comm.trial.record()
             emit(report, COLUMNS, args.json)
     return 0

@@ -74,8 +74,8 @@ def add_session_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="recipe overrides with dotted keys, e.g. batch.per_rank=32 epochs=2")
     parser.add_argument("--backend", default=None,
-                        help="comm backend (auto, mpi, ring, shm, gloo, ccl); default: the "
-                             "recipe's comm.backend")
+                        help="comm backend (auto: a timed trial at start; rule; mpi, ring, "
+                             "shm, gloo, ccl); default: the recipe's comm.backend")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     progress = parser.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None,
@@ -253,11 +253,15 @@ def _run(args: argparse.Namespace) -> int:
 def _session(args: argparse.Namespace, world, config, communicator: bool = True):
     """The run session of ``hpcdl train`` (hpcdl/train/session.py); ``communicator`` False:
     none of its own (LTFB's trainers open theirs)."""
-    from hpcdl.train.session import RunSession
+    from hpcdl.train.session import RunSession, job_seconds_left, recipe_gradients
 
+    # comm.backend: auto times the recipe model's own gradient buckets (hpcdl/comm/trial.py),
+    # for at most 1% of what is left of the Slurm job
+    gradients = recipe_gradients(config) if communicator else None
     return RunSession(world, config.comm if communicator else None, run_dir=args.out,
                       backend=args.backend, log_level=args.log_level, timeline=args.timeline,
-                      precision=config.train.precision)
+                      precision=config.train.precision, gradients=gradients,
+                      deterministic=args.deterministic, run_s=job_seconds_left())
 
 
 def run_data_parallel(args: argparse.Namespace, config, world, run_dir: RunDirectory) -> int:

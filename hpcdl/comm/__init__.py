@@ -23,6 +23,7 @@ from hpcdl.debug import import_mpi_within_bound
 
 MPI = import_mpi_within_bound()  # MPI_Init under the start-up bound (HPCDL_STARTUP_TIMEOUT_S)
 
+from hpcdl.buckets import LAST_BUCKET_BYTES  # noqa: E402
 from hpcdl.comm.base import (  # noqa: E402 - after MPI_Init, which they need
     DEFAULT_BUCKET_BYTES,
     CollectiveMismatchError,
@@ -38,7 +39,7 @@ from hpcdl.errors import BadInputError  # noqa: E402
 from hpcdl.topology import split_nodes  # noqa: E402
 
 __all__ = ["BACKENDS", "BackendError", "CollectiveMismatchError", "Communicator",
-           "auto_backend", "init"]
+           "auto_backend", "init", "largest_node", "rule_backend"]
 
 #: name -> "module:class"; imported on demand so e.g. gloo costs nothing unless asked for.
 BACKENDS = {
@@ -54,28 +55,42 @@ class BackendError(BadInputError, ValueError):
     """An unknown backend name or wire dtype (the same on every rank)."""
 
 
-def auto_backend(world: MPI.Intracomm) -> str:
-    """The rule behind ``backend="auto"`` (docs/comm.md, "The auto rule"): ``shm`` whenever
-    some node holds more than one rank of ``world``, else ``mpi`` (the vendor's allreduce).
-    Collective over ``world``."""
-    node = split_nodes(world)  # honours HPCDL_RANKS_PER_NODE, like the topology
+def largest_node(world: MPI.Intracomm, ranks_per_node: int | None = None) -> int:
+    """The most ranks of ``world`` on one node (``ranks_per_node``, else
+    HPCDL_RANKS_PER_NODE, else MPI's shared-memory groups). Collective over ``world``."""
+    node = split_nodes(world, ranks_per_node)
     try:
-        most = world.allreduce(node.size, op=MPI.MAX)
+        return world.allreduce(node.size, op=MPI.MAX)
     finally:
         node.Free()
-    return "shm" if most > 1 else "mpi"
+
+
+def rule_backend(most_ranks_on_a_node: int) -> str:
+    """The rule (docs/comm.md, "Choosing the backend"): ``shm`` whenever a node holds more
+    than one rank, else ``mpi`` (the vendor's allreduce)."""
+    return "shm" if most_ranks_on_a_node > 1 else "mpi"
+
+
+def auto_backend(world: MPI.Intracomm, ranks_per_node: int | None = None) -> str:
+    """What ``init(backend="auto")`` (or ``"rule"``) opens over ``world``: the rule, without
+    timing anything (a recipe's ``comm.backend: auto`` times candidates first,
+    hpcdl/comm/trial.py). Collective over ``world``."""
+    return rule_backend(largest_node(world, ranks_per_node))
 
 
 def init(backend: str = "auto", world: MPI.Intracomm | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          wire_dtype: torch.dtype | str | None = None,
          ranks_per_node: int | None = None, fail_fast: bool = True,
-         watchdog: bool = True) -> Communicator:
+         watchdog: bool = True,
+         last_bucket_bytes: int | None = LAST_BUCKET_BYTES) -> Communicator:
     """Build the communicator for ``world`` (default COMM_WORLD). Collective over ``world``.
 
     ``bucket_bytes``: the fusion bucket of :meth:`Communicator.allreduce_`; ``wire_dtype=
-    torch.bfloat16`` sends bf16 and sums in fp32. ``ranks_per_node=k``: groups of k consecutive
-    world ranks act as nodes (None: ``HPCDL_RANKS_PER_NODE``, else MPI's shared-memory groups).
+    torch.bfloat16`` sends bf16 and sums in fp32. ``last_bucket_bytes``: the gradient
+    reducer's first-layers bucket on this communicator (None: none; hpcdl/buckets.py).
+    ``ranks_per_node=k``: groups of k consecutive world ranks act as nodes (None:
+    ``HPCDL_RANKS_PER_NODE``, else MPI's shared-memory groups).
     ``fail_fast=False`` leaves the excepthooks alone; ``watchdog=False`` installs no stall
     watchdog (``hpcdl.debug.watch_collectives(comm, run_dir)`` replaces the default one).
     Unknown names raise :class:`BackendError`; a backend whose optional library is missing
@@ -85,8 +100,10 @@ def init(backend: str = "auto", world: MPI.Intracomm | None = None,
     # Until the communicator exists (a shared window, oneCCL's or gloo's rendezvous, the
     # stall watchdog's own allgather) nothing else watches this rank: bounded here.
     with startup_bound(f"creating the {backend!r} communicator (hpcdl.comm.init)"):
-        return _init(backend, world, bucket_bytes, wire_dtype, ranks_per_node, fail_fast,
+        comm = _init(backend, world, bucket_bytes, wire_dtype, ranks_per_node, fail_fast,
                      watchdog)
+    comm.last_bucket_bytes = last_bucket_bytes
+    return comm
 
 
 def _init(backend: str, world: MPI.Intracomm, bucket_bytes: int,
@@ -99,11 +116,11 @@ def _init(backend: str, world: MPI.Intracomm, bucket_bytes: int,
         # COMM_WORLD, not ``world``: a sub-communicator's abort must still end every rank.
         install_fail_fast(MPI.COMM_WORLD)
     name = backend.lower()
-    if name == "auto":
+    if name in ("auto", "rule"):
         name = auto_backend(world)
     if name not in BACKENDS:
         raise BackendError(f"unknown comm backend {backend!r}; choose auto or one of "
-                         f"{', '.join(BACKENDS)}")
+                         f"rule, {', '.join(BACKENDS)}")
     if isinstance(wire_dtype, str):
         names = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
         if wire_dtype.lower() not in names:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl.buckets import DEFAULT_BUCKET_MB, bucket_bytes, check_bucket_bytes
+from hpcdl.buckets import DEFAULT_BUCKET_MB, LAST_BUCKET_BYTES, bucket_bytes, check_bucket_bytes
 from hpcdl.debug import NULL_MONITOR, abort_on_unshared_error, debug_enabled
 from hpcdl.env import env_tristate
 from hpcdl.io import Closing
@@ -198,6 +198,12 @@ class Communicator(Closing):
         self.rank = self.mpi_comm.rank
         self.size = self.mpi_comm.size
         self.bucket_bytes = check_bucket_bytes(bucket_bytes, type(self).__name__)
+        #: the gradient reducer's first-layers bucket on this communicator (None: none);
+        #: ``hpcdl.comm.init(last_bucket_bytes=...)`` sets it
+        self.last_bucket_bytes: int | None = LAST_BUCKET_BYTES
+        #: the start-up trial that chose this backend and layout (hpcdl/comm/trial.py's
+        #: TrialResult), when one did
+        self.trial = None
         self.wire_dtype = self._check_wire_dtype(wire_dtype)
         self._comm = self.mpi_comm.Dup()          # our collectives and point-to-point
         self._check_comm = self.mpi_comm.Dup()    # signature checks only

@@ -311,4 +311,5 @@ def node_communicator(comm):
     from hpcdl.comm import init
 
     return init(comm.backend, world=comm.node_comm, bucket_bytes=comm.bucket_bytes,
-                ranks_per_node=comm.local_size)
+                ranks_per_node=comm.local_size,
+                last_bucket_bytes=comm.last_bucket_bytes)

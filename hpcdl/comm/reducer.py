@@ -378,7 +378,11 @@ def build_reducer(comm, named_params: Iterable[tuple[str, torch.Tensor]], *,
                   enabled: bool = True, shard_update: bool = False) -> GradientReducer:
     """The one way hpcdl builds a gradient reducer (the consistency policies and
     ``DistributedOptimizer``). ``bucket_bytes`` None: the communicator's own. ``enabled=False``
-    communicates nothing; ``shard_update`` reduce-scatters (hpcdl/optim/sharded.py)."""
+    communicates nothing; ``shard_update`` reduce-scatters (hpcdl/optim/sharded.py). The
+    first layers' bucket is the communicator's ``last_bucket_bytes`` (a start-up trial may
+    have chosen none, hpcdl/comm/trial.py)."""
     return GradientReducer(comm, named_params,
                            comm.bucket_bytes if bucket_bytes is None else bucket_bytes,
-                           wire_dtype, enabled=enabled, reduce_scatter=shard_update and enabled)
+                           wire_dtype, enabled=enabled, reduce_scatter=shard_update and enabled,
+                           last_bucket_bytes=getattr(comm, "last_bucket_bytes",
+                                                     DEFAULT_LAST_BUCKET_BYTES))

@@ -112,6 +112,9 @@ def run_bench_train(procs: int, model: str, image_size: int, batch: int, steps: 
         "train", "--model", model, "--image-size", str(image_size), "--synthetic", "--batch",
         str(batch), "--steps", str(steps), "--warmup", "1", "--modes", "ours", "--threads",
         str(threads), "--matmul-size", "256", "--no-breakdown",
+        # the rule's backend at the planner's bucket size: a timed trial could pick another
+        # backend or layout than the prediction assumes
+        "--backend", "rule",
         # float32: the machine files hold float32 rates (the bench's default, auto, computes
         # in bf16 on a CPU with native bf16)
         "--precision", "float32"), timeout_s, announce=True)

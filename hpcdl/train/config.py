@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from hpcdl.buckets import DEFAULT_BUCKET_MB, bucket_bytes
+from hpcdl.buckets import DEFAULT_BUCKET_MB, DEFAULT_TRIAL_S, bucket_bytes
 from hpcdl.errors import BadInputError
 from hpcdl.io import atomic_write_text
 
@@ -113,6 +113,8 @@ CONSISTENCY_ALGORITHMS = ("sync", "local_sgd", "hierarchical_local_sgd", "powers
 
 @dataclass
 class CommConfig:
+    # auto: chosen by a timed trial at start (hpcdl/comm/trial.py), rule: hpcdl.comm's rule,
+    # or a backend's name (docs/comm.md)
     backend: str = "auto"
     bucket_mb: float = DEFAULT_BUCKET_MB   # MiB; checked in validate (comm.bucket_mb > 0)
     # The gradients' dtype on the wire, auto | float32 | bfloat16 (hpcdl.train.precision)
@@ -126,8 +128,15 @@ class CommConfig:
     # Weight-update sharding (hpcdl/optim/sharded.py, Xu et al. 2020): reduce-scatter the
     # gradients, each rank steps its slice, allgather the parameters. sync only.
     shard_update: bool = False
+    # backend: auto's start-up trial: at most this many seconds (0: the rule decides), and
+    # whether it also tries other bucket sizes and no first-layers bucket
+    trial_s: float = DEFAULT_TRIAL_S
+    trial_buckets: bool = True
 
     def __post_init__(self) -> None:
+        if self.trial_s < 0:
+            raise RecipeError(f"comm.trial_s={self.trial_s}: must be >= 0 (0: no trial, "
+                              f"the rule decides)")
         if self.algorithm not in CONSISTENCY_ALGORITHMS:
             raise RecipeError(f"comm.algorithm={self.algorithm!r}: choose one of "
                               f"{', '.join(CONSISTENCY_ALGORITHMS)}")

@@ -103,7 +103,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     from hpcdl.debug import watch_region
     from hpcdl.io import atomic_write_text
     from hpcdl.train.config import load_recipe
-    from hpcdl.train.session import RunSession, run_directory
+    from hpcdl.train.session import RunSession, recipe_gradients, run_directory
     from hpcdl.train.trainer import Trainer, TrainOptions
 
     start = time.perf_counter()
@@ -116,8 +116,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     # at its broadcast), training, and the final barrier.
     with run_directory(world, options.out, "hpcdl-demo-") as run_dir, \
             RunSession(world, config.comm, run_dir=run_dir, backend=options.backend,
-                       log_level=options.log_level,
-                       precision=config.train.precision) as session:
+                       log_level=options.log_level, precision=config.train.precision,
+                       gradients=recipe_gradients(config)) as session:
         def final_barrier() -> None:  # every rank is done with the files before removal
             with watch_region(session.comm, "final barrier"):
                 world.Barrier()

@@ -32,7 +32,7 @@ from hpcdl.train import checkpoint as ckpt
 from hpcdl.train import signals
 from hpcdl.train.config import Config, resolve_batch
 from hpcdl.train.metrics import read_metrics, write_summary
-from hpcdl.train.session import open_communicator
+from hpcdl.train.session import open_communicator, recipe_gradients
 from hpcdl.train.tournament import (
     PartitionLoader,
     TrainerLayout,
@@ -112,8 +112,11 @@ class LTFB:
         self.hosts: list[str] = world.allgather(socket.gethostname()) if ltfb.trainers > 1 \
             else []
         self._stop_check = f"LTFB stop check ({self._where()})" if self.hosts else ""
+        # comm.backend: auto: each trainer times its own communicator (hpcdl/comm/trial.py)
         self.comm = open_communicator(config.comm, self.layout.trainer_comm, backend,
-                                      precision=config.train.precision)
+                                      precision=config.train.precision,
+                                      gradients=recipe_gradients(config),
+                                      deterministic=self.options.deterministic)
         self.rounds: list[dict[str, Any]] = []
         self._scratch: torch.nn.Module | None = None
         self.tournament_loader = None

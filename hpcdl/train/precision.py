@@ -63,12 +63,13 @@ def run_wire_dtype(section: CommConfig, requested_precision: str, mpi_comm: Any,
                    backend: str | None = None) -> str:
     """The wire dtype to build the run's communicator with, for a run whose
     ``train.precision`` is ``requested_precision``, on ``backend`` (default the section's;
-    ``auto`` is asked of hpcdl.comm.auto_backend only when it matters). Collective."""
+    ``auto`` and ``rule`` are asked of hpcdl.comm.auto_backend only when it matters; a
+    recipe's ``auto`` passes the backend its trial chose). Collective."""
     if section.wire_dtype != "auto":
         return section.wire_dtype
     precision = agreed_precision(requested_precision, mpi_comm)
     backend = (backend or section.backend).lower()
-    if precision == "bfloat16" and backend == "auto":
+    if precision == "bfloat16" and backend in ("auto", "rule"):
         from hpcdl.comm import auto_backend
 
         backend = auto_backend(mpi_comm)

@@ -13,20 +13,23 @@ communicator last.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from hpcdl.errors import BadInputError
 from hpcdl.io import Closing
 from hpcdl.train.config import CommConfig
 
-__all__ = ["OutputDirError", "RunSession", "check_output_dir", "open_communicator",
-           "run_directory", "setup_run_process"]
+__all__ = ["OutputDirError", "RunSession", "check_output_dir", "comm_trial",
+           "job_seconds_left", "open_communicator", "recipe_gradients", "run_directory",
+           "setup_run_process"]
 
 
 class OutputDirError(BadInputError, OSError):
@@ -87,17 +90,99 @@ def setup_run_process(run_dir: str | None, rank: int, size: int, level: str,
 
 
 def open_communicator(section: CommConfig, world: Any, backend: str | None = None,
-                      ranks_per_node: int | None = None, precision: str = "float32"):
+                      ranks_per_node: int | None = None, precision: str = "float32",
+                      gradients: Sequence[int] | None = None, deterministic: bool = False,
+                      run_s: float | None = None):
     """The communicator a recipe's ``comm`` section describes, over ``world`` (any mpi4py
     Intracomm: COMM_WORLD, or an LTFB trainer's). ``backend`` overrides ``section.backend``
     (``--backend``); ``precision`` is the recipe's ``train.precision``, which ``comm.wire_dtype:
-    auto`` follows (hpcdl.train.precision). Collective over ``world``."""
+    auto`` follows (hpcdl.train.precision). Collective over ``world``.
+
+    ``auto``: the backend and bucket layout a start-up trial measures fastest on
+    ``gradients`` (the trainable parameters' element counts, registration order;
+    :func:`recipe_gradients`), kept in ``comm.trial``; the rule decides without them, on one
+    rank, with ``deterministic`` (a timed choice is not repeatable) or ``comm.trial_s: 0``.
+    ``run_s``: the run's estimated seconds, when known (the trial takes at most 1% of it)."""
     import hpcdl.comm
     from hpcdl.train.precision import run_wire_dtype
 
-    return hpcdl.comm.init(backend or section.backend, world, bucket_bytes=section.bucket_bytes,
+    name = (backend or section.backend).lower()
+    if name == "auto":
+        trial = comm_trial(section, world, ranks_per_node, precision, gradients,
+                           deterministic, run_s)
+        comm = hpcdl.comm.init(
+            trial.backend, world, bucket_bytes=trial.layout.bucket_bytes,
+            wire_dtype=run_wire_dtype(section, precision, world, trial.backend),
+            ranks_per_node=ranks_per_node, last_bucket_bytes=trial.layout.last_bucket_bytes)
+        comm.trial = trial
+        return comm
+    return hpcdl.comm.init(name, world, bucket_bytes=section.bucket_bytes,
                            wire_dtype=run_wire_dtype(section, precision, world, backend),
                            ranks_per_node=ranks_per_node)
+
+
+def comm_trial(section: CommConfig, world: Any, ranks_per_node: int | None,
+               precision: str, gradients: Sequence[int] | None, deterministic: bool = False,
+               run_s: float | None = None):
+    """``comm.backend: auto`` decided: the trial's result (hpcdl/comm/trial.py), or the
+    rule's choice at the recipe's layout with why the trial did not run. Collective."""
+    import hpcdl.comm
+    from hpcdl.comm.trial import (
+        rule_result,
+        run_trial,
+        trial_budget,
+        trial_candidates,
+        unavailable_backends,
+    )
+    from hpcdl.train.precision import agreed_precision, wire_dtype_for
+
+    started = time.perf_counter()  # the budget covers the checks below too
+    rule = hpcdl.comm.auto_backend(world)
+    # rank 0's: every branch of the trial compares with it (clocks and run_s may differ)
+    budget = world.bcast(trial_budget(section.trial_s, run_s), root=0)
+    why = ("one rank: nothing to reduce" if world.size == 1 else
+           "comm.trial_s: 0" if budget <= 0 else
+           "--deterministic: a timed choice would not repeat" if deterministic else
+           "no model to time" if not gradients else None)
+    if why is not None:
+        return rule_result(rule, section.bucket_mb, budget, why)
+    names, excluded = trial_candidates(
+        list(hpcdl.comm.BACKENDS), rule,
+        unavailable_backends(world, hpcdl.comm.largest_node(world, ranks_per_node)))
+    agreed = agreed_precision(precision, world)
+    wire = {n: wire_dtype_for(section, agreed, n) for n in names}
+
+    def open_candidate(name, layout, wire_dtype):
+        return hpcdl.comm.init(name, world, bucket_bytes=layout.bucket_bytes,
+                               wire_dtype=wire_dtype, ranks_per_node=ranks_per_node,
+                               last_bucket_bytes=layout.last_bucket_bytes)
+
+    return run_trial(world, gradients, wire, rule, section.bucket_mb, budget, open_candidate,
+                     vary_buckets=section.trial_buckets, excluded=excluded, started=started)
+
+
+def job_seconds_left(environ: Mapping[str, str] | None = None) -> float | None:
+    """Seconds until the Slurm job's projected end (``SLURM_JOB_END_TIME``, a Unix time,
+    set by Slurm 22.05 and later), or None outside such a job: the run's length as far as
+    the start-up trial's budget can know it."""
+    env = os.environ if environ is None else environ
+    try:
+        left = float(env.get("SLURM_JOB_END_TIME", "")) - time.time()
+    except ValueError:
+        return None
+    return left if left > 0 else None
+
+
+def recipe_gradients(config: Any) -> list[int]:
+    """Element counts of the recipe model's trainable parameters, in registration order,
+    without allocating them (built on torch's meta device): what the trial times."""
+    import torch
+
+    from hpcdl.train.trainer import recipe_model
+
+    with torch.device("meta"):
+        model = recipe_model(config)
+    return [p.numel() for p in model.parameters() if p.requires_grad]
 
 
 class RunSession(Closing):
@@ -106,14 +191,17 @@ class RunSession(Closing):
     ``comm``: the recipe's ``comm`` section (None: LTFB's trainers open their own and hand it
     to :meth:`watch`). ``log_level`` None: the process is already set up. ``threads``:
     ``"node"`` (the rank's share of its node's cores), a count, or None. ``precision``: the
-    recipe's ``train.precision``, which ``comm.wire_dtype: auto`` follows. Collective.
+    recipe's ``train.precision``, which ``comm.wire_dtype: auto`` follows. ``gradients``,
+    ``deterministic``, ``run_s``: what ``comm.backend: auto``'s trial needs
+    (:func:`open_communicator`); its line is logged once rank logs exist. Collective.
     """
 
     def __init__(self, world: Any, comm: CommConfig | None = None, *,
                  run_dir: str | None = None, backend: str | None = None,
                  log_level: str | None = "info", threads: int | Literal["node"] | None = "node",
                  timeline: str | None = None, ranks_per_node: int | None = None,
-                 precision: str = "float32") -> None:
+                 precision: str = "float32", gradients: Sequence[int] | None = None,
+                 deterministic: bool = False, run_s: float | None = None) -> None:
         from hpcdl.errors import agreed
 
         self.world, self.run_dir = world, run_dir
@@ -122,7 +210,8 @@ class RunSession(Closing):
         self._owned = contextlib.ExitStack()
         if comm is not None:
             with agreed(world):
-                self.comm = open_communicator(comm, world, backend, ranks_per_node, precision)
+                self.comm = open_communicator(comm, world, backend, ranks_per_node, precision,
+                                              gradients, deterministic, run_s)
         try:
             self._set_up(log_level, threads, timeline)
         except BaseException:
@@ -147,6 +236,8 @@ class RunSession(Closing):
         self.timeline = Timeline(timeline, self.world.rank, self.world) if timeline else None
         if self.comm is not None:
             self.watch(self.comm, self.run_dir)
+            if self.comm.trial is not None and self.world.rank == 0:
+                logging.getLogger(__name__).info("%s", self.comm.trial.line())
 
     def watch(self, comm: Any, run_dir: str | None) -> None:
         """The stall watchdog on ``comm``, heartbeats in ``run_dir``, collectives on the

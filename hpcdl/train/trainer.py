@@ -39,7 +39,13 @@ from hpcdl.train import checkpoint as ckpt
 from hpcdl.train import signals
 from hpcdl.train.config import Config, elastic_batch, resolve_batch, write_resolved_config
 from hpcdl.train.distributed import broadcast_parameters
-from hpcdl.train.metrics import MetricsWriter, params_sha256, truncate_metrics, write_summary
+from hpcdl.train.metrics import (
+    MetricsWriter,
+    params_sha256,
+    read_summary,
+    truncate_metrics,
+    write_summary,
+)
 from hpcdl.train.precision import agreed_precision, describe
 
 __all__ = ["Trainer", "TrainOptions", "NonFiniteLossError", "IpexUnavailableError",
@@ -204,7 +210,7 @@ class Trainer:
         self.policy = create_policy(
             comm, list(self.model.named_parameters()), algorithm=config.comm.algorithm,
             local_steps=config.comm.local_steps, sync_warmup_steps=config.comm.sync_warmup_steps,
-            powersgd_rank=config.comm.powersgd_rank, bucket_bytes=config.comm.bucket_bytes,
+            powersgd_rank=config.comm.powersgd_rank, bucket_bytes=self._bucket_bytes(),
             enabled=not self.options.no_comm and comm.size > 1, seed=config.train.seed,
             shard_update=config.comm.shard_update)
         #: whether this rank steps only its slice of the weights (comm.shard_update, P > 1)
@@ -239,6 +245,15 @@ class Trainer:
         #: callables ``hook(trainer)`` run after every optimizer step, before the checkpoint
         #: and stop decisions of that step (LTFB's tournaments, hpcdl/train/ltfb.py)
         self.after_step_hooks: list = []
+
+    def _bucket_bytes(self) -> int:
+        """The recipe's ``comm.bucket_mb``, unless a start-up trial chose the communicator's
+        layout (``comm.backend: auto``, hpcdl/comm/trial.py; not where the rule decided, and
+        a communicator opened for another section keeps this recipe's)."""
+        trial = getattr(self.comm, "trial", None)
+        if trial is not None and trial.fallback is None:
+            return trial.layout.bucket_bytes
+        return self.config.comm.bucket_bytes
 
     @property
     def reducer(self):
@@ -775,6 +790,7 @@ class Trainer:
         path, state, own = loaded
         self.load_state_dict(state, path, own)
         self.resumed_from = path
+        self._note_backend_change()
         if self.rank == 0 and self.options.write_files:
             self._continue_line(spec, path)
             truncate_metrics(os.path.join(self.run_dir, "metrics.jsonl"), self.step)
@@ -783,6 +799,28 @@ class Trainer:
                  self.step // self.steps_per_epoch,
                  f"; this rank read {read} bytes (rchar)" if read is not None else "")
         return path
+
+    def _note_backend_change(self) -> None:
+        """Rank 0, after a resume: ``comm.backend: auto``'s trial ran again at this start (a
+        requeue may land on other nodes), so the backend or buckets may differ from the run
+        resumed; a change is logged as a warning, and summary.json's ``comm_trial`` keeps
+        what the run before used (``previous``)."""
+        trial = getattr(self.comm, "trial", None)
+        if self.rank != 0 or trial is None:
+            return
+        try:
+            before = read_summary(os.path.join(self.run_dir, "summary.json"))
+        except (OSError, ValueError):
+            return  # no summary of the run before (killed outright): nothing to compare
+        used = (before.get("comm_trial") or {}).get("chosen") or {"backend": before.get("backend")}
+        trial.previous = {**used, "steps": before.get("steps")}
+        now = trial.record()["chosen"]
+        if any(now.get(k) != v for k, v in used.items()):
+            log.warning("comm.backend: auto: resumed at step %d on %s, %g MiB buckets, first "
+                        "bucket %g MiB; the run resumed used %s (the trial runs at every start; "
+                        "set comm.backend, comm.bucket_mb and comm.trial_buckets: false to keep "
+                        "one)", self.step, now["backend"], now["bucket_mb"],
+                        now["first_bucket_mb"], ", ".join(f"{k} {v}" for k, v in used.items()))
 
     def _load_first(self, candidates: list[str]) -> tuple[tuple | None, list]:
         """Collective: try rank 0's ``candidates`` in order until one loads on every rank.
@@ -982,6 +1020,8 @@ class Trainer:
             "ranks": self.size,
             "nodes": getattr(self.comm, "num_nodes", 1),
             "backend": getattr(self.comm, "backend", "?"),
+            "comm_trial": trial.record() if (trial := getattr(self.comm, "trial", None))
+            else None,
             "reducer": ("enabled" if self.policy.communicates else "disabled (no_comm)"
                         if self.options.no_comm else "not needed (1 rank)"),
             "shard_update": self.shard_update,

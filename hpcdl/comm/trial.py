@@ -1,0 +1,407 @@
+"""The backend and bucket layout a run uses, chosen by timing them on its own ranks at start.
+
+A rule (hpcdl.comm.rule_backend: ``shm`` when a node holds several ranks, else ``mpi``) cannot
+know the interconnect, the MPI library's tuning or the model; a few allreduce rounds of the
+run's own gradient buckets on the run's own communicator can. Each choice, with its reason
+(docs/comm.md, "The start-up trial"):
+
+- **What is timed is one step's communication**: every bucket of the model's gradients, laid
+  out by the reducer's own rule (:func:`hpcdl.buckets.bucket_bounds`, in the wire dtype the
+  candidate would send), allreduced in launch order on a thread whose waits yield, as the
+  reducer's communication thread does. A layout's score is the sum of its bucket times (what
+  a step waits for when it is communication-bound) plus its last bucket's time (what nothing
+  hides when backward covers the rest; the reason for the small last bucket, Li et al., VLDB
+  2020, §3.2.3): a first-order proxy, since the trial runs no backward to overlap with.
+- **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
+  ranks (a collective is as slow as its slowest rank), in one allreduce; rank 0 picks the
+  fastest (a later measurement must beat the earlier by :data:`TRIAL_MARGIN`, so noise
+  does not flip a restart between equals) and broadcasts it, and every branch of the trial
+  (stop, skip, exclude) follows values all ranks hold, so every rank opens the same backend.
+- **Bounded**: coordinate descent instead of the full product -- first every candidate at
+  the recipe's layout (the rule's candidate first), then the winner at the other bucket
+  sizes (:data:`TRIAL_BUCKET_MB`), then the best of those without a first-layers bucket --
+  and no measurement starts once the time spent plus the last measurement's would pass the
+  budget, so a short budget still leaves the rule's candidate measured first.
+- **A candidate that raises is excluded**, its reason agreed (the lowest failing rank's) and
+  logged; if none can be timed, the rule decides.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from hpcdl.buckets import (
+    LAST_BUCKET_BYTES,
+    MIB,
+    TRIAL_BUCKET_MB,
+    TRIAL_RUN_SHARE,
+    bucket_bounds,
+    bucket_bytes,
+)
+from hpcdl.comm.base import yield_waits_in_this_thread
+
+__all__ = ["Layout", "Measurement", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats",
+           "bucket_numels", "choose",
+           "layout_score", "rule_result", "run_trial", "trial_budget", "trial_candidates",
+           "trial_layouts", "unavailable_backends"]
+
+#: how much faster a later measurement must be to replace the best so far: within it, two
+#: choices are the same to a few rounds on a shared node, and the earlier (the rule's pick,
+#: the recipe's layout) is kept, so a restart does not flip between equals
+TRIAL_MARGIN = 0.10
+#: timed rounds per measurement, after one untimed round (the first call of a layout also
+#: pays the mismatch check and first-touch page faults)
+TRIAL_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A bucket layout: the bucket cap and the first layers' bucket (0: none)."""
+
+    bucket_mb: float
+    first_bucket_mb: float
+
+    @property
+    def bucket_bytes(self) -> int:
+        return bucket_bytes(self.bucket_mb)
+
+    @property
+    def last_bucket_bytes(self) -> int | None:
+        """The reducer's ``last_bucket_bytes`` (its bucket is launched last)."""
+        return bucket_bytes(self.first_bucket_mb) if self.first_bucket_mb else None
+
+
+@dataclass
+class Measurement:
+    """One candidate at one layout: agreed score (seconds) over ``rounds`` timed rounds."""
+
+    backend: str
+    bucket_mb: float
+    first_bucket_mb: float
+    buckets: int
+    rounds: int
+    seconds: float
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.bucket_mb, self.first_bucket_mb)
+
+
+@dataclass
+class TrialResult:
+    """What the trial chose and why; ``record()`` is summary.json's ``comm_trial``."""
+
+    backend: str
+    bucket_mb: float
+    first_bucket_mb: float
+    rule: str
+    budget_s: float
+    spent_s: float = 0.0
+    planned: int = 0
+    measurements: list[Measurement] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)
+    fallback: str | None = None   # why the rule decided instead (None: the trial did)
+    #: after a resume: what the run resumed used (backend, bucket_mb, first_bucket_mb, steps)
+    previous: dict[str, Any] | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.bucket_mb, self.first_bucket_mb)
+
+    @property
+    def rounds_run(self) -> int:
+        return sum(m.rounds for m in self.measurements)
+
+    def record(self) -> dict[str, Any]:
+        return {"chosen": {"backend": self.backend, "bucket_mb": self.bucket_mb,
+                           "first_bucket_mb": self.first_bucket_mb},
+                "decided_by": "rule" if self.fallback else "trial",
+                "fallback": self.fallback, "rule": self.rule,
+                "budget_s": self.budget_s, "spent_s": round(self.spent_s, 4),
+                "planned": self.planned, "rounds_run": self.rounds_run,
+                "candidates": [asdict(m) for m in self.measurements],
+                "excluded": dict(self.excluded), "previous": self.previous}
+
+    def line(self) -> str:
+        """The one line the run logs at start."""
+        chosen = (f"comm: {self.backend}, buckets {self.bucket_mb:g} MiB, first bucket "
+                  f"{self.first_bucket_mb:g} MiB")
+        if self.fallback:
+            return f"{chosen} (rule: {self.fallback})"
+        times = ", ".join(f"{m.backend}@{m.bucket_mb:g}/{m.first_bucket_mb:g} "
+                          f"{m.seconds * 1e3:.1f} ms" for m in self.measurements)
+        out = "; ".join(f"{k}: {v}" for k, v in self.excluded.items())
+        return (f"{chosen} (trial, {self.spent_s:.2f} s of {self.budget_s:g} s: {times}"
+                f"{'; excluded ' + out if out else ''})")
+
+
+# -- pure parts: what to try, how to score, what to pick ------------------------------------
+def trial_budget(trial_s: float, run_s: float | None = None) -> float:
+    """``comm.trial_s``, and at most :data:`TRIAL_RUN_SHARE` of the run when its length is
+    known."""
+    return trial_s if run_s is None else min(trial_s, TRIAL_RUN_SHARE * run_s)
+
+
+def trial_candidates(names: Sequence[str], rule: str, unavailable: Mapping[str, str]
+                     ) -> tuple[list[str], dict[str, str]]:
+    """The backends to time (the rule's first, then ``names``' order) and those left out
+    with the reason."""
+    order = [rule] + [n for n in names if n != rule]
+    return ([n for n in order if n not in unavailable],
+            {n: unavailable[n] for n in order if n in unavailable})
+
+
+def trial_layouts(bucket_mb: float, vary: bool) -> tuple[Layout, list[float]]:
+    """The layout every candidate is timed at (the recipe's bucket, the 1 MiB first bucket)
+    and, with ``vary``, the other bucket sizes the winner is timed at."""
+    first = Layout(bucket_mb, LAST_BUCKET_BYTES / MIB)
+    return first, [mb for mb in TRIAL_BUCKET_MB if mb != bucket_mb] if vary else []
+
+
+def bucket_numels(numels: Sequence[int], element_size: int, layout: Layout) -> list[int]:
+    """Elements of each bucket, in launch order, of trainable parameters of ``numels``
+    elements (registration order) sent as ``element_size``-byte elements: the reducer's
+    layout."""
+    backward = list(reversed(numels))
+    sizes = [n * element_size for n in backward]
+    return [sum(backward[s:e]) for s, e in
+            bucket_bounds(sizes, layout.bucket_bytes, layout.last_bucket_bytes)]
+
+
+def layout_score(bucket_seconds: Sequence[float]) -> float:
+    """A step's communication for one round of bucket times (module docstring)."""
+    return sum(bucket_seconds) + (bucket_seconds[-1] if bucket_seconds else 0.0)
+
+
+def beats(new: Measurement, best: Measurement) -> bool:
+    """Whether ``new`` is faster than ``best`` by more than :data:`TRIAL_MARGIN`."""
+    return new.seconds < best.seconds * (1.0 - TRIAL_MARGIN)
+
+
+def choose(measurements: Sequence[Measurement]) -> Measurement:
+    """The earliest measurement that no later one beats by the margin: the rule's candidate
+    at the recipe's layout unless another is clearly faster."""
+    best = measurements[0]
+    for m in measurements[1:]:
+        if beats(m, best):
+            best = m
+    return best
+
+
+def rule_result(rule: str, bucket_mb: float, budget_s: float, why: str,
+                excluded: Mapping[str, str] | None = None) -> TrialResult:
+    """The rule's choice at the recipe's layout, with why the trial did not decide."""
+    return TrialResult(rule, bucket_mb, LAST_BUCKET_BYTES / MIB, rule, budget_s,
+                       excluded=dict(excluded or {}), fallback=why)
+
+
+# -- the collective part ----------------------------------------------------------------------
+Opener = Callable[[str, Layout, str], Any]  # (backend, layout, wire dtype) -> Communicator
+
+
+def run_trial(world: Any, numels: Sequence[int], candidates: Mapping[str, str], rule: str,
+              bucket_mb: float, budget_s: float, open_candidate: Opener, *,
+              vary_buckets: bool = True, excluded: Mapping[str, str] | None = None,
+              rounds: int = TRIAL_ROUNDS, started: float | None = None) -> TrialResult:
+    """Time ``candidates`` (name -> wire dtype, the rule's first) over ``world`` (mpi4py)
+    on gradients of ``numels`` and return the agreed choice. ``started``: the
+    ``time.perf_counter()`` the budget counts from (default now). Collective over
+    ``world``."""
+    trial = _Trial(world, numels, candidates, open_candidate, rounds, started)
+    first, sizes = trial_layouts(bucket_mb, vary_buckets)
+    result = TrialResult(rule, bucket_mb, first.first_bucket_mb, rule, budget_s,
+                         planned=len(candidates) + len(sizes) + (1 if vary_buckets else 0),
+                         excluded=dict(excluded or {}))
+    best = None
+    try:
+        for name in candidates:
+            if not trial.within(budget_s, result):
+                break
+            best = trial.measure_and_keep_best(name, first, best, result)
+        if best is not None:
+            for layout in [Layout(mb, first.first_bucket_mb) for mb in sizes]:
+                if trial.within(budget_s, result):
+                    best = trial.measure_and_keep_best(best.backend, layout, best, result)
+            if vary_buckets and trial.within(budget_s, result):
+                best = trial.measure_and_keep_best(best.backend, Layout(best.bucket_mb, 0.0),
+                                                   best, result)
+    finally:
+        trial.close()
+    result.spent_s = trial.spent_s
+    if not result.measurements:
+        return rule_result(rule, bucket_mb, budget_s, "no candidate could be timed",
+                           result.excluded)
+    chosen = world.bcast(choose(result.measurements) if world.rank == 0 else None, root=0)
+    result.backend, result.bucket_mb = chosen.backend, chosen.bucket_mb
+    result.first_bucket_mb = chosen.first_bucket_mb
+    return result
+
+
+class _Trial:
+    """The open candidate communicators (at most the best and the one being timed), the
+    clock agreed by every rank, and one measurement's rounds."""
+
+    def __init__(self, world: Any, numels: Sequence[int], candidates: Mapping[str, str],
+                 open_candidate: Opener, rounds: int, started: float | None) -> None:
+        self.world, self.numels, self.wire = world, list(numels), dict(candidates)
+        self.open_candidate, self.rounds = open_candidate, rounds
+        self.start = time.perf_counter() if started is None else started
+        self.spent_s = 0.0       # agreed: the largest over ranks, after each measurement
+        self.last_s = 0.0        # the last measurement's agreed duration
+        self.open: dict[str, tuple[Any, torch.Tensor]] = {}
+        self.seen: dict[str, list[list[int]]] = {}
+
+    def within(self, budget_s: float, result: TrialResult) -> bool:
+        """Whether another measurement fits (the same answer on every rank: agreed times);
+        until one candidate is measured, one always does."""
+        return not result.measurements or self.spent_s + self.last_s <= budget_s
+
+    def measure_and_keep_best(self, name: str, layout: Layout, best: Measurement | None,
+                              result: TrialResult) -> Measurement | None:
+        dtype = torch.bfloat16 if self.wire[name] == "bfloat16" else torch.float32
+        buckets = bucket_numels(self.numels, torch.empty(0, dtype=dtype).element_size(), layout)
+        if buckets in self.seen.get(name, []):
+            return best  # the same buckets as a layout already timed on this backend
+        self.seen.setdefault(name, []).append(buckets)
+        began = time.perf_counter()
+        seconds, error = self._time(name, layout, dtype, buckets)
+        agreed = self._agree(seconds if error is None else float("inf"), began)
+        reason = self._agreed_error(error)
+        if reason is not None:
+            result.excluded[name] = reason
+            self._drop(name)
+            return best
+        m = Measurement(name, layout.bucket_mb, layout.first_bucket_mb, len(buckets),
+                        self.rounds, agreed)
+        result.measurements.append(m)
+        if best is None or beats(m, best):
+            if best is not None and best.backend != name:
+                self._drop(best.backend)
+            return m
+        if name != best.backend:
+            self._drop(name)
+        return best
+
+    def _time(self, name: str, layout: Layout, dtype: torch.dtype,
+              buckets: list[int]) -> tuple[float, BaseException | None]:
+        try:
+            comm, buffer = self._communicator(name, layout, dtype)
+            views = list(buffer[:sum(buckets)].split(buckets))
+            scores: list[float] = []
+            _on_yielding_thread(lambda: self._rounds(comm, views, scores))
+            return statistics.median(scores), None
+        except Exception as exc:  # noqa: BLE001 - any failure excludes the candidate
+            return 0.0, exc
+
+    def _communicator(self, name: str, layout: Layout, dtype: torch.dtype):
+        if name not in self.open:
+            comm = self.open_candidate(name, layout, self.wire[name])
+            self.open[name] = (comm, None)
+            # one buffer as large as the whole model; every layout's buckets are its slices
+            # (shm: one window, reduced where it lies, as the reducer's buckets are)
+            buffer = comm.empty(sum(self.numels), dtype)
+            buffer.fill_(1.0)
+            self.open[name] = (comm, buffer)
+        return self.open[name]
+
+    def _rounds(self, comm: Any, views: list[torch.Tensor], scores: list[float]) -> None:
+        for r in range(1 + self.rounds):
+            self.world.Barrier()  # every rank starts the round together
+            times = []
+            for view in views:
+                t0 = time.perf_counter()
+                comm.allreduce_flat_(view, average=True)
+                times.append(time.perf_counter() - t0)
+            if r:
+                scores.append(layout_score(times))
+
+    def _agree(self, seconds: float, began: float) -> float:
+        """The largest score, time spent and measurement time over ranks, in one allreduce."""
+        import numpy as np
+        from mpi4py import MPI
+
+        now = time.perf_counter()
+        values = np.array([seconds, now - self.start, now - began], dtype=np.float64)
+        self.world.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)
+        self.spent_s, self.last_s = float(values[1]), float(values[2])
+        return float(values[0])
+
+    def _agreed_error(self, error: BaseException | None) -> str | None:
+        """None when no rank failed, else the lowest failing rank's reason, on every rank."""
+        from mpi4py import MPI
+
+        size = self.world.size
+        first = self.world.allreduce(self.world.rank if error else size, op=MPI.MIN)
+        if first == size:
+            return None
+        text = f"rank {first}: {type(error).__name__}: {error}" if self.world.rank == first \
+            else None
+        return self.world.bcast(text, root=first)
+
+    def _drop(self, name: str) -> None:
+        comm, _ = self.open.pop(name, (None, None))
+        if comm is not None:
+            comm.close()
+
+    def close(self) -> None:
+        for name in list(self.open):
+            self._drop(name)
+
+
+def _on_yielding_thread(work: Callable[[], None]) -> None:
+    """Run ``work`` on a thread whose waits yield, as the reducer's communication thread
+    does; re-raise what it raised."""
+    raised: list[BaseException] = []
+
+    def body() -> None:
+        yield_waits_in_this_thread()
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            raised.append(exc)
+
+    thread = threading.Thread(target=body, name="hpcdl-comm-trial", daemon=True)
+    thread.start()
+    thread.join()
+    if raised:
+        raise raised[0]
+
+
+def unavailable_backends(world: Any, most_ranks_on_a_node: int) -> dict[str, str]:
+    """Backends that cannot run over ``world`` here, with the reason (the lowest rank's that
+    lacks it): ``shm`` with one rank per node (it would be ``mpi`` plus a copy), ``ccl``
+    where oneCCL is not found, ``gloo`` where torch has no gloo. Collective over ``world``."""
+    import numpy as np
+    from mpi4py import MPI
+
+    mine = _local_unavailable(most_ranks_on_a_node)
+    names = ("shm", "ccl", "gloo")
+    first = np.array([world.rank if n in mine else world.size for n in names], dtype=np.int64)
+    world.Allreduce(MPI.IN_PLACE, first, op=MPI.MIN)
+    out = {}
+    for name, rank in zip(names, first.tolist(), strict=True):
+        if rank < world.size:
+            reason = world.bcast(mine.get(name), root=rank)
+            out[name] = reason if rank == 0 else f"rank {rank}: {reason}"
+    return out
+
+
+def _local_unavailable(most_ranks_on_a_node: int) -> dict[str, str]:
+    out = {}
+    if most_ranks_on_a_node <= 1:
+        out["shm"] = "one rank per node: nothing to share memory with"
+    from hpcdl.comm.ccl import missing_reason
+
+    if (reason := missing_reason()) is not None:
+        out["ccl"] = reason
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        out["gloo"] = f"torch {torch.__version__} was built without gloo"
+    return out
