@@ -35,7 +35,7 @@ from hpcdl.debug import (  # noqa: E402
     watch_collectives,
 )
 from hpcdl.errors import BadInputError  # noqa: E402
-from hpcdl.topology import split_nodes  # noqa: E402
+from hpcdl.topology import auto_backend_name, split_nodes  # noqa: E402
 
 __all__ = ["BACKENDS", "BackendError", "CollectiveMismatchError", "Communicator",
            "auto_backend", "init"]
@@ -63,7 +63,7 @@ def auto_backend(world: MPI.Intracomm) -> str:
         most = world.allreduce(node.size, op=MPI.MAX)
     finally:
         node.Free()
-    return "shm" if most > 1 else "mpi"
+    return auto_backend_name(most)
 
 
 def init(backend: str = "auto", world: MPI.Intracomm | None = None,
