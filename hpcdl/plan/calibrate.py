@@ -300,6 +300,13 @@ def _load_text(m: Mapping[str, Any]) -> str:
             if "load_average_after" in m else "load average not recorded")
 
 
+def _dtype_text(m: Mapping[str, Any]) -> str:
+    """How a rate's source names a precision other than float32 (float32's say nothing, as
+    before precisions)."""
+    precision = m.get("precision", BASE_PRECISION)
+    return "" if precision == BASE_PRECISION else f" in {precision} (autocast)"
+
+
 def measure(quick: bool = False, batch: int = 8,
             log: Callable[[str], None] = print, allreduce: bool = True,
             precision: str = BASE_PRECISION) -> dict:
@@ -567,7 +574,6 @@ def first_precision(doc: Mapping[str, Any], path: str) -> str:
 def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[str, Any]:
     """The ``compute`` figures from the fitted class rates (hpcdl.plan.class_rates)."""
     from hpcdl.plan.class_rates import class_fractions
-    from hpcdl.plan.layers import COMPUTE_CLASSES
 
     fractions = class_fractions(m["class_rates"], core_peak, m["stream_Bps_1_thread"])
     load = _load_text(m)
@@ -581,7 +587,8 @@ def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[
                 f"{m['stream_Bps_1_thread'] / 1e9:.4g} GB/s")
         section[op_class] = _fig(fraction, (
             f"{stamp}: {counts.get(op_class, 0)} representative {op_class} layers "
-            f"(hpcdl.plan.class_rates), forward + backward, batch {m['class_batch']}, 1 thread, "
+            f"(hpcdl.plan.class_rates), forward + backward{_dtype_text(m)}, batch "
+            f"{m['class_batch']}, 1 thread, "
             f"less the per-layer overhead: {what}; {load}"))
     section["layer_overhead_s"] = _fig(m["layer_overhead_s"], (
         f"{stamp}: forward + backward of a one-element ReLU (dispatch + autograd), 1 thread; "
