@@ -220,3 +220,15 @@ def test_validation_predicts_from_the_bf16_rates_and_measures_in_bf16(tmp_path, 
     assert asked == ["bfloat16"] and doc["precision"] == "bfloat16"
     assert doc["results"][0]["predicted_step_s"] == pytest.approx(expected)
     assert {"cpu_model_name", "cpu_capability", "load_average"} <= set(doc["machine"])
+
+
+def test_a_validation_row_keeps_the_rank_s_cpu_seconds():
+    """On a busy machine the wall clock counts other processes' turns; the bench's CPU
+    seconds per step travel into the row beside it."""
+    from hpcdl.plan.validate import measured_step
+
+    report = {"results": [{"ranks": 1, "mode": "ours", "batch_per_rank": 8,
+                           "step_time_median_s": 2.0, "cpu_s_per_step": 1.5,
+                           "comm_thread_cpu_s_per_step": 0.1}]}
+    assert measured_step(report, 1) == {"step_s": 2.0, "batch_per_rank": 8, "cpu_s": 1.5,
+                                        "comm_thread_cpu_s": 0.1}

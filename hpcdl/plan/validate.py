@@ -28,7 +28,12 @@ BATCH_KEYS = ("batch_per_rank", "per_rank_batch", "local_batch", "batch")
 RATE_KEYS = ("images_per_s_per_rank", "images_per_s_rank", "img_per_s_per_rank")
 SPLIT_KEYS = {"compute_s": ("compute_s", "compute_time_s", "step_compute_s"),
               "comm_wait_s": ("comm_wait_s", "comm_s", "communication_wait_s"),
-              "data_wait_s": ("data_wait_s", "data_s")}
+              "data_wait_s": ("data_wait_s", "data_s"),
+              # the rank's CPU seconds per step (all its threads): on a busy machine, what
+              # the step cost it when the wall clock also counts other processes' turns
+              "cpu_s": ("cpu_s_per_step",),
+              # of which the communication thread's (MPI polls while it waits for a peer)
+              "comm_thread_cpu_s": ("comm_thread_cpu_s_per_step",)}
 VALIDATE_PROCS = (1, 2, 4)
 # Seconds a bench train run spends before its first step (interpreter, torch, MPI, model):
 # only the budget's estimate of a row's first run uses it.
@@ -103,13 +108,18 @@ def run_bench_json(procs: int, bench_args: Sequence[str], timeout_s: float,
             return json.load(f)
 
 
+def bench_threads(procs: int) -> int:
+    """Torch threads of each of ``procs`` ranks on this node: cores ÷ ranks, at least one."""
+    return max(1, (os.cpu_count() or 1) // procs)
+
+
 def run_bench_train(procs: int, model: str, image_size: int, batch: int, steps: int,
                     timeout_s: float, precision: str = "float32") -> dict[str, float]:
     """``hpcdl bench train`` as --validate runs it: ours only, synthetic data, no profiled
     breakdown (it costs a step and is not read), cores ÷ ranks threads each, computing in
     ``precision`` (the machine file's rates of it predict the step; the bench's ``ours``
     sends float32 gradients in every precision)."""
-    threads = max(1, (os.cpu_count() or 1) // procs)
+    threads = bench_threads(procs)
     report = run_bench_json(procs, (
         "train", "--model", model, "--image-size", str(image_size), "--synthetic", "--batch",
         str(batch), "--steps", str(steps), "--warmup", "1", "--modes", "ours", "--threads",
@@ -144,7 +154,7 @@ def validation_record(pred: Any, meas: Mapping[str, float],
         rec["measured_min_s"], rec["measured_max_s"] = min(repeats), max(repeats)
         rec["spread"] = (max(repeats) - min(repeats)) / meas["step_s"]
         rec["ratio_range"] = [pred.iteration_s / max(repeats), pred.iteration_s / min(repeats)]
-    for key in ("compute_s", "comm_wait_s", "data_wait_s"):
+    for key in SPLIT_KEYS:
         if key in meas:
             rec[f"measured_{key}"] = meas[key]
     return rec
@@ -318,5 +328,6 @@ class ValidationRow:
 
     def record(self) -> dict[str, Any]:
         """The row as the JSON holds it: prediction against the median run."""
-        return validation_record(self.prediction, median_measurement(self.runs),
-                                 [r["step_s"] for r in self.runs])
+        return {**validation_record(self.prediction, median_measurement(self.runs),
+                                    [r["step_s"] for r in self.runs]),
+                "threads_per_rank": bench_threads(self.procs)}
