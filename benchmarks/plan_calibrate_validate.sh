@@ -15,6 +15,8 @@
 #   hpcdl/plan/machines/local.yaml                      replaced by this calibration
 # Overrides (for a plumbing check under load): OUT_DIR, LOCAL_YAML (where the calibration is
 # copied; "-" = nowhere), WORKLOADS (MODEL@SIZE,...), PROCS (1,2,4), REPEATS (3), STEPS (2),
+# PRECISION (float32; bfloat16 calibrates and validates the bf16 rates, only on a CPU with
+# native bf16),
 # BUDGET_S (690: the whole script's seconds; validation starts no bench run that would end
 # past them, measures rows in rounds so every row is measured once before any twice, and
 # lists rows it never reached under "not_measured" in its JSON).
@@ -28,6 +30,7 @@ PROCS=${PROCS:-1,2,4}
 REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-2}
 BUDGET_S=${BUDGET_S:-690}
+PRECISION=${PRECISION:-float32}
 mkdir -p "$OUT_DIR"
 CAL_DIR=$(mktemp -d)
 LOG="$OUT_DIR/plan-validate-$STAMP.log"
@@ -38,15 +41,15 @@ echo "== $(date -u +%FT%TZ) $(uptime)"
 echo "== CPU: $(lscpu | sed -n 's/^Model name: *//p' | head -1); torch capability:" \
      "$(python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())'); cores: $(nproc --all)"
 
-echo "== calibrate (class rates on 1 thread and on all cores, allreduce, decode)"
-hpcdl plan --calibrate --machines-dir "$CAL_DIR"
+echo "== calibrate (class rates in $PRECISION on 1 thread and on all cores, allreduce, decode)"
+hpcdl plan --calibrate --precision "$PRECISION" --machines-dir "$CAL_DIR"
 cp "$CAL_DIR/local.yaml" "$OUT_DIR/plan-calibrate-$STAMP.yaml"
 echo "== $(date -u +%FT%TZ) calibrated in $((SECONDS - start)) s; $(uptime)"
 
 LEFT=$((BUDGET_S - (SECONDS - start) - 20))   # 20 s for the papers' plans and the copies
 echo "== validate: $WORKLOADS at np $PROCS, $REPEATS repeats of $STEPS steps, $LEFT s budget" \
      "(bf16: see the line below)"
-hpcdl plan --validate --machine local --machines-dir "$CAL_DIR" \
+hpcdl plan --validate --machine local --machines-dir "$CAL_DIR" --precision "$PRECISION" \
     --validate-workloads "$WORKLOADS" --validate-procs "$PROCS" \
     --repeats "$REPEATS" --steps "$STEPS" --validate-timeout 300 --validate-budget "$LEFT" \
     --json "$OUT_DIR/plan-validate-$STAMP.json"

@@ -21,6 +21,12 @@ def ranks_per_node_from_env() -> int | None:
     return env_count(RANKS_PER_NODE_ENV)
 
 
+def auto_backend_name(most_ranks_on_a_node: int) -> str:
+    """The communicator ``backend="auto"`` builds (docs/comm.md, "The auto rule"): ``shm``
+    whenever some node holds more than one rank, else ``mpi`` (the vendor's allreduce)."""
+    return "shm" if most_ranks_on_a_node > 1 else "mpi"
+
+
 def split_nodes(world, ranks_per_node: int | None = None):
     """The communicator of this rank's node within ``world`` (the caller frees it); nodes of
     ``ranks_per_node`` (None: :data:`RANKS_PER_NODE_ENV`, else shared memory). Collective."""

@@ -226,7 +226,7 @@ def validate_with_fake_runs(tmp_path, monkeypatch, *extra):
     write_machine(machine_document(calibration_measurements()), str(tmp_path))
     clock, calls = [0.0], []
 
-    def fake_run(procs, model, image_size, batch, steps, timeout_s):
+    def fake_run(procs, model, image_size, batch, steps, timeout_s, precision="float32"):
         calls.append(procs)
         clock[0] += 100.0
         return {"step_s": 2.0, "batch_per_rank": batch}

@@ -3,6 +3,7 @@
     hpcdl plan --model resnet50 --global-batch 32768 --procs 2048 --machine knl
     hpcdl plan --recipe recipes/alexnet_bn_lars_32k.yaml --procs 2048 --machine skx --plot a.png
     hpcdl plan --calibrate                  # measure this machine into `local`
+    hpcdl plan --calibrate --precision bfloat16   # its bf16 rates (where bf16 is native)
     hpcdl plan --machine skx --procs 2048 --simulate --placement random
                                             # the allreduce on the fat tree, in SimGrid
     hpcdl plan --validate --json FILE       # predict, then run `hpcdl bench train`: AlexNet-BN
@@ -18,8 +19,9 @@ from __future__ import annotations
 import argparse
 
 from hpcdl.plan.model import ALLREDUCE_ALGORITHMS, IMAGENET_TRAIN_IMAGES
-from hpcdl.plan.predict import DEFAULT_MACHINE, DEFAULT_PROCS, DEFAULT_RECIPE, WIRE_BYTES
+from hpcdl.plan.predict import DEFAULT_MACHINE, DEFAULT_PROCS, DEFAULT_RECIPE, WIRE_DTYPES
 from hpcdl.plan.validate import VALIDATE_WORKLOADS
+from hpcdl.train.config import PRECISIONS
 
 COMMAND = "plan"
 HELP = "predict time per iteration / epoch / run from machine figures (α-β-γ cost model)"
@@ -63,8 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="gradient allreduce algorithm to cost (default ring)")
     run.add_argument("--bucket-mb", type=float,
                      help="fusion bucket size in MiB (default: the recipe's comm.bucket_mb)")
-    run.add_argument("--wire-dtype", choices=sorted(WIRE_BYTES),
-                     help="gradient dtype on the wire (default: the recipe's comm.wire_dtype)")
+    run.add_argument("--wire-dtype", choices=WIRE_DTYPES,
+                     help="gradient dtype on the wire (default: the recipe's comm.wire_dtype; "
+                          "auto: bf16 where the run computes in bf16 on ring or shm)")
+    run.add_argument("--precision", choices=PRECISIONS,
+                     help="compute dtype, as train.precision (auto: bf16 where the machine "
+                          "file's CPU computes it natively), costed with the file's rates of "
+                          "that dtype (default: the recipe's train.precision). --calibrate: "
+                          "the dtype to measure the rates in (default float32; bfloat16 only "
+                          "where native); --validate: the dtype to predict and measure the "
+                          "step in (default float32)")
     run.add_argument("--local-steps", type=int, metavar="H",
                      help="local SGD: average the model every H steps instead of the gradients "
                           "every step (default 1: synchronous; recipe: comm.local_steps)")

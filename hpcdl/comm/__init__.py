@@ -36,7 +36,7 @@ from hpcdl.debug import (  # noqa: E402
     watch_collectives,
 )
 from hpcdl.errors import BadInputError  # noqa: E402
-from hpcdl.topology import split_nodes  # noqa: E402
+from hpcdl.topology import auto_backend_name, split_nodes  # noqa: E402
 
 __all__ = ["BACKENDS", "BackendError", "CollectiveMismatchError", "Communicator",
            "auto_backend", "init", "largest_node", "rule_backend"]
@@ -68,7 +68,7 @@ def largest_node(world: MPI.Intracomm, ranks_per_node: int | None = None) -> int
 def rule_backend(most_ranks_on_a_node: int) -> str:
     """The rule (docs/comm.md, "Choosing the backend"): ``shm`` whenever a node holds more
     than one rank, else ``mpi`` (the vendor's allreduce)."""
-    return "shm" if most_ranks_on_a_node > 1 else "mpi"
+    return auto_backend_name(most_ranks_on_a_node)
 
 
 def auto_backend(world: MPI.Intracomm, ranks_per_node: int | None = None) -> str:

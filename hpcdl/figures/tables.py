@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hpcdl.figures.growth import NOISE_BYTES
 from hpcdl.results import PLAN_BAND, in_band
 
@@ -728,15 +730,61 @@ def planner_windows(root: Path) -> str:
 @table("planner-held-out", HELD_OUT,
        how="ratio = predicted ÷ median measured step of the repeats.")
 def planner_held_out(root: Path) -> str:
-    records = load(root, HELD_OUT)["results"]
+    return held_out_table(load(root, HELD_OUT)["results"])
+
+
+def held_out_table(records: Sequence[Mapping[str, Any]]) -> str:
+    """Predicted / measured step and their ratio, a workload a row, an np a column."""
     rows: dict[str, list[str]] = {}
     for r in records:
         label = f"{MODEL_NAMES[r['model']]} {r['image_size']} px: predicted / measured"
         rows.setdefault(label, []).append(
             f"{r['predicted_step_s']:.3f} / {r['measured_step_s']:.3f} s = {_ratio(plan_ratio(r))}")
     inside = sum(in_band(plan_ratio(r)) for r in records)
-    table = md(["workload", "np 1", "np 2", "np 4"], [[k, *v] for k, v in rows.items()])
+    ranks = sorted({r["ranks"] for r in records})
+    table = md(["workload", *(f"np {n}" for n in ranks)], [[k, *v] for k, v in rows.items()])
     return f"{table}\n\nInside {BAND}: {inside} of {len(records)}."
+
+
+HELD_OUT_BF16 = "plan-held-out-bf16-2026-12-02/plan-validate-2026-12-02.json"
+CALIBRATION_BF16 = "plan-held-out-bf16-2026-12-02/plan-calibrate-2026-12-02.yaml"
+
+
+@table("planner-held-out-bf16", HELD_OUT_BF16, CALIBRATION_BF16,
+       how="ratio = predicted (the calibration's bfloat16 rates) ÷ median measured step of the "
+           "repeats, `hpcdl bench train --precision bfloat16` (float32 gradients on the wire, "
+           "as its `ours` mode sends); CPU seconds: the median run's `measured_cpu_s` less "
+           "`measured_comm_thread_cpu_s`, ÷ `threads_per_rank` (a proxy for the step on cores "
+           "of its own, not the validated figure).")
+def planner_held_out_bf16(root: Path) -> str:
+    report = load(root, HELD_OUT_BF16)
+    m = report["machine"]
+    load_avg = m["load_average"]
+    calibration = yaml.safe_load((root / RESULTS / CALIBRATION_BF16).read_text())["measured"]
+    where = (f"Computing in {report['precision']} on {m['cpu_model_name']} (torch "
+             f"{m['cpu_capability']}; {', '.join(f for f in m['cpu_flags'] if 'bf16' in f)}), "
+             f"{m['cores']} cores; load average {calibration['load_average_before']:.1f} → "
+             f"{calibration['load_average_after']:.1f} over the calibration, "
+             f"{load_avg['before'][0]:.1f} → {load_avg['after'][0]:.1f} over the validation.")
+    return (f"{held_out_table(report['results'])} {where}\n\n"
+            f"{cpu_time_table(report['results'])}")
+
+
+def compute_cpu_s(record: Mapping[str, Any]) -> float:
+    """A rank's CPU seconds per step outside its communication thread, per torch thread:
+    the step's compute as the rank's own cores ran it, whatever else shared them."""
+    return ((record["measured_cpu_s"] - (record.get("measured_comm_thread_cpu_s") or 0.0))
+            / record["threads_per_rank"])
+
+
+def cpu_time_table(records: Sequence[Mapping[str, Any]]) -> str:
+    """The same rows against the ranks' CPU time (:func:`compute_cpu_s`): on a busy machine
+    the wall clock also counts other processes' turns on the cores."""
+    rows = [[f"{MODEL_NAMES[r['model']]} {r['image_size']} px", r["ranks"],
+             f"{r['measured_step_s']:.3f} s", f"{compute_cpu_s(r):.3f} s",
+             f"{r['predicted_step_s'] / compute_cpu_s(r):.2f}"] for r in records]
+    return md(["workload", "np", "measured step (wall)", "CPU s per step per thread, "
+               "without the communication thread", "predicted ÷ that"], rows)
 
 
 PAPERS_DIR = "plan-spec-machines-2026-12-01"

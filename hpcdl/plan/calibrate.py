@@ -5,7 +5,10 @@ numbers behind it: peak from the CPU flags, stream rates from ``a += b``, the pe
 of representative layers (hpcdl.plan.class_rates) on one thread, on all cores as one rank's
 threads and as co-running ranks, the CPU (hpcdl.plan.cpu), intra-node α and β fitted to
 ``mpiexec -n 2 hpcdl bench allreduce``, the loader's decode rate, and across hosts the
-network's α and β (Hockney 1994, point to point). The file is written atomically to
+network's α and β (Hockney 1994, point to point). The class rates are measured in the compute
+precision asked (``--precision``: bf16 under the trainer's autocast, only where bf16 is native)
+and kept under that precision's key, beside the other precisions' rates of an earlier
+calibration of the same CPU. The file is written atomically to
 ``--machines-dir`` or the user's config directory (the package may be read-only on a
 cluster). What each measurement is and how it is fitted: docs/planner.md, "--calibrate".
 """
@@ -32,8 +35,15 @@ from hpcdl.errors import BadInputError
 from hpcdl.host import interface_bytes
 from hpcdl.io import atomic_write_text
 from hpcdl.mpi_library import launched_world_size
-from hpcdl.plan.cpu import cpu_identity
-from hpcdl.plan.machine import parse_machine, user_machines_dir
+from hpcdl.plan.cpu import cpu_identity, cpu_mismatch, measurable_precision
+from hpcdl.plan.layers import COMPUTE_CLASSES
+from hpcdl.plan.machine import (
+    BASE_PRECISION,
+    RATE_SECTIONS,
+    parse_machine,
+    rate_precisions,
+    user_machines_dir,
+)
 
 ALLREDUCE_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 #: Across hosts: 1 KB (latency-bound) to 64 MB (bandwidth-bound; 0.5 s at 1 Gbit/s).
@@ -290,10 +300,19 @@ def _load_text(m: Mapping[str, Any]) -> str:
             if "load_average_after" in m else "load average not recorded")
 
 
+def _dtype_text(m: Mapping[str, Any]) -> str:
+    """How a rate's source names a precision other than float32 (float32's say nothing, as
+    before precisions)."""
+    precision = m.get("precision", BASE_PRECISION)
+    return "" if precision == BASE_PRECISION else f" in {precision} (autocast)"
+
+
 def measure(quick: bool = False, batch: int = 8,
-            log: Callable[[str], None] = print, allreduce: bool = True) -> dict:
+            log: Callable[[str], None] = print, allreduce: bool = True,
+            precision: str = BASE_PRECISION) -> dict:
     """Every measurement calibration makes, as raw numbers (``allreduce=False``: not the
-    intra-node allreduce, which launches its own mpiexec)."""
+    intra-node allreduce, which launches its own mpiexec); the class rates computing in
+    ``precision`` (hpcdl.plan.class_rates.time_layer), the rest is the same in every one."""
     from hpcdl.plan.class_rates import (
         contention,
         corun_samples,
@@ -307,7 +326,7 @@ def measure(quick: bool = False, batch: int = 8,
     cores = os.cpu_count() or 1
     reps = 3 if quick else 5   # odd: the median is one real call
     m: dict[str, Any] = {"cores": cores, "cpu_mhz": cpu_mhz(), "cpu": cpu_identity(),
-                         "load_average_before": os.getloadavg()[0]}
+                         "load_average_before": os.getloadavg()[0], "precision": precision}
     m["flops_per_cycle"], m["flops_per_cycle_source"] = flops_per_cycle(cpu_flags())
     log("matmul FLOP/s ...")
     m["matmul_flops_1_thread"] = matmul_flops(1, repeats=reps)
@@ -315,7 +334,7 @@ def measure(quick: bool = False, batch: int = 8,
     log("memory stream ...")
     m["stream_Bps_1_thread"] = stream_Bps(1, repeats=reps)
     m["stream_Bps_all_cores"] = stream_Bps(cores, repeats=reps)
-    log(f"per-class rates: representative layers, batch {batch}, 1 thread ...")
+    log(f"per-class rates: representative layers, batch {batch}, 1 thread, {precision} ...")
     # The same allocator policy as `hpcdl bench train` (its default --malloc retain): without
     # it each 25 MB activation is a fresh mmap with first-touch page faults, which the steps
     # being predicted do not pay.
@@ -323,8 +342,8 @@ def measure(quick: bool = False, batch: int = 8,
 
     m["malloc_retain"] = retain_freed_memory()
     m["class_batch"] = batch
-    m["layer_overhead_s"] = overhead_s()
-    samples = measure_samples(batch, reps, log=log)
+    m["layer_overhead_s"] = overhead_s(precision=precision)
+    samples = measure_samples(batch, reps, log=log, precision=precision)
     m["class_samples"] = [asdict(x) for x in samples]
     m["class_rates"] = fit_rates(samples, m["layer_overhead_s"])
     m["class_curves"] = rate_curves(samples, m["layer_overhead_s"])
@@ -332,7 +351,7 @@ def measure(quick: bool = False, batch: int = 8,
         # The same layers as one rank's `cores` threads (np = 1 on this node): each class's
         # thread speedup is measured, not assumed.
         log(f"per-class rates on {cores} threads of one rank ...")
-        samples_t = measure_samples(batch, reps, threads=cores, log=log)
+        samples_t = measure_samples(batch, reps, threads=cores, log=log, precision=precision)
         m["class_threads"] = cores
         m["class_samples_threads"] = [asdict(x) for x in samples_t]
         m["class_rates_threads"] = fit_rates(samples_t, m["layer_overhead_s"])
@@ -341,7 +360,7 @@ def measure(quick: bool = False, batch: int = 8,
         # The same layers in `cores` single-threaded processes at once: mpiexec -n cores.
         corun_ranks = min(cores, CORUN_MAX_RANKS)
         log(f"per-class rates with {corun_ranks} single-threaded ranks running at once ...")
-        corun = corun_samples(batch, reps, corun_ranks)
+        corun = corun_samples(batch, reps, corun_ranks, precision=precision)
         m["corun_ranks"] = corun_ranks
         m["class_rates_corun"] = fit_rates(corun, m["layer_overhead_s"])
         m["contention"] = contention(m["class_rates"], m["class_rates_corun"])
@@ -367,7 +386,8 @@ def measure(quick: bool = False, batch: int = 8,
 
 def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = None) -> dict:
     """The ``local`` machine file from measurements ``m`` (allreduce figures from ``previous``
-    when the allreduce bench could not run)."""
+    when the allreduce bench could not run), its class rates under ``m``'s precision, and the
+    other precisions' rates of ``previous`` where it describes this CPU (:func:`kept_rates`)."""
     stamp = f"measured {datetime.date.today().isoformat()} by hpcdl plan --calibrate"
     cores = m["cores"]
     cpu = dict(m.get("cpu") or cpu_identity())
@@ -395,11 +415,6 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
                                     f"{stamp}: a += b on 64 MB, 1 thread"),
             "ranks_per_node": _fig(1, "convention: one rank per machine unless --procs-per-node"),
         },
-        "compute": compute_section(m, core_peak, stamp),
-        **({"rate_curves": curves_section(m, core_peak, stamp)} if m.get("class_curves")
-           else {}),
-        **({"thread_scaling": thread_section(m, stamp)} if "thread_speedups" in m else {}),
-        **({"contention": contention_section(m, stamp)} if "contention" in m else {}),
         "data": {
             "decode_images_per_s_per_core": (
                 _fig(m["decode_images_per_s_1_thread"], (
@@ -426,6 +441,10 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     doc["network"] = {k: {"value": v["value"],
                           "source": f"single node: no network; same as intra_node ({v['source']})"}
                       for k, v in intra.items()}
+    precision = m.get("precision", BASE_PRECISION)
+    rates = kept_rates(previous, cpu, core_peak, m["stream_Bps_1_thread"])
+    rates[precision] = rate_sections(m, core_peak, stamp)
+    place_rates(doc, rates)
     doc["cpu"] = cpu
     measured = {k: v for k, v in m.items() if not isinstance(v, dict | list)}
     if "allreduce" in m:
@@ -433,6 +452,74 @@ def machine_document(m: Mapping[str, Any], previous: Mapping[str, Any] | None = 
     measured["gamma_s_per_byte"] = gamma
     doc["measured"] = measured | {k: m[k] for k in RAW_SAMPLES if k in m}
     return doc
+
+
+def rate_sections(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[str, Any]:
+    """One precision's rate sections (hpcdl.plan.machine.RATE_SECTIONS) from ``m``."""
+    return {"compute": compute_section(m, core_peak, stamp),
+            **({"rate_curves": curves_section(m, core_peak, stamp)} if m.get("class_curves")
+               else {}),
+            **({"thread_scaling": thread_section(m, stamp)} if "thread_speedups" in m else {}),
+            **({"contention": contention_section(m, stamp)} if "contention" in m else {})}
+
+
+def place_rates(doc: dict[str, Any], rates: Mapping[str, Mapping[str, Any]]) -> None:
+    """Each precision's sections where a machine file keeps them: float32's at the top level
+    (after ``node``, as every file before precisions), the others' under ``rates``."""
+    data = {k: doc.pop(k) for k in list(doc) if k not in ("name", "calibrated", "description",
+                                                          "node")}
+    doc.update(rates.get(BASE_PRECISION, {}))
+    doc.update(data)
+    others = {p: dict(sections) for p, sections in rates.items() if p != BASE_PRECISION}
+    if others:
+        doc["rates"] = others
+
+
+def kept_rates(previous: Mapping[str, Any] | None, cpu: Mapping[str, Any], core_peak: float,
+               core_stream: float) -> dict[str, dict[str, Any]]:
+    """Every precision's rate sections of ``previous`` (the machine file being replaced) when
+    it was calibrated on this ``cpu``; nothing otherwise (another CPU's rates would describe
+    that CPU). A fraction is of the file's one-core peak or stream, both measured again now:
+    each is rescaled so that it stands for the same absolute rate."""
+    if not previous or not previous.get("calibrated") or not previous.get("cpu") \
+            or cpu_mismatch(previous["cpu"], cpu) is not None:
+        return {}
+    node = previous.get("node") or {}
+    try:
+        old_peak = (float(node["frequency_hz"]["value"])
+                    * float(node["flops_per_cycle_per_core"]["value"]))
+        old_stream = float(node["core_stream_Bps"]["value"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    scale = {"peak": old_peak / core_peak, "stream": old_stream / core_stream}
+    kept = {}
+    for precision in rate_precisions(previous, "<previous calibration>"):
+        block = previous if precision == BASE_PRECISION else previous["rates"][precision]
+        kept[precision] = rescaled_sections(block, scale)
+    return kept
+
+
+def rescaled_sections(block: Mapping[str, Any], scale: Mapping[str, float]) -> dict[str, Any]:
+    """The rate sections of ``block`` with each fraction × ``scale['peak']`` (dense classes)
+    or × ``scale['stream']`` (memory passes); speedups, contention and the overhead as they
+    were."""
+    def factor(op_class: str) -> float:
+        if op_class == "layer_overhead_s":
+            return 1.0
+        return scale["peak"] if op_class in COMPUTE_CLASSES else scale["stream"]
+
+    note = "; kept from the previous calibration of this CPU, rescaled to this file's peak " \
+           "and stream (the same absolute rate)"
+    out: dict[str, Any] = {k: block[k] for k in RATE_SECTIONS if k in block}
+    if "compute" in out:
+        out["compute"] = {c: _fig(float(f["value"]) * factor(c), f"{f['source']}{note}")
+                          for c, f in block["compute"].items()}
+    if "rate_curves" in out:
+        out["rate_curves"] = {
+            c: {**curve, "points": [[float(x), float(v) * factor(c)] for x, v in curve["points"]],
+                "source": f"{curve['source']}{note}"}
+            for c, curve in block["rate_curves"].items()}
+    return out
 
 
 #: the per-class measurements kept under ``measured`` as they were taken
@@ -473,13 +560,20 @@ def node_gamma(doc: Mapping[str, Any], ranks_per_node: int) -> float:
     """γ as the planner prices it for ``doc`` (hpcdl.plan.model.reduction_gamma)."""
     from hpcdl.plan.model import reduction_gamma
 
-    return reduction_gamma(parse_machine(doc, "<calibration>"), ranks_per_node)
+    return reduction_gamma(parse_machine(doc, "<calibration>",
+                                         first_precision(doc, "<calibration>")), ranks_per_node)
+
+
+def first_precision(doc: Mapping[str, Any], path: str) -> str:
+    """A precision ``doc`` holds rates for (float32 first), to read its figures by; float32
+    where it holds none (reading then says what is missing)."""
+    held = rate_precisions(doc, path)
+    return held[0] if held else BASE_PRECISION
 
 
 def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[str, Any]:
     """The ``compute`` figures from the fitted class rates (hpcdl.plan.class_rates)."""
     from hpcdl.plan.class_rates import class_fractions
-    from hpcdl.plan.layers import COMPUTE_CLASSES
 
     fractions = class_fractions(m["class_rates"], core_peak, m["stream_Bps_1_thread"])
     load = _load_text(m)
@@ -493,7 +587,8 @@ def compute_section(m: Mapping[str, Any], core_peak: float, stamp: str) -> dict[
                 f"{m['stream_Bps_1_thread'] / 1e9:.4g} GB/s")
         section[op_class] = _fig(fraction, (
             f"{stamp}: {counts.get(op_class, 0)} representative {op_class} layers "
-            f"(hpcdl.plan.class_rates), forward + backward, batch {m['class_batch']}, 1 thread, "
+            f"(hpcdl.plan.class_rates), forward + backward{_dtype_text(m)}, batch "
+            f"{m['class_batch']}, 1 thread, "
             f"less the per-layer overhead: {what}; {load}"))
     section["layer_overhead_s"] = _fig(m["layer_overhead_s"], (
         f"{stamp}: forward + backward of a one-element ReLU (dispatch + autograd), 1 thread; "
@@ -558,14 +653,16 @@ def contention_section(m: Mapping[str, Any], stamp: str) -> dict[str, Any]:
 def write_machine(doc: Mapping[str, Any], directory: str) -> str:
     """Validate and write ``directory/NAME.yaml`` atomically; returns the path."""
     path = os.path.join(directory, f"{doc['name']}.yaml")
-    parse_machine(doc, path)   # never write a file the planner would reject
+    parse_machine(doc, path, first_precision(doc, path))   # never write a file the planner
+                                                           # would reject (every precision)
     header = ("# Written by `hpcdl plan --calibrate`: every figure is a measurement on this\n"
               "# machine (or a stated assumption); `measured:` keeps the raw numbers.\n")
     atomic_write_text(path, header + yaml.safe_dump(dict(doc), sort_keys=False, width=100))
     return path
 
 
-def calibrate_across_hosts(args: argparse.Namespace, directory: str) -> int:
+def calibrate_across_hosts(args: argparse.Namespace, directory: str,
+                           precision: str = BASE_PRECISION) -> int:
     """``hpcdl plan --calibrate`` launched across hosts: the node's figures from the file
     already in ``directory`` (or measured by world rank 0 while the others sleep), the network
     measured by one rank per host; world rank 0 writes the file."""
@@ -594,7 +691,7 @@ def calibrate_across_hosts(args: argparse.Namespace, directory: str) -> int:
         if world.rank == 0:
             print(f"no {old}: measuring this node first (the other ranks wait)", flush=True)
             base = machine_document(measure(quick=args.quick, batch=args.batch_per_rank,
-                                            allreduce=False), None)
+                                            allreduce=False, precision=precision), None)
         sleeping_barrier(world)
         base = world.bcast(base, root=0)
     else:
@@ -620,9 +717,12 @@ def write_and_show(doc: dict, directory: str, shown: Sequence[str]) -> int:
     return 0
 
 
-def check_calibrate_inputs(args: argparse.Namespace, directory: str) -> None:
+def check_calibrate_inputs(args: argparse.Namespace, directory: str) -> str:
     """What ``--calibrate`` would otherwise find bad after minutes of measuring: the batch, the
-    directory it writes (on one node) and the machine file it keeps figures from."""
+    precision (hpcdl.plan.cpu.measurable_precision, returned resolved), the directory it
+    writes (on one node) and the machine file it keeps figures from."""
+    precision = measurable_precision(getattr(args, "precision", None) or BASE_PRECISION,
+                                     "--calibrate")
     if args.batch_per_rank < 1:
         raise BadInputError(f"--calibrate: --batch-per-rank {args.batch_per_rank}: need at "
                             f"least 1 image per rank")
@@ -635,6 +735,7 @@ def check_calibrate_inputs(args: argparse.Namespace, directory: str) -> None:
             raise BadInputError(f"--calibrate: cannot write {directory} ({exc}); use "
                                 f"--machines-dir DIR") from None
     kept_machine_doc(directory)
+    return precision
 
 
 def kept_machine_doc(directory: str) -> dict | None:
@@ -657,16 +758,18 @@ def kept_machine_doc(directory: str) -> dict | None:
 
 def calibrate_command(args: argparse.Namespace) -> int:
     directory = args.machines_dir or user_machines_dir()
-    check_calibrate_inputs(args, directory)
+    precision = check_calibrate_inputs(args, directory)
     if launched_world_size() > 1:
-        return calibrate_across_hosts(args, directory)
+        return calibrate_across_hosts(args, directory, precision)
     previous = kept_machine_doc(directory)
     if shutil.which("mpiexec") is None:
         print("hpcdl plan --calibrate: mpiexec not found; allreduce figures are kept or assumed",
               file=sys.stderr)
-    m = measure(quick=args.quick, batch=args.batch_per_rank)
-    written = write_and_show(machine_document(m, previous), directory,
-                             ("node", "compute", "intra_node", "data", "cpu"))
+    m = measure(quick=args.quick, batch=args.batch_per_rank, precision=precision)
+    doc = machine_document(m, previous)
+    written = write_and_show(doc, directory, [k for k in ("node", "compute", "rates",
+                                                          "intra_node", "data", "cpu")
+                                              if k in doc])
     if written == 0 and "allreduce" not in m:
         print("hpcdl plan --calibrate: warning: allreduce figures not measured (see above)",
               file=sys.stderr)

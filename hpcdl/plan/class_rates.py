@@ -133,11 +133,11 @@ def build(kind: str, args: tuple) -> Any:
 
 class AddLearnt(nn.Module):
     """``x + w``: a residual sum whose both operands need a gradient (``w`` made on first use,
-    shaped like one input)."""
+    shaped like one input and of its dtype: a bf16 network adds two bf16 activations)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "other"):
-            self.other = nn.Parameter(torch.zeros(1, *x.shape[1:]))
+            self.other = nn.Parameter(torch.zeros(1, *x.shape[1:], dtype=x.dtype))
         return x + self.other.expand_as(x)
 
 
@@ -183,39 +183,59 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     return statistics.median(call_times(fn, max(1, repeats), warmup))
 
 
+def compute_context(precision: str) -> contextlib.AbstractContextManager:
+    """The forward's dtype context of a training step in ``precision``: the trainer's bf16
+    autocast (float32 master weights cast to bf16 at each GEMM), or nothing for float32."""
+    if precision == "bfloat16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def activation_dtype(precision: str, input_grad: bool) -> torch.dtype:
+    """The dtype of a layer's input inside a step in ``precision``: bf16 between layers under
+    autocast; the first layer (no input gradient) reads the float32 normalised images."""
+    return torch.bfloat16 if precision == "bfloat16" and input_grad else torch.float32
+
+
 def time_layer(module: Any, shape: Sequence[int], rows: int, input_grad: bool,
-               repeats: int) -> float:
+               repeats: int, precision: str = "float32") -> float:
     """Median forward + backward of ``module`` on ``rows`` inputs of ``shape``, in the calling
-    thread's torch thread count. The backward is ``torch.autograd.grad`` with a gradient made
-    once: ``out.backward`` would accumulate into ``.grad`` from the second call on, and a
-    ``ones_like`` inside the timed call would write the output again, passes a model's step
-    never makes."""
-    x = torch.randn(rows, *shape, requires_grad=input_grad)
+    thread's torch thread count, computing in ``precision`` as the trainer does (forward under
+    :func:`compute_context`, backward outside it). The backward is ``torch.autograd.grad`` with
+    a gradient made once: ``out.backward`` would accumulate into ``.grad`` from the second call
+    on, and a ``ones_like`` inside the timed call would write the output again, passes a
+    model's step never makes."""
+    x = torch.randn(rows, *shape, dtype=activation_dtype(precision, input_grad),
+                    requires_grad=input_grad)
     module.train()
     inputs = ([x] if input_grad else []) + [p for p in module.parameters() if p.requires_grad]
-    grad_out = torch.ones_like(module(x))
+    with compute_context(precision):
+        grad_out = torch.ones_like(module(x))
 
     def once() -> None:
-        out = module(x)
+        with compute_context(precision):
+            out = module(x)
         if inputs:
             torch.autograd.grad(out, inputs, grad_out)
 
     return median_time(once, repeats, warmup=LAYER_WARMUP)
 
 
-def overhead_s(repeats: int = 21) -> float:
+def overhead_s(repeats: int = 21, precision: str = "float32") -> float:
     """Per-layer dispatch + autograd cost: forward + backward of a one-element ReLU."""
-    return time_layer(nn.ReLU(), (1,), 1, True, repeats)
+    return time_layer(nn.ReLU(), (1,), 1, True, repeats, precision)
 
 
 def measure_samples(batch: int, repeats: int, threads: int = 1,
                     log: Callable[[str], None] = print,
                     before_each: Callable[[], Any] = lambda: None,
                     layers: Sequence[tuple] = REPRESENTATIVE,
-                    optimizer: bool = True) -> list[Sample]:
-    """Time every layer of ``layers`` (and the optimizer) with ``threads`` torch threads and
-    count its work (``before_each`` is called before each is timed: co-running ranks'
-    barrier)."""
+                    optimizer: bool = True, precision: str = "float32") -> list[Sample]:
+    """Time every layer of ``layers`` (and the optimizer) with ``threads`` torch threads in
+    ``precision`` (:func:`time_layer`) and count its work (``before_each`` is called before
+    each is timed: co-running ranks' barrier). The work is counted as for float32 in every
+    precision, as the planner counts a model's: a bf16 rate is nominal FLOPs or bytes per
+    second of the bf16 step."""
     torch.manual_seed(0)
     samples = []
     with torch_threads(threads):
@@ -228,12 +248,12 @@ def measure_samples(batch: int, repeats: int, threads: int = 1,
                        if layer.op_class == layer_class]
             if not counted:
                 raise RuntimeError(f"representative {kind}{args} was not classed {layer_class}")
-            seconds = time_layer(module, shape, rows, input_grad, repeats)
+            seconds = time_layer(module, shape, rows, input_grad, repeats, precision)
             samples.append(Sample(op_class, sum(layer_work(la, rows, op_class)
                                                 for la in counted), seconds,
                                   rows=rows * sum(la.pixels for la in counted)))
-            log(f"  {op_class:<15}{kind}{args} on {rows} x {shape}, {threads} thread(s): "
-                f"{seconds * 1e3:.2f} ms")
+            log(f"  {op_class:<15}{kind}{args} on {rows} x {shape}, {threads} thread(s), "
+                f"{precision}: {seconds * 1e3:.2f} ms")
         if optimizer:
             before_each()
             samples.append(optimizer_sample(repeats, threads))
@@ -265,20 +285,21 @@ def optimizer_sample(repeats: int, threads: int = 1) -> Sample:
 
 
 def _corun_worker(batch: int, repeats: int, barrier: Any, results: Any,
-                  layers: Sequence[tuple], optimizer: bool) -> None:
+                  layers: Sequence[tuple], optimizer: bool, precision: str) -> None:
     """One of :func:`corun_samples`' ranks: every layer timed at the same moment as the
     others' (a barrier before each), one thread, the bench's allocator policy."""
     from hpcdl.cpus import retain_freed_memory
 
     retain_freed_memory()
     samples = measure_samples(batch, repeats, threads=1, log=lambda _line: None,
-                              before_each=barrier.wait, layers=layers, optimizer=optimizer)
+                              before_each=barrier.wait, layers=layers, optimizer=optimizer,
+                              precision=precision)
     results.put(samples)
 
 
 def corun_samples(batch: int, repeats: int, ranks: int,
-                  layers: Sequence[tuple] = REPRESENTATIVE, optimizer: bool = True
-                  ) -> list[Sample]:
+                  layers: Sequence[tuple] = REPRESENTATIVE, optimizer: bool = True,
+                  precision: str = "float32") -> list[Sample]:
     """The representative layers timed in ``ranks`` single-threaded processes at once (each
     layer started together): what a rank's rate is when every core of the node computes, as
     ``mpiexec -n cores`` runs (shared caches and memory; :func:`contention`)."""
@@ -287,7 +308,8 @@ def corun_samples(batch: int, repeats: int, ranks: int,
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(ranks), ctx.Queue()
     workers = [ctx.Process(target=_corun_worker,
-                           args=(batch, repeats, barrier, results, tuple(layers), optimizer))
+                           args=(batch, repeats, barrier, results, tuple(layers), optimizer,
+                                 precision))
                for _ in range(ranks)]
     for w in workers:
         w.start()

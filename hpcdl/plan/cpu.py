@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hpcdl.cpus import cpu_capability, cpu_flags, cpu_model_name
+from hpcdl.cpus import bf16_native, cpu_capability, cpu_flags, cpu_model_name
+from hpcdl.errors import BadInputError
+from hpcdl.train.config import resolve_precision
 
 #: CPU flags that change the rates a calibration measures.
 RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
@@ -49,3 +51,20 @@ def cpu_warning(machine: Any) -> str | None:
         return None
     return (f"warning: {machine.path} was calibrated on another CPU ({diff}); its rates "
             "describe that CPU: recalibrate here with `hpcdl plan --calibrate`")
+
+
+def measurable_precision(requested: str, command: str) -> str:
+    """The compute dtype ``command`` (``--calibrate``, ``--validate``) measures here for
+    ``--precision requested``, resolved as a run resolves ``train.precision`` (``auto``: bf16
+    only where :func:`hpcdl.cpus.bf16_native`). bf16 without native bf16 is bad input:
+    emulated bf16 runs several times slower than the hardware a bf16 plan is for, so rates or
+    steps measured that way would mislead."""
+    native = bf16_native()
+    precision = resolve_precision(requested, native)
+    if precision == "bfloat16" and not native:
+        raise BadInputError(
+            f"{command} --precision bfloat16: this CPU ({cpu_model_name()}, torch capability "
+            f"{cpu_capability()}) has no native bf16 (AVX512-BF16 or AMX with torch at "
+            "AVX-512); emulated bf16 rates would mislead: measure bfloat16 on a CPU that has "
+            "it (Cooper Lake, Sapphire Rapids, Zen 4), or float32 here")
+    return precision

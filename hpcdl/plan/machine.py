@@ -2,8 +2,10 @@
 
 A figure is a ``{value: ..., source: "..."}`` leaf in a section: the REQUIRED_FIGURES, the
 per-class ``compute`` fractions (or the older single ``node.sustained_fraction``), the optional
-sections ``--calibrate`` writes, ``cpu`` and ``measured`` (never read). The schema and the
-search path (:func:`machine_search_path`, first match wins): docs/planner.md, "Machine files".
+sections ``--calibrate`` writes, ``cpu`` and ``measured`` (never read). The rate sections at
+the top level are float32's; ``rates.bfloat16`` holds the same sections measured in bf16, and a
+Machine costs one precision's. The schema and the search path (:func:`machine_search_path`,
+first match wins): docs/planner.md, "Machine files".
 """
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ COMPUTE_FIGURES: tuple[str, ...] = (*OP_CLASSES, "layer_overhead_s")
 OPTIONAL_FRACTIONS: tuple[str, ...] = (LINEAR_WEIGHTS, OPTIMIZER)
 # The optional measured thread scaling: the thread count T and every class's speedup at T.
 THREAD_FIGURES: tuple[str, ...] = ("threads", *OP_CLASSES)
+#: The compute precision of the top-level rate sections (every file written before rates were
+#: keyed by precision, and the spec files); other precisions' are under ``rates.PRECISION``.
+BASE_PRECISION = "float32"
+#: The sections a precision's rates fill (the rest of a file is the same in every precision).
+RATE_SECTIONS = ("compute", "rate_curves", "thread_scaling", "contention")
+#: What ``rates`` may be keyed by (``train.precision``'s dtypes).
+KEYED_PRECISIONS = ("bfloat16",)
 
 
 class MachineError(ValueError):
@@ -117,6 +126,8 @@ class Machine:
     curve_axes: Mapping[str, str] = field(default_factory=dict)
     calibrated: bool = False            # measured by --calibrate: rates of cpu, not a spec
     fabric: Any = None                  # the ``fabric`` section as read (hpcdl.plan.simulate)
+    precision: str = BASE_PRECISION     # the compute dtype whose rates ``figures`` holds
+    precisions: tuple[str, ...] = (BASE_PRECISION,)   # every dtype the file has rates for
 
     def __getitem__(self, dotted: str) -> float:
         return self.figures[dotted].value
@@ -214,10 +225,42 @@ class Machine:
         return int(self["node.ranks_per_node"])
 
 
-def parse_machine(doc: Any, path: str) -> Machine:
-    """Validate a loaded machine document: every required figure present with value + source."""
+def rate_precisions(doc: Mapping[str, Any], path: str) -> tuple[str, ...]:
+    """The compute dtypes ``doc`` holds rates for: float32 where the top level has them (or
+    the legacy sustained fraction), then each key of ``rates``."""
+    block = doc.get("rates") or {}
+    if not isinstance(block, Mapping) or any(k not in KEYED_PRECISIONS for k in block):
+        raise MachineError(f"{path}: rates must map a precision ({list(KEYED_PRECISIONS)}) to "
+                           f"its sections {list(RATE_SECTIONS)}, got {block!r}")
+    base = "compute" in doc or "sustained_fraction" in (doc.get("node") or {})
+    return (*((BASE_PRECISION,) if base else ()), *block)
+
+
+def rate_block(doc: Mapping[str, Any], path: str, precision: str) -> Mapping[str, Any]:
+    """The mapping holding ``precision``'s rate sections: the file itself for float32,
+    ``rates.PRECISION`` for another; a file without them is an error saying how to get them."""
+    held = rate_precisions(doc, path)
+    if precision not in held:
+        raise MachineError(
+            f"{path} has no {precision} rates (it holds {', '.join(held) or 'none'}): measure "
+            f"them on the machine it describes with `hpcdl plan --calibrate --precision "
+            f"{precision}`, or plan another precision with --precision")
+    block = doc if precision == BASE_PRECISION else doc["rates"][precision]
+    if not isinstance(block, Mapping):
+        raise MachineError(f"{path}: rates.{precision} must be a mapping of "
+                           f"{list(RATE_SECTIONS)}")
+    return block
+
+
+def parse_machine(doc: Any, path: str, precision: str = BASE_PRECISION) -> Machine:
+    """Validate a loaded machine document: every required figure present with value + source,
+    and every precision's rates (the returned Machine costs ``precision``'s)."""
     if not isinstance(doc, Mapping):
         raise MachineError(f"{path}: a machine file is a mapping, got {type(doc).__name__}")
+    precisions = rate_precisions(doc, path)
+    for other in precisions:   # a malformed rate set is an error whichever is planned
+        if other != precision:
+            _rate_figures(rate_block(doc, path, other), _where(path, other), legacy={})
     figures: dict[str, Figure] = {}
     for section, keys in REQUIRED_FIGURES.items():
         block = doc.get(section)
@@ -228,16 +271,9 @@ def parse_machine(doc: Any, path: str) -> Machine:
                 raise MachineError(f"{path}: missing figure {section}.{key}")
         for key, leaf in block.items():
             figures[f"{section}.{key}"] = _figure(path, f"{section}.{key}", leaf)
-    figures.update(_optional_section(doc, path, "compute", COMPUTE_FIGURES,
-                                     "state each figure with its source"))
-    figures.update(_optional_section(doc, path, "thread_scaling", THREAD_FIGURES,
-                                     "delete the section to assume linear scaling"))
-    if "compute.conv_3x3" not in figures and "node.sustained_fraction" not in figures:
-        raise MachineError(f"{path}: missing section 'compute' (needs {list(COMPUTE_FIGURES)}); "
-                           "measure it with `hpcdl plan --calibrate`")
-    figures.update(_optional_section(doc, path, "contention", ("ranks",),
-                                     "delete the section to assume none"))
-    curves, curve_axes = _curves(doc.get("rate_curves"), path)
+    block = rate_block(doc, path, precision) if precisions else doc
+    rates, curves, curve_axes = _rate_figures(block, _where(path, precision), figures)
+    figures.update(rates)
     cpu = doc.get("cpu") or {}
     if not isinstance(cpu, Mapping):
         raise MachineError(f"{path}: cpu must be a mapping (model_name, capability, flags), "
@@ -245,7 +281,31 @@ def parse_machine(doc: Any, path: str) -> Machine:
     name = doc.get("name") or os.path.splitext(os.path.basename(path))[0]
     return Machine(name=str(name), description=str(doc.get("description", "")), path=path,
                    figures=figures, cpu=dict(cpu), calibrated=bool(doc.get("calibrated", False)),
-                   curves=curves, curve_axes=curve_axes, fabric=doc.get("fabric"))
+                   curves=curves, curve_axes=curve_axes, fabric=doc.get("fabric"),
+                   precision=precision, precisions=precisions)
+
+
+def _where(path: str, precision: str) -> str:
+    """How errors name a precision's rates: the file, then ``rates.PRECISION`` where keyed."""
+    return path if precision == BASE_PRECISION else f"{path}: rates.{precision}"
+
+
+def _rate_figures(block: Mapping[str, Any], where: str, legacy: Mapping[str, Figure]
+                  ) -> tuple[dict[str, Figure], dict, dict]:
+    """One precision's rate sections (RATE_SECTIONS) read from ``block``: the figures, the
+    curves and their axes. ``legacy``: the node figures, whose ``sustained_fraction`` stands
+    in for a missing ``compute`` (files written before per-class costing)."""
+    figures = _optional_section(block, where, "compute", COMPUTE_FIGURES,
+                                "state each figure with its source")
+    figures.update(_optional_section(block, where, "thread_scaling", THREAD_FIGURES,
+                                     "delete the section to assume linear scaling"))
+    if "compute.conv_3x3" not in figures and "node.sustained_fraction" not in legacy:
+        raise MachineError(f"{where}: missing section 'compute' (needs "
+                           f"{list(COMPUTE_FIGURES)}); measure it with `hpcdl plan --calibrate`")
+    figures.update(_optional_section(block, where, "contention", ("ranks",),
+                                     "delete the section to assume none"))
+    curves, curve_axes = _curves(block.get("rate_curves"), where)
+    return figures, curves, curve_axes
 
 
 def _curves(block: Any, path: str) -> tuple[dict[str, tuple[tuple[float, float], ...]],
@@ -299,12 +359,29 @@ def _optional_section(doc: Mapping[str, Any], path: str, section: str, keys: Seq
     return {f"{section}.{k}": _figure(path, f"{section}.{k}", v) for k, v in block.items()}
 
 
-def load_machine(name: str, machines_dir: str | None = None) -> Machine:
-    """Machine ``name`` from the search path (:func:`machine_search_path`), validated."""
+def planned_precision(doc: Mapping[str, Any], requested: str) -> str:
+    """``train.precision`` resolved for the CPU a machine file describes, as a run there
+    resolves it (hpcdl.train.config.resolve_precision): ``auto`` is bf16 where that CPU's
+    recorded flags and torch capability make bf16 native (hpcdl.cpus.bf16_native), float32
+    for a file that records neither (its CPU is unknown)."""
+    from hpcdl.cpus import bf16_native
+    from hpcdl.train.config import resolve_precision
+
+    cpu = doc.get("cpu") if isinstance(doc.get("cpu"), Mapping) else {}
+    native = bf16_native(set(cpu.get("flags") or ()), str(cpu.get("capability") or ""))
+    return resolve_precision(requested, native)
+
+
+def load_machine(name: str, machines_dir: str | None = None,
+                 precision: str = BASE_PRECISION) -> Machine:
+    """Machine ``name`` from the search path (:func:`machine_search_path`), validated, costing
+    ``precision``'s rates (``auto``: :func:`planned_precision`)."""
     path = find_machine_file(name, machines_dir)
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
     except yaml.YAMLError as exc:
         raise MachineError(f"{path}: not valid YAML: {exc}") from exc
-    return parse_machine(doc, path)
+    if precision == "auto" and isinstance(doc, Mapping):
+        precision = planned_precision(doc, precision)
+    return parse_machine(doc, path, precision)

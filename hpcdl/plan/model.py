@@ -203,6 +203,7 @@ class Plan:
     sync_warmup_steps: int = 0       # synchronous iterations first (costed apart)
     warmup_s: float = 0.0            # their total seconds (part of total_s)
     compute_by_class: dict[str, float] = field(default_factory=dict)   # seconds per class
+    precision: str = "float32"       # the compute dtype whose rates were costed (the machine's)
 
     def per_iteration(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in (
@@ -451,7 +452,7 @@ def plan(machine: Machine, work: Workload, inp: PlanInputs) -> Plan:
         dominant=max(terms, key=terms.__getitem__), notes=notes,
         local_steps=inp.local_steps, compression_ratio=inp.compression_ratio,
         model_average_s=model_average, compute_by_class=by_class, compression_s=compression,
-        sync_warmup_steps=int(warmup_steps), warmup_s=warmup)
+        sync_warmup_steps=int(warmup_steps), warmup_s=warmup, precision=machine.precision)
 
 
 def default_sweep(procs: int, global_batch: int) -> list[int]:

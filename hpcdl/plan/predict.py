@@ -14,13 +14,15 @@ from hpcdl.train.config import Config, RecipeError, load_recipe, resolve_recipe
 DEFAULT_RECIPE = "resnet50_lars_32k"
 #: Where a recipe without a ``plan`` section is planned.
 DEFAULT_MACHINE, DEFAULT_PROCS = "knl", 2048
-# auto (a recipe's comm.wire_dtype) follows the compute dtype; the planner models float32
-# compute (its machine files hold float32 rates), so auto sends float32.
-WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}
+#: bytes per gradient element on the wire
+WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: what --wire-dtype and comm.wire_dtype take: a dtype, or auto (the run's rule:
+#: hpcdl.train.precision.planned_wire_dtype)
+WIRE_DTYPES = ("auto", *WIRE_BYTES)
 #: What a flag of the same name overrides.
 RUN_KEYS = ("model", "image_size", "global_batch", "epochs", "bucket_mb", "wire_dtype",
             "local_steps", "hierarchical_local", "compression_ratio", "powersgd_rank",
-            "sync_warmup_steps", "machine", "procs")
+            "sync_warmup_steps", "machine", "procs", "precision")
 
 
 def recipe_values(config: Config, dataset_size: int) -> dict[str, Any]:
@@ -34,6 +36,8 @@ def recipe_values(config: Config, dataset_size: int) -> dict[str, Any]:
         "model": config.model["name"], "image_size": config.data.image_size,
         "global_batch": config.batch.global_, "epochs": config.epochs,
         "bucket_mb": comm.bucket_mb, "wire_dtype": comm.wire_dtype,
+        "precision": config.train.precision, "backend": comm.backend,
+        "shard_update": comm.shard_update,
         "local_steps": comm.local_steps if local else 1,
         "hierarchical_local": comm.algorithm == "hierarchical_local_sgd",
         "powersgd_rank": comm.powersgd_rank if comm.algorithm == "powersgd" else None,
@@ -75,10 +79,31 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
                     values["model"], int(values["powersgd_rank"]))
             except ValueError as exc:
                 raise BadInputError(str(exc)) from exc
-    if values["wire_dtype"] not in WIRE_BYTES:
+    if values["wire_dtype"] not in WIRE_DTYPES:
         raise BadInputError(f"wire dtype {values['wire_dtype']!r} is not one of "
-                            f"{sorted(WIRE_BYTES)}")
+                            f"{list(WIRE_DTYPES)}")
     return values
+
+
+def planned_algorithm(values: dict[str, Any]) -> str:
+    """The ``comm.algorithm`` the resolved values describe (flags may relax a sync recipe)."""
+    if int(values["local_steps"]) > 1:
+        return "hierarchical_local_sgd" if values["hierarchical_local"] else "local_sgd"
+    return "powersgd" if float(values["compression_ratio"]) > 1 else "sync"
+
+
+def wire_dtype(values: dict[str, Any], precision: str, ranks_per_node: int) -> str:
+    """The gradients' dtype on the wire of the run ``values`` describe, computing in
+    ``precision`` with ``ranks_per_node`` ranks on its fullest node: the dtype asked, or for
+    ``auto`` the run's own rule (hpcdl.train.precision.planned_wire_dtype)."""
+    from hpcdl.train.config import CommConfig
+    from hpcdl.train.precision import planned_wire_dtype
+
+    algorithm = planned_algorithm(values)
+    section = CommConfig(backend=str(values.get("backend", "auto")),
+                         wire_dtype=str(values["wire_dtype"]), algorithm=algorithm,
+                         shard_update=bool(values.get("shard_update")) and algorithm == "sync")
+    return planned_wire_dtype(section, precision, ranks_per_node)
 
 
 def predict_command(args: argparse.Namespace) -> int:
@@ -92,14 +117,18 @@ def predict_command(args: argparse.Namespace) -> int:
 
     values = resolve(args)
     try:
-        machine = load_machine(values["machine"], args.machines_dir)
+        machine = load_machine(values["machine"], args.machines_dir, values["precision"])
         work = workload(values["model"], int(values["image_size"]))
+        procs_per_node = args.procs_per_node or machine.ranks_per_node
+        wire = wire_dtype(values, machine.precision,
+                          min(int(values["procs"]), procs_per_node))
         inp = PlanInputs(
             global_batch=int(values["global_batch"]), procs=int(values["procs"]),
-            procs_per_node=args.procs_per_node or machine.ranks_per_node,
+            procs_per_node=procs_per_node,
             epochs=float(values["epochs"]), dataset_size=args.dataset_size,
             allreduce=args.allreduce, bucket_mb=float(values["bucket_mb"]),
-            wire_bytes=WIRE_BYTES[values["wire_dtype"]], overlap=not args.no_overlap,
+            wire_bytes=WIRE_BYTES[wire],
+            overlap=not args.no_overlap,
             loader_cores_per_node=args.loader_cores, synthetic_data=args.synthetic,
             local_steps=int(values["local_steps"]),
             hierarchical_local=bool(values["hierarchical_local"]),

@@ -42,7 +42,8 @@ def describe(p: Plan, machine: Machine, work: Workload, inp: PlanInputs) -> str:
     gamma = reduction_gamma(machine, min(p.procs, inp.procs_per_node))
     wire = {4: "fp32", 2: "bf16"}.get(inp.wire_bytes, f"{inp.wire_bytes} B/element")
     lines = [
-        f"hpcdl plan: {work.model} at {work.image_size} px on {machine.name} ({machine.path})",
+        f"hpcdl plan: {work.model} at {work.image_size} px on {machine.name} ({machine.path}), "
+        f"computing in {p.precision} (its {machine.precision} rates)",
         f"  {p.procs} ranks on {p.nodes} node(s), {inp.procs_per_node} per node; global batch "
         f"{p.global_batch} = {p.batch_per_rank:.4g} per rank; {p.allreduce} allreduce, "
         f"{inp.bucket_mb:g} MiB buckets, overlap {'on' if inp.overlap else 'off'}",
@@ -130,7 +131,8 @@ def plan_json(p: Plan, plans: Sequence[Plan], machine: Machine, work: Workload,
         "planner": "hpcdl plan",
         "command": command_line(),
         "machine": {"name": machine.name, "path": machine.path,
-                    "description": machine.description,
+                    "description": machine.description, "precision": machine.precision,
+                    "precisions": list(machine.precisions),
                     "figures": {k: {"value": f.value, "source": f.source}
                                 for k, f in machine.figures.items()}},
         "workload": {"model": work.model, "image_size": work.image_size,

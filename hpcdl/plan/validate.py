@@ -28,7 +28,12 @@ BATCH_KEYS = ("batch_per_rank", "per_rank_batch", "local_batch", "batch")
 RATE_KEYS = ("images_per_s_per_rank", "images_per_s_rank", "img_per_s_per_rank")
 SPLIT_KEYS = {"compute_s": ("compute_s", "compute_time_s", "step_compute_s"),
               "comm_wait_s": ("comm_wait_s", "comm_s", "communication_wait_s"),
-              "data_wait_s": ("data_wait_s", "data_s")}
+              "data_wait_s": ("data_wait_s", "data_s"),
+              # the rank's CPU seconds per step (all its threads): on a busy machine, what
+              # the step cost it when the wall clock also counts other processes' turns
+              "cpu_s": ("cpu_s_per_step",),
+              # of which the communication thread's (MPI polls while it waits for a peer)
+              "comm_thread_cpu_s": ("comm_thread_cpu_s_per_step",)}
 VALIDATE_PROCS = (1, 2, 4)
 # Seconds a bench train run spends before its first step (interpreter, torch, MPI, model):
 # only the budget's estimate of a row's first run uses it.
@@ -103,11 +108,18 @@ def run_bench_json(procs: int, bench_args: Sequence[str], timeout_s: float,
             return json.load(f)
 
 
+def bench_threads(procs: int) -> int:
+    """Torch threads of each of ``procs`` ranks on this node: cores ÷ ranks, at least one."""
+    return max(1, (os.cpu_count() or 1) // procs)
+
+
 def run_bench_train(procs: int, model: str, image_size: int, batch: int, steps: int,
-                    timeout_s: float) -> dict[str, float]:
+                    timeout_s: float, precision: str = "float32") -> dict[str, float]:
     """``hpcdl bench train`` as --validate runs it: ours only, synthetic data, no profiled
-    breakdown (it costs a step and is not read), cores ÷ ranks threads each."""
-    threads = max(1, (os.cpu_count() or 1) // procs)
+    breakdown (it costs a step and is not read), cores ÷ ranks threads each, computing in
+    ``precision`` (the machine file's rates of it predict the step; the bench's ``ours``
+    sends float32 gradients in every precision)."""
+    threads = bench_threads(procs)
     report = run_bench_json(procs, (
         "train", "--model", model, "--image-size", str(image_size), "--synthetic", "--batch",
         str(batch), "--steps", str(steps), "--warmup", "1", "--modes", "ours", "--threads",
@@ -115,9 +127,8 @@ def run_bench_train(procs: int, model: str, image_size: int, batch: int, steps: 
         # the rule's backend at the planner's bucket size: a timed trial could pick another
         # backend or layout than the prediction assumes
         "--backend", "rule",
-        # float32: the machine files hold float32 rates (the bench's default, auto, computes
-        # in bf16 on a CPU with native bf16)
-        "--precision", "float32"), timeout_s, announce=True)
+        # never the bench's default, auto: the dtype whose rates made the prediction
+        "--precision", precision), timeout_s, announce=True)
     return measured_step(report, procs)
 
 
@@ -146,7 +157,7 @@ def validation_record(pred: Any, meas: Mapping[str, float],
         rec["measured_min_s"], rec["measured_max_s"] = min(repeats), max(repeats)
         rec["spread"] = (max(repeats) - min(repeats)) / meas["step_s"]
         rec["ratio_range"] = [pred.iteration_s / max(repeats), pred.iteration_s / min(repeats)]
-    for key in ("compute_s", "comm_wait_s", "data_wait_s"):
+    for key in SPLIT_KEYS:
         if key in meas:
             rec[f"measured_{key}"] = meas[key]
     return rec
@@ -158,17 +169,23 @@ def median_measurement(runs: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return dict(ordered[(len(ordered) - 1) // 2])
 
 
-def bf16_skip_reason(flags: set[str] | None = None) -> str:
-    """Why the bf16 rows are not run here (the planner has no bf16 rates yet)."""
-    from hpcdl.cpus import BF16_FLAGS, cpu_flags
+def bf16_note(machine: Any, native: bool | None = None) -> str:
+    """What this validation says of bf16: measured, or why not (no native bf16 here, or no
+    bf16 rates in the machine file, or float32 asked)."""
+    from hpcdl.cpus import bf16_native
     from hpcdl.plan.cpu import cpu_identity
 
-    flags = cpu_flags() if flags is None else flags
-    if not flags & BF16_FLAGS:
+    native = bf16_native() if native is None else native
+    if machine.precision == "bfloat16":
+        return "bf16 rows: predicted from the file's bfloat16 rates, measured in bf16 autocast"
+    if not native:
         return (f"bf16 rows skipped: this CPU ({cpu_identity()['capability']}) has no native "
-                "bf16 (AVX512-BF16 or AMX)")
-    return ("bf16 rows skipped: the CPU has native bf16, but machine files hold fp32 class "
-            "rates only (bf16 calibration is not implemented)")
+                "bf16 (AVX512-BF16 or AMX with torch at AVX-512)")
+    if "bfloat16" not in machine.precisions:
+        return ("bf16 rows skipped: the CPU has native bf16 and the machine file no bfloat16 "
+                "rates (`hpcdl plan --calibrate --precision bfloat16`, then --precision "
+                "bfloat16)")
+    return "bf16 rows skipped: float32 asked (--precision bfloat16 validates bf16)"
 
 
 def parse_workloads(text: str) -> list[tuple[str, int]]:
@@ -186,18 +203,20 @@ def parse_workloads(text: str) -> list[tuple[str, int]]:
 
 
 def validate_command(args: argparse.Namespace) -> int:
-    from hpcdl.plan.cpu import cpu_warning
+    from hpcdl.errors import BadInputError
+    from hpcdl.plan.cpu import cpu_warning, measurable_precision
     from hpcdl.plan.machine import MachineError, load_machine
     from hpcdl.plan.workload import workload
     from hpcdl.results import emit, write_json
 
     name = args.machine or "local"
     try:
-        machine = load_machine(name, args.machines_dir)
+        precision = measurable_precision(args.precision or "float32", "--validate")
+        machine = load_machine(name, args.machines_dir, precision)
         pairs = ([(args.model or "resnet50", args.image_size or 112)]
                  if args.model or args.image_size else parse_workloads(args.validate_workloads))
         works = [workload(m, s) for m, s in pairs]
-    except (MachineError, ValueError) as exc:
+    except (MachineError, BadInputError, ValueError) as exc:
         print(f"hpcdl plan --validate: {exc}", file=sys.stderr)
         return 2
     warning = cpu_warning(machine)
@@ -206,11 +225,13 @@ def validate_command(args: argparse.Namespace) -> int:
     procs_list = args.validate_procs or list(VALIDATE_PROCS)
     budget = getattr(args, "validate_budget", None)
     print(f"validating machine file {machine.path} against hpcdl bench train (synthetic, "
-          f"{args.batch_per_rank} images per rank, np {procs_list}, {args.repeats} repeats"
+          f"{precision}, {args.batch_per_rank} images per rank, np {procs_list}, "
+          f"{args.repeats} repeats"
           + (f", {budget:g} s budget" if budget else "") + ")")
     rows = [ValidationRow(machine, work, procs, args)
             for work in works for procs in procs_list]
-    bf16 = bf16_skip_reason()
+    bf16 = bf16_note(machine)
+    load_before = os.getloadavg()
     deadline = time.monotonic() + budget if budget else None
     for repeat in range(max(1, args.repeats)):
         # Round-robin: every row gets its first measurement before any gets its second, so
@@ -224,8 +245,9 @@ def validate_command(args: argparse.Namespace) -> int:
                 return 1
         if args.json:   # a long validation stopped early keeps the rows it measured
             write_json(args.json, validation_report(rows, machine, warning, procs_list, bf16,
-                                                    complete=False))
-    report = validation_report(rows, machine, warning, procs_list, bf16, complete=True)
+                                                    complete=False, load_before=load_before))
+    report = validation_report(rows, machine, warning, procs_list, bf16, complete=True,
+                               load_before=load_before)
     print(report["bf16"])
     emit(report, ("model", "image_size", "ranks", "batch_per_rank", "predicted_step_s",
                   "measured_step_s", "measured_min_s", "measured_max_s",
@@ -235,9 +257,14 @@ def validate_command(args: argparse.Namespace) -> int:
 
 
 def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str | None,
-                      procs_list: Sequence[int], bf16: str, complete: bool) -> dict[str, Any]:
+                      procs_list: Sequence[int], bf16: str, complete: bool,
+                      load_before: Sequence[float] = ()) -> dict[str, Any]:
     """The bench JSON of a validation (``complete`` False while rows are still to come); rows
-    never measured (budget) are listed under ``not_measured``; ``bf16`` says why no bf16 rows."""
+    never measured (budget) are listed under ``not_measured``; ``bf16`` says whether bf16 was
+    validated and why not; ``precision`` is the dtype predicted and measured, and the machine
+    block records the CPU (lscpu's model name, torch's capability, the flags that move the
+    rates) and the load average before and after."""
+    from hpcdl.plan.cpu import cpu_identity
     from hpcdl.results import bench_report, in_band
 
     records = [row.record() for row in rows if row.runs]
@@ -247,7 +274,13 @@ def validation_report(rows: Sequence[ValidationRow], machine: Any, warning: str 
         in_band(r["predicted_vs_measured"]) for r in records)
     report = bench_report("plan-validate", records, ratios, ranks=max(procs_list))
     report.update(machine_file=machine.path, bf16=bf16, complete=complete,
-                  not_measured=[row.label for row in rows if not row.runs])
+                  not_measured=[row.label for row in rows if not row.runs],
+                  precision=machine.precision, wire_dtype="float32")
+    cpu = cpu_identity()
+    report["machine"].update(cpu_model_name=cpu["model_name"], cpu_capability=cpu["capability"],
+                             cpu_flags=cpu["flags"],
+                             load_average={"before": list(load_before),
+                                           "after": list(os.getloadavg())})
     if warning:
         report["cpu_warning"] = warning
     return report
@@ -278,7 +311,8 @@ class ValidationRow:
         try:
             run = run_bench_train(self.procs, self.work.model, self.work.image_size,
                                   args.batch_per_rank, args.steps,
-                                  timeout_s=args.validate_timeout)
+                                  timeout_s=args.validate_timeout,
+                                  precision=self.machine.precision)
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
             print(f"hpcdl plan --validate: {self.label}: {exc}", file=sys.stderr)
             return False
@@ -297,5 +331,6 @@ class ValidationRow:
 
     def record(self) -> dict[str, Any]:
         """The row as the JSON holds it: prediction against the median run."""
-        return validation_record(self.prediction, median_measurement(self.runs),
-                                 [r["step_s"] for r in self.runs])
+        return {**validation_record(self.prediction, median_measurement(self.runs),
+                                    [r["step_s"] for r in self.runs]),
+                "threads_per_rank": bench_threads(self.procs)}

@@ -10,8 +10,8 @@ from typing import Any
 from hpcdl.cpus import bf16_native, cpu_capability, cpu_model_name
 from hpcdl.train.config import CommConfig, resolve_precision
 
-__all__ = ["BF16_WIRE_BACKENDS", "agreed_precision", "describe", "run_wire_dtype",
-           "wire_dtype_for"]
+__all__ = ["BF16_WIRE_BACKENDS", "agreed_precision", "describe", "planned_wire_dtype",
+           "run_wire_dtype", "wire_dtype_for"]
 
 #: backends that send bf16 and sum in float32 (docs/comm.md)
 BF16_WIRE_BACKENDS = ("ring", "shm")
@@ -57,6 +57,19 @@ def wire_dtype_for(section: CommConfig, precision: str, backend: str) -> str:
     follows = (precision == "bfloat16" and section.algorithm == "sync"
                and not section.shard_update and backend in BF16_WIRE_BACKENDS)
     return "bfloat16" if follows else "float32"
+
+
+def planned_wire_dtype(section: CommConfig, precision: str, ranks_per_node: int) -> str:
+    """:func:`wire_dtype_for` without a running world (what ``hpcdl plan`` costs): a run
+    computing in ``precision`` whose fullest node holds ``ranks_per_node`` ranks, its
+    ``backend: auto`` named by the rule hpcdl.comm.auto_backend applies to a running world
+    (hpcdl.topology.auto_backend_name)."""
+    from hpcdl.topology import auto_backend_name
+
+    backend = section.backend.lower()
+    if backend == "auto":
+        backend = auto_backend_name(ranks_per_node)
+    return wire_dtype_for(section, precision, backend)
 
 
 def run_wire_dtype(section: CommConfig, requested_precision: str, mpi_comm: Any,
