@@ -5,11 +5,14 @@ Trainer's step: overlapped GradientReducer, then LARS), ``no_comm`` (the same Tr
 reducer suspended: the ceiling, ``vs_no_comm``), ``ddp_gloo`` (PyTorch DDP on gloo,
 ``vs_ddp_gloo``), ``horovod`` (by name; absent, with the reason in ``absent_modes``, where
 ``horovod.torch`` does not import), ``ours@BACKEND``, ``ours_bf16`` (bf16 on the wire, on a
-communicator of its own: ``ring`` or ``shm``) and, with ``--shard-update``, ``ours_allreduce``.
+communicator of its own: ``ring`` or ``shm``), ``torch`` (plain torch on the same model, LARS,
+schedule, precision and memory format, no hpcdl wrapper: each mode's ``vs_torch``) and, with
+``--shard-update``, ``ours_allreduce``.
 Each step also records the NIC bytes of ``--nic``, the rank's CPU seconds and the reducer
 thread's; the JSON names the hosts, their link shaping (``tc qdisc``) and the load average.
-``flops_fraction_of_matmul``: the step's training FLOP rate (6 × forward multiply-adds) over
-an n×n matmul's on the same ranks. docs/performance.md, "Training step".
+``flops_fraction_of_matmul`` (per mode and in ``ratios``): the step's training FLOP rate (6 ×
+forward multiply-adds) over an n×n matmul's of the step's dtype on the same ranks.
+docs/performance.md, "Training step" and "bf16".
 
     mpiexec -n 2 hpcdl bench train --model resnet50 --image-size 112 --synthetic --json F.json
 """
@@ -26,7 +29,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hpcdl.bench.baselines import Stepper, ddp_stepper, horovod_missing, horovod_stepper
+from hpcdl.bench.baselines import (
+    Stepper,
+    ddp_stepper,
+    horovod_missing,
+    horovod_stepper,
+    torch_stepper,
+)
 from hpcdl.buckets import DEFAULT_BUCKET_MB
 from hpcdl.cpus import (
     bf16_native,
@@ -42,10 +51,13 @@ from hpcdl.train.precision import agreed_precision
 COMMAND = "train"
 HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
 
-MODES = ("ours", "no_comm", "ddp_gloo", "ours_allreduce", "ours_bf16", "horovod")
+MODES = ("ours", "no_comm", "ddp_gloo", "ours_allreduce", "ours_bf16", "horovod", "torch")
 COLUMNS = ["mode", "ranks", "batch_per_rank", "step_time_s", "images_per_s_per_rank",
            "compute_s", "comm_wait_s", "data_wait_s", "train_gflops_per_s",
-           "nic_tx_MB_per_step", "cpu_s_per_step", "comm_thread_cpu_share"]
+           "flops_fraction_of_matmul", "vs_torch", "nic_tx_MB_per_step", "cpu_s_per_step",
+           "comm_thread_cpu_share"]
+#: --memory-format -> train.channels_last
+MEMORY_FORMATS = {"auto": "auto", "channels_last": True, "contiguous": False}
 #: The per-step counters each sample carries besides its times (see step_counters).
 COUNTERS = ("nic_tx_bytes", "nic_rx_bytes", "cpu_s", "comm_thread_cpu_s")
 
@@ -74,9 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
                         help="fusion bucket size in MiB, ours and DDP alike (comm.bucket_mb; "
                              "default %(default)g)")
-    parser.add_argument("--memory-format", choices=("channels_last", "contiguous"),
-                        default="contiguous",
-                        help="activation layout of every mode (channels_last: >= 2 threads)")
+    parser.add_argument("--memory-format", choices=tuple(MEMORY_FORMATS), default="auto",
+                        help="activation layout of every mode, as the recipes' "
+                             "train.channels_last: auto (default) = channels_last for a "
+                             "bfloat16 step, contiguous for float32; channels_last only with "
+                             ">= 2 threads (hpcdl.cpus.memory_format_name)")
     parser.add_argument("--malloc", choices=("retain", "default"), default="retain",
                         help="retain: glibc keeps freed activation memory (no page faults per "
                              "step); default: glibc's own thresholds")
@@ -166,7 +180,7 @@ def bench_config(args: argparse.Namespace, ranks: int, precision: str = "float32
         "optimizer": {"name": "lars", "momentum": 0.9, "weight_decay": 5.0e-5,
                       "trust_coefficient": 0.001},
         "schedule": {"name": "poly", "base_lr": 0.1, "warmup_epochs": 0, "power": 2.0},
-        "train": {"channels_last": args.memory_format == "channels_last",
+        "train": {"channels_last": MEMORY_FORMATS[args.memory_format],
                   "log_every_steps": 10 ** 9, "precision": precision},
         # ours sends float32 as DDP does; ours_bf16 is the bf16-on-the-wire mode
         "comm": {"backend": args.backend, "bucket_mb": args.bucket_mb, "wire_dtype": "float32",
@@ -433,6 +447,18 @@ def step_costs(per_rank: list[dict[str, float | None]], step: float) -> dict[str
     }
 
 
+def compare_with_peak_and_torch(records: dict[str, dict[str, Any]], matmul: float) -> None:
+    """Add to each mode's record its FLOP rate's fraction of the dtype's matmul peak
+    (``flops_fraction_of_matmul``, of the compute part of the step) and, when the ``torch``
+    mode ran, its images/s over plain torch's (``vs_torch``)."""
+    plain = records.get("torch")
+    for record in records.values():
+        record["flops_fraction_of_matmul"] = record["train_gflops_per_s"] * 1e9 / matmul
+        if plain is not None:
+            record["vs_torch"] = (record["images_per_s_per_rank"]
+                                  / plain["images_per_s_per_rank"])
+
+
 def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
               train_flops_per_image: float) -> dict[str, Any]:
     ratios: dict[str, Any] = {}
@@ -447,7 +473,9 @@ def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
     ours = records.get("ours")
     if ours is not None:
         ratios["images_per_s_per_rank"] = ours["images_per_s_per_rank"]
-        compare("vs_", "ours", ("no_comm", "ddp_gloo", "horovod"))
+        compare("vs_", "ours", ("no_comm", "ddp_gloo", "horovod", "torch"))
+    if "no_comm" in records:   # hpcdl's compute-only step against plain torch's
+        compare("no_comm_vs_", "no_comm", ("torch",))
     for mode in records:   # ours@BACKEND: the same comparisons, by name
         if own_backend(mode):
             compare(f"{mode}_vs_", mode, ("no_comm", "ddp_gloo"))
@@ -461,7 +489,7 @@ def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
                                               / plain["images_per_s_per_rank"])
     # Compute efficiency of the step's compute part (comm and data waits excluded), taken from
     # ours, or from the ceiling when ours was not run.
-    base = ours or records.get("no_comm") or records.get("ddp_gloo")
+    base = ours or records.get("no_comm") or records.get("ddp_gloo") or records.get("torch")
     if base is not None:
         ratios["flops_fraction_of_matmul"] = base["train_gflops_per_s"] * 1e9 / matmul
         ratios["comm_wait"] = (base["comm_wait_s"] or 0.0) / base["step_time_s"]
@@ -614,11 +642,15 @@ def run(args: argparse.Namespace) -> int:
             if "horovod" in modes:
                 built["horovod"] = stack.enter_context(
                     horovod_stepper(config, args.warmup + args.steps))
+            if "torch" in modes:
+                built["torch"] = stack.enter_context(
+                    torch_stepper(config, args.warmup + args.steps))
             steppers = {mode: built[mode] for mode in modes}
             samples = time_rounds(world, steppers, loader, args.steps, args.warmup,
                                   args.rounds, counters=step_counters(args.nic))
             breakdown = None
-            profiled = next((m for m in ("no_comm", "ours", "ddp_gloo") if m in steppers), None)
+            profiled = next((m for m in ("no_comm", "ours", "ddp_gloo", "torch")
+                             if m in steppers), None)
             if args.breakdown and profiled is not None:
                 world.Barrier()
                 breakdown = compute_breakdown(steppers[profiled], endless(loader),
@@ -633,7 +665,8 @@ def run(args: argparse.Namespace) -> int:
             matmul_flops_per_s(args.matmul_size, dtype=precision)))
         hosts = world.allgather((MPI.Get_processor_name(), link_shaping(args.nic)))
         if comm.rank == 0:
-            layout = memory_format_name(args.memory_format == "channels_last", args.threads)
+            layout = memory_format_name(config.train.channels_last, args.threads, precision)
+            compare_with_peak_and_torch(records, matmul)
             for mode, record in records.items():
                 record.update(model=args.model, image_size=args.image_size, threads=args.threads,
                               memory_format=layout, malloc=malloc, precision=precision,
