@@ -77,7 +77,13 @@ def test_each_mode_gets_its_fraction_of_the_peak_and_its_ratio_to_plain_torch():
                 "comm_wait_s": 0.0, "data_wait_s": 0.0, "train_gflops_per_s": gflops}
 
     records = {"no_comm": rec("no_comm", 12.0, 30.0), "torch": rec("torch", 10.0, 25.0)}
-    bench.compare_with_peak_and_torch(records, matmul=100e9)
+    for record, cpu_s in ((records["no_comm"], 2.0), (records["torch"], 4.0)):
+        record.update(batch_per_rank=8, cpu_s_per_step=cpu_s)
+    bench.compare_with_peak_and_torch(records, matmul=100e9, matmul_per_cpu_s=40e9,
+                                      train_flops_per_image=5e9)
+    # 8 images x 5 GFLOP in 2 CPU s = 20 GFLOP per CPU s, against the matmul's 40
+    assert records["no_comm"]["cpu_flops_fraction_of_matmul"] == pytest.approx(0.5)
+    assert records["torch"]["cpu_flops_fraction_of_matmul"] == pytest.approx(0.25)
     assert records["no_comm"]["flops_fraction_of_matmul"] == pytest.approx(0.30)
     assert records["torch"]["flops_fraction_of_matmul"] == pytest.approx(0.25)
     assert records["no_comm"]["vs_torch"] == pytest.approx(1.2)
@@ -92,6 +98,7 @@ def test_without_the_torch_mode_no_record_has_a_torch_ratio():
                            "train_gflops_per_s": 10.0}}
     bench.compare_with_peak_and_torch(records, matmul=20e9)
     assert "vs_torch" not in records["no_comm"]
+    assert "cpu_flops_fraction_of_matmul" not in records["no_comm"]   # no CPU rates given
     assert records["no_comm"]["flops_fraction_of_matmul"] == pytest.approx(0.5)
 
 
@@ -240,6 +247,11 @@ def test_two_ranks_measure_every_mode_into_the_bench_json(tmp_path):
         by_mode["ours"]["images_per_s_per_rank"] / by_mode["no_comm"]["images_per_s_per_rank"])
 
 
+def test_matmul_rates_are_per_wall_and_per_cpu_second():
+    wall, cpu = bench.matmul_rates(64, seconds=0.01)
+    assert wall > 0 and cpu > 0
+
+
 def test_matmul_reference_runs_in_bf16_for_a_bf16_step():
     assert bench.matmul_flops_per_s(64, seconds=0.01, dtype="bfloat16") > 0
 
@@ -272,6 +284,7 @@ def test_the_torch_mode_is_timed_beside_no_comm_with_its_ratios(tmp_path):
         assert record["images_per_s_per_rank"] > 0
         assert record["flops_fraction_of_matmul"] == pytest.approx(
             record["train_gflops_per_s"] / matmul)
+        assert record["cpu_flops_fraction_of_matmul"] > 0
     assert by_mode["torch"]["vs_torch"] == 1.0
     assert by_mode["torch"]["comm_wait_s"] is None
     assert report["ratios"]["no_comm_vs_torch"] == by_mode["no_comm"]["vs_torch"] == \

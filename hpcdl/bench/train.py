@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -379,6 +380,14 @@ def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3,
                        dtype: str = "float32") -> float:
     """FLOP/s of an n×n matmul (fp32, or bf16 for a bf16 step) on this rank's threads: the
     reference peak a dense kernel reaches here (2n³ FLOPs per product)."""
+    return matmul_rates(n, seconds, min_repeats, dtype)[0]
+
+
+def matmul_rates(n: int, seconds: float = 2.0, min_repeats: int = 3,
+                 dtype: str = "float32") -> tuple[float, float]:
+    """(FLOPs per wall second, FLOPs per CPU second of this process) of an n×n matmul of
+    ``dtype`` on this rank's threads. The second is what a shared core does not move: a
+    step and a matmul that each wait for cores still compare per CPU second."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -386,11 +395,13 @@ def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3,
     b = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
     out = torch.empty(n, n, dtype=a.dtype)
     torch.mm(a, b, out=out)
-    repeats, start = 0, time.perf_counter()
+    repeats, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while repeats < min_repeats or time.perf_counter() - start < seconds:
         torch.mm(a, b, out=out)
         repeats += 1
-    return 2.0 * n ** 3 * repeats / (time.perf_counter() - start)
+    flops = 2.0 * n ** 3 * repeats
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return flops / wall, flops / cpu if cpu > 0 else math.nan
 
 
 # -- summarising over ranks -----------------------------------------------------------------------
@@ -447,13 +458,21 @@ def step_costs(per_rank: list[dict[str, float | None]], step: float) -> dict[str
     }
 
 
-def compare_with_peak_and_torch(records: dict[str, dict[str, Any]], matmul: float) -> None:
+def compare_with_peak_and_torch(records: dict[str, dict[str, Any]], matmul: float,
+                                matmul_per_cpu_s: float | None = None,
+                                train_flops_per_image: float | None = None) -> None:
     """Add to each mode's record its FLOP rate's fraction of the dtype's matmul peak
-    (``flops_fraction_of_matmul``, of the compute part of the step) and, when the ``torch``
-    mode ran, its images/s over plain torch's (``vs_torch``)."""
+    (``flops_fraction_of_matmul``, of the compute part of the step), the same per CPU second
+    of the process (``cpu_flops_fraction_of_matmul``: the step's FLOPs per CPU second over
+    the matmul's, when both are given: what load on shared cores does not move) and, when the
+    ``torch`` mode ran, its images/s over plain torch's (``vs_torch``)."""
     plain = records.get("torch")
     for record in records.values():
         record["flops_fraction_of_matmul"] = record["train_gflops_per_s"] * 1e9 / matmul
+        cpu_s = record.get("cpu_s_per_step")
+        if matmul_per_cpu_s and train_flops_per_image and cpu_s:
+            record["cpu_flops_fraction_of_matmul"] = (
+                train_flops_per_image * record["batch_per_rank"] / cpu_s / matmul_per_cpu_s)
         if plain is not None:
             record["vs_torch"] = (record["images_per_s_per_rank"]
                                   / plain["images_per_s_per_rank"])
@@ -661,12 +680,14 @@ def run(args: argparse.Namespace) -> int:
             per_rank = world.allgather(rank_means(samples[mode]))
             records[mode] = mode_record(mode, per_rank, args.batch, train_flops_per_image)
         world.Barrier()  # every rank multiplies at once, as every rank trained at once
-        matmul = statistics.fmean(world.allgather(
-            matmul_flops_per_s(args.matmul_size, dtype=precision)))
+        rates = world.allgather(matmul_rates(args.matmul_size, dtype=precision))
+        matmul = statistics.fmean(wall for wall, _ in rates)
+        matmul_per_cpu_s = statistics.fmean(cpu for _, cpu in rates)
         hosts = world.allgather((MPI.Get_processor_name(), link_shaping(args.nic)))
         if comm.rank == 0:
             layout = memory_format_name(config.train.channels_last, args.threads, precision)
-            compare_with_peak_and_torch(records, matmul)
+            compare_with_peak_and_torch(records, matmul, matmul_per_cpu_s,
+                                        train_flops_per_image)
             for mode, record in records.items():
                 record.update(model=args.model, image_size=args.image_size, threads=args.threads,
                               memory_format=layout, malloc=malloc, precision=precision,
@@ -678,6 +699,7 @@ def run(args: argparse.Namespace) -> int:
                                   ratios_of(records, matmul, train_flops_per_image),
                                   ranks=comm.size)
             ratios = report["ratios"]
+            ratios["matmul_gflops_per_cpu_s_per_rank"] = matmul_per_cpu_s / 1e9
             if breakdown is not None:
                 # Upper bound of the FLOP fraction with every non-dense operator fused away.
                 ratios["dense_kernels_fraction_of_matmul"] = \
