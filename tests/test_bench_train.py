@@ -71,10 +71,43 @@ def test_ratios_compare_ours_with_ceiling_and_ddp():
     assert ratios["data_wait"] == pytest.approx(0.05)
 
 
+def test_each_mode_gets_its_fraction_of_the_peak_and_its_ratio_to_plain_torch():
+    def rec(mode, images_per_s, gflops):
+        return {"mode": mode, "images_per_s_per_rank": images_per_s, "step_time_s": 1.0,
+                "comm_wait_s": 0.0, "data_wait_s": 0.0, "train_gflops_per_s": gflops}
+
+    records = {"no_comm": rec("no_comm", 12.0, 30.0), "torch": rec("torch", 10.0, 25.0)}
+    for record, cpu_s in ((records["no_comm"], 2.0), (records["torch"], 4.0)):
+        record.update(batch_per_rank=8, cpu_s_per_step=cpu_s)
+    bench.compare_with_peak_and_torch(records, matmul=100e9, matmul_per_cpu_s=40e9,
+                                      train_flops_per_image=5e9)
+    # 8 images x 5 GFLOP in 2 CPU s = 20 GFLOP per CPU s, against the matmul's 40
+    assert records["no_comm"]["cpu_flops_fraction_of_matmul"] == pytest.approx(0.5)
+    assert records["torch"]["cpu_flops_fraction_of_matmul"] == pytest.approx(0.25)
+    assert records["no_comm"]["flops_fraction_of_matmul"] == pytest.approx(0.30)
+    assert records["torch"]["flops_fraction_of_matmul"] == pytest.approx(0.25)
+    assert records["no_comm"]["vs_torch"] == pytest.approx(1.2)
+    assert records["torch"]["vs_torch"] == 1.0
+    ratios = bench.ratios_of(records, matmul=100e9, train_flops_per_image=1e9)
+    assert ratios["no_comm_vs_torch"] == pytest.approx(1.2)
+    assert ratios["flops_fraction_of_matmul"] == pytest.approx(0.30)   # of no_comm
+
+
+def test_without_the_torch_mode_no_record_has_a_torch_ratio():
+    records = {"no_comm": {"mode": "no_comm", "images_per_s_per_rank": 5.0,
+                           "train_gflops_per_s": 10.0}}
+    bench.compare_with_peak_and_torch(records, matmul=20e9)
+    assert "vs_torch" not in records["no_comm"]
+    assert "cpu_flops_fraction_of_matmul" not in records["no_comm"]   # no CPU rates given
+    assert records["no_comm"]["flops_fraction_of_matmul"] == pytest.approx(0.5)
+
+
 def test_modes_parse_and_no_comm_shorthand():
     args = argparse.Namespace(no_comm=False, modes="ours,ddp_gloo")
     assert bench.parse_modes(args) == ["ours", "ddp_gloo"]
     assert bench.parse_modes(argparse.Namespace(no_comm=True, modes="ours")) == ["no_comm"]
+    assert bench.parse_modes(argparse.Namespace(no_comm=False, modes="no_comm,torch")) == [
+        "no_comm", "torch"]
     with pytest.raises(SystemExit, match="byteps"):
         bench.parse_modes(argparse.Namespace(no_comm=False, modes="ours,byteps"))
 
@@ -85,6 +118,25 @@ def test_every_mode_falls_back_to_contiguous_on_one_thread():
     assert memory_format_name(channels_last=True, threads=1) == "contiguous"
     assert memory_format_name(channels_last=True, threads=2) == "channels_last"
     assert memory_format_name(channels_last=False, threads=4) == "contiguous"
+    assert memory_format_name("auto", threads=1, precision="bfloat16") == "contiguous"
+
+
+def test_auto_layout_is_channels_last_for_bf16_only():
+    from hpcdl.cpus import memory_format_name
+
+    assert memory_format_name("auto", threads=2, precision="bfloat16") == "channels_last"
+    assert memory_format_name("auto", threads=8, precision="float32") == "contiguous"
+    assert memory_format_name(True, threads=2, precision="float32") == "channels_last"
+    assert memory_format_name(False, threads=2, precision="bfloat16") == "contiguous"
+
+
+def test_the_bench_layout_flag_is_the_recipe_key():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for flag, key in (("auto", "auto"), ("channels_last", True), ("contiguous", False)):
+        args = parser.parse_args(["--synthetic", "--memory-format", flag])
+        assert bench.bench_config(args, ranks=1).train.channels_last == key
+    assert parser.parse_args(["--synthetic"]).memory_format == "auto"
 
 
 def test_the_baselines_plain_step_is_one_scheduled_sgd_step_of_cross_entropy():
@@ -203,6 +255,11 @@ def test_two_ranks_measure_every_mode_into_the_bench_json(tmp_path):
         by_mode["ours"]["images_per_s_per_rank"] / by_mode["no_comm"]["images_per_s_per_rank"])
 
 
+def test_matmul_rates_are_per_wall_and_per_cpu_second():
+    wall, cpu = bench.matmul_rates(64, seconds=0.01)
+    assert wall > 0 and cpu > 0
+
+
 def test_matmul_reference_runs_in_bf16_for_a_bf16_step():
     assert bench.matmul_flops_per_s(64, seconds=0.01, dtype="bfloat16") > 0
 
@@ -221,6 +278,26 @@ def test_bf16_mode_measures_every_mode_in_bf16_or_says_why_not(tmp_path):
     else:  # one clear line, naming the CPU, and a JSON that says it was skipped
         assert report["results"] == [] and "no native bf16" in report["skipped"]
         assert "skipped" in proc.stdout and report["machine"]["cpu"] in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_the_torch_mode_is_timed_beside_no_comm_with_its_ratios(tmp_path):
+    _, report = run_bench_train(tmp_path / "train.json", "--steps", "2", "--modes",
+                                "no_comm,torch", "--precision", "float32", "--no-breakdown")
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert set(by_mode) == {"no_comm", "torch"}
+    matmul = report["ratios"]["matmul_gflops_per_s_per_rank"]
+    for record in by_mode.values():
+        assert record["precision"] == "float32" and record["memory_format"] == "contiguous"
+        assert record["images_per_s_per_rank"] > 0
+        assert record["flops_fraction_of_matmul"] == pytest.approx(
+            record["train_gflops_per_s"] / matmul)
+        assert record["cpu_flops_fraction_of_matmul"] > 0
+    assert by_mode["torch"]["vs_torch"] == 1.0
+    assert by_mode["torch"]["comm_wait_s"] is None
+    assert report["ratios"]["no_comm_vs_torch"] == by_mode["no_comm"]["vs_torch"] == \
+        pytest.approx(by_mode["no_comm"]["images_per_s_per_rank"]
+                      / by_mode["torch"]["images_per_s_per_rank"])
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")

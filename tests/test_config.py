@@ -85,6 +85,13 @@ def test_overrides_parse_yaml_scalars(recipe):
     assert config.model["width"] == 8  # model-specific keys pass through to create_model
 
 
+def test_channels_last_is_true_false_or_auto(recipe):
+    assert load_recipe(recipe()).train.channels_last is False   # omitted: contiguous
+    assert load_recipe(recipe(), ["train.channels_last=auto"]).train.channels_last == "auto"
+    with pytest.raises(RecipeError, match=r"train\.channels_last.*'nhwc'"):
+        load_recipe(recipe(), ["train.channels_last=nhwc"])
+
+
 def test_override_of_unknown_key_is_an_error(recipe):
     with pytest.raises(RecipeError, match=r"batch\.per_rnak"):
         load_recipe(recipe(), ["batch.per_rnak=4"])

@@ -68,10 +68,11 @@ def test_the_summary_quotes_its_sections_tables():
     # one function per figure: the summary's cells are the figures its sections' tables show
     text = (ROOT / "docs" / "performance.md").read_text()
     summary = text.split("<!-- generated: summary", 1)[1].split(CLOSE, 1)[0]
-    for figure in ("0.960 [0.927–0.996]", "| 4.44 / 3.86 | 4.14 |", "**0.546**", "**−0.14**",
-                   "0.842 [0.835–0.915]", "**10 of 12**"):
+    for figure in ("0.960 [0.927–0.996]", "| 4.44 / 3.86 | 4.14 |", "**0.68×** / **1.95×**",
+                   "**0.98 [0.84–1.15]**", "**−0.14**", "0.842 [0.835–0.915]", "**10 of 12**"):
         assert figure in text.replace(summary, ""), figure
-    for figure in ("0.960", "4.44× / 3.86×", "0.546", "−0.14", "0.84×", "10 of 12"):
+    for figure in ("0.960", "4.44× / 3.86×", "0.68× / 1.95×", "0.98 [0.84–1.15]", "−0.14",
+                   "0.84×", "10 of 12"):
         assert figure in summary, figure
 
 
@@ -214,3 +215,41 @@ def test_a_prose_figure_edited_by_hand_fails_the_prose_check(tmp_path):
     # a figure restated in prose and then edited by hand no longer matches any block
     doc = _copy_with_edit(tmp_path, "4.44× (h1) and 3.86× (h2)", "4.44× (h1) and 3.91× (h2)")
     assert [s.split(": ")[-1] for s in stray_prose_figures(doc)] == ["3.91"]
+
+
+def _step_report(precision: str, layout: str, ours: float, plain: float) -> dict:
+    """A `hpcdl bench train --modes no_comm,torch` JSON reduced to what the bf16 table reads."""
+    def record(mode, images_per_s):
+        return {"mode": mode, "precision": precision, "memory_format": layout, "threads": 2,
+                "images_per_s_per_rank": images_per_s, "vs_torch": images_per_s / plain,
+                "flops_fraction_of_matmul": images_per_s / 200, "cpu_s_per_step": 32 / images_per_s,
+                "cpu_flops_fraction_of_matmul": images_per_s / 100}
+    return {"results": [record("no_comm", ours), record("torch", plain)],
+            "ratios": {"matmul_gflops_per_cpu_s_per_rank": 400.0},
+            "compute_breakdown": {"convolution_share": 0.6},
+            "machine": {"cpu": "Some Xeon", "cores": 2, "cpu_capability": "AVX512",
+                        "bf16_native": True, "threads_per_rank": 2,
+                        "load_average": {"before": [3.0, 0, 0], "after": [4.0, 0, 0]}}}
+
+
+def test_the_bf16_table_sets_each_dtype_beside_plain_torch_in_the_layout_auto_picks(tmp_path):
+    import json
+
+    from hpcdl.figures import tables
+
+    folder = tmp_path / "docs" / "results" / tables.BF16_SPEED_DIR
+    folder.mkdir(parents=True)
+    for prefix, _ in tables.BF16_SPEED_MODELS:
+        for name, report in (("fp32", _step_report("float32", "contiguous", 10.0, 10.0)),
+                             ("bf16", _step_report("bfloat16", "channels_last", 25.0, 20.0))):
+            (folder / f"{prefix}-{name}-1.json").write_text(json.dumps(report))
+        slow = _step_report("bfloat16", "contiguous", 20.0, 20.0)
+        (folder / f"layout-{prefix}-bf16-contiguous.json").write_text(json.dumps(slow))
+    text = tables.bf16_speed(tmp_path)
+    assert "`lscpu` \"Some Xeon\"" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ResNet-50")]
+    assert [r.split(" | ")[1:3] for r in rows] == [
+        ["fp32", "contiguous (auto)"], ["bf16", "channels_last (auto)"], ["bf16", "contiguous"]]
+    assert "| **1.25 [1.25–1.25]** |" in rows[1]           # hpcdl ÷ torch, each run's own
+    assert "auto picks: **2.50×** / **2.50×**" in text      # bf16 ÷ fp32, auto layouts only
+    assert tables.bf16_vs_torch(tmp_path, "resnet50-112px-b32") == ([1.25], 0.25)

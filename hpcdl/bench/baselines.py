@@ -1,6 +1,8 @@
 """The baselines ``hpcdl bench train`` times hpcdl's step against: the same model, LARS and
-schedule written the way a PyTorch user would (``DistributedDataParallel`` on gloo) and the
-way a Horovod user would (``hvd.DistributedOptimizer``), both around one plain torch step.
+schedule written the way a PyTorch user would (``DistributedDataParallel`` on gloo), the way a
+Horovod user would (``hvd.DistributedOptimizer``), and plain torch with no wrapper at all (the
+``torch`` mode: the reference hpcdl's compute-only step is held to), all around one plain
+torch step in the precision and memory format the recipe resolves to.
 
 Each baseline is a "stepper" (:data:`Stepper`): a function that takes one batch, runs one
 optimizer step, and returns the seconds it waited for communication, or None where that wait
@@ -50,6 +52,33 @@ def plain_step(forward: Callable, optimizer, schedule, bf16: bool,
     return step
 
 
+def recipe_memory_format(config, threads: int):
+    """The torch memory format of ``config``'s ``train.channels_last`` on ``threads`` threads
+    for its (resolved) ``train.precision``: hpcdl.cpus.memory_format_name's rule, which the
+    Trainer follows too."""
+    import torch
+
+    name = memory_format_name(config.train.channels_last, threads, config.train.precision)
+    return torch.channels_last if name == "channels_last" else torch.contiguous_format
+
+
+@contextlib.contextmanager
+def torch_stepper(config, total_steps: int) -> Iterator[Stepper]:
+    """The same model, LARS, schedule, precision and memory format as the Trainer's step,
+    written as plain torch on one process: what hpcdl's compute-only step (``no_comm``) is
+    compared with (``vs_torch``). ``config.train.precision`` is already resolved."""
+    import torch
+
+    from hpcdl.train.trainer import recipe_model, recipe_optimizer, recipe_schedule
+
+    memory_format = recipe_memory_format(config, torch.get_num_threads())
+    model = recipe_model(config).to(memory_format=memory_format)
+    schedule = recipe_schedule(config, total_steps, total_steps)
+    optimizer = recipe_optimizer(config, model, schedule)
+    yield plain_step(model, optimizer, schedule, config.train.precision == "bfloat16",
+                     memory_format)
+
+
 @contextlib.contextmanager
 def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
     """The same step written the way a PyTorch user would: DDP(model) on gloo, LARS."""
@@ -62,9 +91,7 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
 
     store = init_process_group_over_mpi(mpi_comm)
     try:
-        memory_format = (torch.channels_last if memory_format_name(
-            config.train.channels_last, torch.get_num_threads()) == "channels_last"
-            else torch.contiguous_format)
+        memory_format = recipe_memory_format(config, torch.get_num_threads())
         model = recipe_model(config).to(memory_format=memory_format)
         # Held in a dict so it can be dropped before its process group is destroyed.
         held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}

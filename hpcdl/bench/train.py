@@ -5,11 +5,14 @@ Trainer's step: overlapped GradientReducer, then LARS), ``no_comm`` (the same Tr
 reducer suspended: the ceiling, ``vs_no_comm``), ``ddp_gloo`` (PyTorch DDP on gloo,
 ``vs_ddp_gloo``), ``horovod`` (by name; absent, with the reason in ``absent_modes``, where
 ``horovod.torch`` does not import), ``ours@BACKEND``, ``ours_bf16`` (bf16 on the wire, on a
-communicator of its own: ``ring`` or ``shm``) and, with ``--shard-update``, ``ours_allreduce``.
+communicator of its own: ``ring`` or ``shm``), ``torch`` (plain torch on the same model, LARS,
+schedule, precision and memory format, no hpcdl wrapper: each mode's ``vs_torch``) and, with
+``--shard-update``, ``ours_allreduce``.
 Each step also records the NIC bytes of ``--nic``, the rank's CPU seconds and the reducer
 thread's; the JSON names the hosts, their link shaping (``tc qdisc``) and the load average.
-``flops_fraction_of_matmul``: the step's training FLOP rate (6 × forward multiply-adds) over
-an n×n matmul's on the same ranks. docs/performance.md, "Training step".
+``flops_fraction_of_matmul`` (per mode and in ``ratios``): the step's training FLOP rate (6 ×
+forward multiply-adds) over an n×n matmul's of the step's dtype on the same ranks.
+docs/performance.md, "Training step" and "bf16".
 
     mpiexec -n 2 hpcdl bench train --model resnet50 --image-size 112 --synthetic --json F.json
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -26,7 +30,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hpcdl.bench.baselines import Stepper, ddp_stepper, horovod_missing, horovod_stepper
+from hpcdl.bench.baselines import (
+    Stepper,
+    ddp_stepper,
+    horovod_missing,
+    horovod_stepper,
+    torch_stepper,
+)
 from hpcdl.buckets import DEFAULT_BUCKET_MB
 from hpcdl.cpus import (
     bf16_native,
@@ -42,10 +52,13 @@ from hpcdl.train.precision import agreed_precision
 COMMAND = "train"
 HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
 
-MODES = ("ours", "no_comm", "ddp_gloo", "ours_allreduce", "ours_bf16", "horovod")
+MODES = ("ours", "no_comm", "ddp_gloo", "ours_allreduce", "ours_bf16", "horovod", "torch")
 COLUMNS = ["mode", "ranks", "batch_per_rank", "step_time_s", "images_per_s_per_rank",
            "compute_s", "comm_wait_s", "data_wait_s", "train_gflops_per_s",
-           "nic_tx_MB_per_step", "cpu_s_per_step", "comm_thread_cpu_share"]
+           "flops_fraction_of_matmul", "vs_torch", "nic_tx_MB_per_step", "cpu_s_per_step",
+           "comm_thread_cpu_share"]
+#: --memory-format -> train.channels_last
+MEMORY_FORMATS = {"auto": "auto", "channels_last": True, "contiguous": False}
 #: The per-step counters each sample carries besides its times (see step_counters).
 COUNTERS = ("nic_tx_bytes", "nic_rx_bytes", "cpu_s", "comm_thread_cpu_s")
 
@@ -78,9 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"fusion bucket size in MiB, ours and DDP alike (comm.bucket_mb; "
                              f"default {DEFAULT_BUCKET_MB:g}, or what --backend auto's trial "
                              f"chose; given, the trial keeps it)")
-    parser.add_argument("--memory-format", choices=("channels_last", "contiguous"),
-                        default="contiguous",
-                        help="activation layout of every mode (channels_last: >= 2 threads)")
+    parser.add_argument("--memory-format", choices=tuple(MEMORY_FORMATS), default="auto",
+                        help="activation layout of every mode, as the recipes' "
+                             "train.channels_last: auto (default) = channels_last for a "
+                             "bfloat16 step, contiguous for float32; channels_last only with "
+                             ">= 2 threads (hpcdl.cpus.memory_format_name)")
     parser.add_argument("--malloc", choices=("retain", "default"), default="retain",
                         help="retain: glibc keeps freed activation memory (no page faults per "
                              "step); default: glibc's own thresholds")
@@ -170,7 +185,7 @@ def bench_config(args: argparse.Namespace, ranks: int, precision: str = "float32
         "optimizer": {"name": "lars", "momentum": 0.9, "weight_decay": 5.0e-5,
                       "trust_coefficient": 0.001},
         "schedule": {"name": "poly", "base_lr": 0.1, "warmup_epochs": 0, "power": 2.0},
-        "train": {"channels_last": args.memory_format == "channels_last",
+        "train": {"channels_last": MEMORY_FORMATS[args.memory_format],
                   "log_every_steps": 10 ** 9, "precision": precision},
         # ours sends float32 as DDP does; ours_bf16 is the bf16-on-the-wire mode
         # --bucket-mb given: auto's trial times backends at that size only
@@ -384,6 +399,14 @@ def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3,
                        dtype: str = "float32") -> float:
     """FLOP/s of an n×n matmul (fp32, or bf16 for a bf16 step) on this rank's threads: the
     reference peak a dense kernel reaches here (2n³ FLOPs per product)."""
+    return matmul_rates(n, seconds, min_repeats, dtype)[0]
+
+
+def matmul_rates(n: int, seconds: float = 2.0, min_repeats: int = 3,
+                 dtype: str = "float32") -> tuple[float, float]:
+    """(FLOPs per wall second, FLOPs per CPU second of this process) of an n×n matmul of
+    ``dtype`` on this rank's threads. The second is what a shared core does not move: a
+    step and a matmul that each wait for cores still compare per CPU second."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -391,11 +414,13 @@ def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3,
     b = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
     out = torch.empty(n, n, dtype=a.dtype)
     torch.mm(a, b, out=out)
-    repeats, start = 0, time.perf_counter()
+    repeats, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while repeats < min_repeats or time.perf_counter() - start < seconds:
         torch.mm(a, b, out=out)
         repeats += 1
-    return 2.0 * n ** 3 * repeats / (time.perf_counter() - start)
+    flops = 2.0 * n ** 3 * repeats
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return flops / wall, flops / cpu if cpu > 0 else math.nan
 
 
 # -- summarising over ranks -----------------------------------------------------------------------
@@ -452,6 +477,26 @@ def step_costs(per_rank: list[dict[str, float | None]], step: float) -> dict[str
     }
 
 
+def compare_with_peak_and_torch(records: dict[str, dict[str, Any]], matmul: float,
+                                matmul_per_cpu_s: float | None = None,
+                                train_flops_per_image: float | None = None) -> None:
+    """Add to each mode's record its FLOP rate's fraction of the dtype's matmul peak
+    (``flops_fraction_of_matmul``, of the compute part of the step), the same per CPU second
+    of the process (``cpu_flops_fraction_of_matmul``: the step's FLOPs per CPU second over
+    the matmul's, when both are given: what load on shared cores does not move) and, when the
+    ``torch`` mode ran, its images/s over plain torch's (``vs_torch``)."""
+    plain = records.get("torch")
+    for record in records.values():
+        record["flops_fraction_of_matmul"] = record["train_gflops_per_s"] * 1e9 / matmul
+        cpu_s = record.get("cpu_s_per_step")
+        if matmul_per_cpu_s and train_flops_per_image and cpu_s:
+            record["cpu_flops_fraction_of_matmul"] = (
+                train_flops_per_image * record["batch_per_rank"] / cpu_s / matmul_per_cpu_s)
+        if plain is not None:
+            record["vs_torch"] = (record["images_per_s_per_rank"]
+                                  / plain["images_per_s_per_rank"])
+
+
 def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
               train_flops_per_image: float) -> dict[str, Any]:
     ratios: dict[str, Any] = {}
@@ -466,7 +511,9 @@ def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
     ours = records.get("ours")
     if ours is not None:
         ratios["images_per_s_per_rank"] = ours["images_per_s_per_rank"]
-        compare("vs_", "ours", ("no_comm", "ddp_gloo", "horovod"))
+        compare("vs_", "ours", ("no_comm", "ddp_gloo", "horovod", "torch"))
+    if "no_comm" in records:   # hpcdl's compute-only step against plain torch's
+        compare("no_comm_vs_", "no_comm", ("torch",))
     for mode in records:   # ours@BACKEND: the same comparisons, by name
         if own_backend(mode):
             compare(f"{mode}_vs_", mode, ("no_comm", "ddp_gloo"))
@@ -480,7 +527,7 @@ def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
                                               / plain["images_per_s_per_rank"])
     # Compute efficiency of the step's compute part (comm and data waits excluded), taken from
     # ours, or from the ceiling when ours was not run.
-    base = ours or records.get("no_comm") or records.get("ddp_gloo")
+    base = ours or records.get("no_comm") or records.get("ddp_gloo") or records.get("torch")
     if base is not None:
         ratios["flops_fraction_of_matmul"] = base["train_gflops_per_s"] * 1e9 / matmul
         ratios["comm_wait"] = (base["comm_wait_s"] or 0.0) / base["step_time_s"]
@@ -635,11 +682,15 @@ def run(args: argparse.Namespace) -> int:
             if "horovod" in modes:
                 built["horovod"] = stack.enter_context(
                     horovod_stepper(config, args.warmup + args.steps))
+            if "torch" in modes:
+                built["torch"] = stack.enter_context(
+                    torch_stepper(config, args.warmup + args.steps))
             steppers = {mode: built[mode] for mode in modes}
             samples = time_rounds(world, steppers, loader, args.steps, args.warmup,
                                   args.rounds, counters=step_counters(args.nic))
             breakdown = None
-            profiled = next((m for m in ("no_comm", "ours", "ddp_gloo") if m in steppers), None)
+            profiled = next((m for m in ("no_comm", "ours", "ddp_gloo", "torch")
+                             if m in steppers), None)
             if args.breakdown and profiled is not None:
                 world.Barrier()
                 breakdown = compute_breakdown(steppers[profiled], endless(loader),
@@ -650,11 +701,14 @@ def run(args: argparse.Namespace) -> int:
             per_rank = world.allgather(rank_means(samples[mode]))
             records[mode] = mode_record(mode, per_rank, args.batch, train_flops_per_image)
         world.Barrier()  # every rank multiplies at once, as every rank trained at once
-        matmul = statistics.fmean(world.allgather(
-            matmul_flops_per_s(args.matmul_size, dtype=precision)))
+        rates = world.allgather(matmul_rates(args.matmul_size, dtype=precision))
+        matmul = statistics.fmean(wall for wall, _ in rates)
+        matmul_per_cpu_s = statistics.fmean(cpu for _, cpu in rates)
         hosts = world.allgather((MPI.Get_processor_name(), link_shaping(args.nic)))
         if comm.rank == 0:
-            layout = memory_format_name(args.memory_format == "channels_last", args.threads)
+            layout = memory_format_name(config.train.channels_last, args.threads, precision)
+            compare_with_peak_and_torch(records, matmul, matmul_per_cpu_s,
+                                        train_flops_per_image)
             for mode, record in records.items():
                 record.update(model=args.model, image_size=args.image_size, threads=args.threads,
                               memory_format=layout, malloc=malloc, precision=precision,
@@ -667,6 +721,7 @@ def run(args: argparse.Namespace) -> int:
                                   ratios_of(records, matmul, train_flops_per_image),
                                   ranks=comm.size)
             ratios = report["ratios"]
+            ratios["matmul_gflops_per_cpu_s_per_rank"] = matmul_per_cpu_s / 1e9
             if breakdown is not None:
                 # Upper bound of the FLOP fraction with every non-dense operator fused away.
                 ratios["dense_kernels_fraction_of_matmul"] = \

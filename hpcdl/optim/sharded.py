@@ -84,8 +84,9 @@ class ShardedOptimizer(OptimizerWrapper):
                    if not p.is_contiguous()]
         if strided:
             raise ValueError(f"comm.shard_update: {len(strided)} parameter(s) are not "
-                             f"contiguous (e.g. shape {strided[0]}: train.channels_last lays "
-                             f"convolution weights out NHWC) and a slice of one is not a view; "
+                             f"contiguous (e.g. shape {strided[0]}: train.channels_last, or "
+                             f"its auto in a bf16 run on >= 2 threads, lays convolution "
+                             f"weights out NHWC) and a slice of one is not a view; "
                              f"set train.channels_last: false or comm.shard_update: false")
         self.optimizer, self.reducer, self.comm = optimizer, reducer, comm
         self._group_of = {id(p): g for g, group in enumerate(optimizer.param_groups)

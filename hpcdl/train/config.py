@@ -94,7 +94,9 @@ class TrainConfig:
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
     log_every_steps: int = 10
-    channels_last: bool = False
+    # true | false | auto (hpcdl.cpus.memory_format_name: auto is channels_last for a
+    # bfloat16 step on >= 2 threads); a recipe that omits the key trains contiguous.
+    channels_last: bool | str = False
     # The compute dtype, float32 | auto | bfloat16 (resolve_precision; docs/training.md,
     # "Precision"): a recipe that omits the key trains in float32, the shipped ones say auto.
     precision: str = "float32"
@@ -241,6 +243,9 @@ def _coerce(value: Any, annotation: str, where: str) -> Any:
     elif base == "str":
         if isinstance(value, str):
             return value
+    elif base == "bool | str":
+        if isinstance(value, (bool, str)):
+            return value
     else:  # pragma: no cover - every schema field has one of the types above
         return value
     raise RecipeError(f"{where}: expected {base}, got {value!r} ({type(value).__name__})")
@@ -361,6 +366,9 @@ def _check_values(config: Config, origin: str) -> None:
     if config.comm.wire_dtype not in WIRE_DTYPES:
         raise RecipeError(f"{origin}: comm.wire_dtype must be one of {', '.join(WIRE_DTYPES)}, "
                           f"got {config.comm.wire_dtype!r}")
+    if isinstance(config.train.channels_last, str) and config.train.channels_last != "auto":
+        raise RecipeError(f"{origin}: train.channels_last must be true, false or auto, "
+                          f"got {config.train.channels_last!r}")
     if config.train.precision not in PRECISIONS:
         raise RecipeError(f"{origin}: train.precision must be one of {', '.join(PRECISIONS)}, "
                           f"got {config.train.precision!r}")

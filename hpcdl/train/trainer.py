@@ -181,6 +181,9 @@ class Trainer:
         seed_everything(derive_seed(config.train.seed, 0, self.rank))
 
         self.model = model if model is not None else recipe_model(config)
+        # the compute dtype first: train.channels_last: auto follows it
+        self.precision = self._precision()
+        self.autocast_dtype = torch.bfloat16 if self.precision == "bfloat16" else None
         self.memory_format = self._memory_format()
         self.model = self.model.to(memory_format=self.memory_format)
         self.train_loader = train_loader if train_loader is not None else \
@@ -198,8 +201,6 @@ class Trainer:
             recipe_schedule(config, self.steps_per_epoch, self.total_steps)
         self.optimizer = optimizer if optimizer is not None else \
             recipe_optimizer(config, self.model, self.schedule)
-        self.precision = self._precision()
-        self.autocast_dtype = torch.bfloat16 if self.precision == "bfloat16" else None
         if self.options.ipex:
             self._apply_ipex()
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=config.train.label_smoothing)
@@ -278,11 +279,13 @@ class Trainer:
                 num_classes=self.config.model.get("num_classes"))
 
     def _memory_format(self) -> torch.memory_format:
-        """hpcdl.cpus.memory_format_name's rule (channels_last only with >= 2 threads)."""
+        """hpcdl.cpus.memory_format_name's rule (channels_last only with >= 2 threads;
+        ``auto``: for a bfloat16 step)."""
         threads = torch.get_num_threads()
-        if memory_format_name(self.config.train.channels_last, threads) == "channels_last":
+        layout = memory_format_name(self.config.train.channels_last, threads, self.precision)
+        if layout == "channels_last":
             return torch.channels_last
-        if self.config.train.channels_last:
+        if self.config.train.channels_last is True:
             log.warning("train.channels_last: torch %s crashes in channels_last convolution "
                         "backward with one thread per rank; training in contiguous format "
                         "(give each rank >= 2 cores to use channels_last)", torch.__version__)

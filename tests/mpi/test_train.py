@@ -190,10 +190,13 @@ def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, c
         assert "no native bf16" in caplog.text or world.rank != 0
 
 
-def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog):
+@pytest.mark.parametrize("channels_last", [True, "auto"])
+def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog,
+                                               channels_last):
     """The variant of the test above that runs where CI runs, on 2 cores: rank 0 alone trains
     with 2 threads (channels_last needs >= 2 threads per rank, see Trainer._memory_format)
     while the other ranks sleep, so the threads fit the cores instead of oversubscribing them.
+    ``auto`` (the shipped recipes) is channels_last where the run computes in bf16.
     """
     import time
 
@@ -210,9 +213,10 @@ def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog
         alone = hpcdl.comm.init("mpi", MPI.COMM_SELF)
         torch.set_num_threads(threads)
         try:
-            trainer, summary = run_trainer(recipe(1, channels_last=True, precision="auto"), shards,
-                                           os.path.join(shared_tmp, "cl2"), alone,
-                                           max_steps=2, evaluate=False)
+            trainer, summary = run_trainer(
+                recipe(1, channels_last=channels_last, precision="auto"), shards,
+                os.path.join(shared_tmp, f"cl2-{channels_last}"), alone, max_steps=2,
+                evaluate=False)
             conv = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d))
             outcome = {"steps": summary["steps"], "memory_format": str(trainer.memory_format),
                        "conv_channels_last": conv.weight.is_contiguous(
@@ -232,9 +236,13 @@ def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog
     outcome = world.bcast(outcome, root=0)
     assert outcome is not None, "rank 0 did not train (its error is in its own output)"
     assert outcome["steps"] == 2
-    assert outcome["memory_format"] == str(torch.channels_last)
-    assert outcome["conv_channels_last"]
-    if world.bcast(bf16_native(), root=0):
+    native = world.bcast(bf16_native(), root=0)
+    if channels_last is True or native:
+        assert outcome["memory_format"] == str(torch.channels_last)
+        assert outcome["conv_channels_last"]
+    else:   # auto in a float32 run: the layout it always had
+        assert outcome["memory_format"] == str(torch.contiguous_format)
+    if native:
         assert outcome["autocast"] == str(torch.bfloat16)
     else:
         assert outcome["autocast"] == "None" and outcome["said_no_bf16"]
