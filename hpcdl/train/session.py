@@ -173,15 +173,20 @@ def job_seconds_left(environ: Mapping[str, str] | None = None) -> float | None:
     return left if left > 0 else None
 
 
-def recipe_gradients(config: Any) -> list[int]:
+def recipe_gradients(config: Any) -> list[int] | None:
     """Element counts of the recipe model's trainable parameters, in registration order,
-    without allocating them (built on torch's meta device): what the trial times."""
+    without allocating them (built on torch's meta device): what the trial times. None when
+    the recipe's model cannot be built: the trainer reports that bad input, agreed by every
+    rank, as it would without a trial."""
     import torch
 
     from hpcdl.train.trainer import recipe_model
 
-    with torch.device("meta"):
-        model = recipe_model(config)
+    try:
+        with torch.device("meta"):
+            model = recipe_model(config)
+    except (ValueError, TypeError):
+        return None
     return [p.numel() for p in model.parameters() if p.requires_grad]
 
 
