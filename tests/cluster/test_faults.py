@@ -96,11 +96,15 @@ class Job:
         assert self.process.poll() is None, self.output()
         assert self.steps() == 0
 
-    def wait_in_checkpoint_write(self, limit: float = 300) -> None:
-        """Rank 0 is inside a checkpoint write (``HPCDL_INJECT=0:checkpointN:sleep=S`` holds it
-        there): its temporary file exists, the checkpoint's name does not yet."""
+    def wait_in_checkpoint_write(self, written: int, limit: float = 300) -> None:
+        """Rank 0 is inside the checkpoint write after ``written`` complete ones
+        (``HPCDL_INJECT=0:checkpointN:sleep=S``, N = written + 1, holds it there): its
+        temporary file exists, the checkpoint's name does not yet. (An earlier write's
+        temporary, seen in passing on a loaded machine, is not the held one.)"""
         ckpts = self.out / "checkpoints"
-        wait_until(lambda: any(ckpts.glob(".ckpt-*.tmp")) or self.process.poll() is not None,
+        wait_until(lambda: (len(list(ckpts.glob("ckpt-*.pt"))) >= written
+                            and any(ckpts.glob(".ckpt-*.tmp")))
+                   or self.process.poll() is not None,
                    "rank 0 inside a checkpoint write", limit)
         assert self.process.poll() is None, self.output()
         (self.writing,) = [p.name.split(".")[1] for p in ckpts.glob(".ckpt-*.tmp")]
@@ -230,7 +234,7 @@ def reach(job: Job, phase: str) -> None:
     elif phase == "start-up":
         job.wait_in_first_collective()
     else:
-        job.wait_in_checkpoint_write()
+        job.wait_in_checkpoint_write(written=1)  # checkpoint2 is held
 
 
 def checkpoint_after_the_fault(out: Path, job: Job, phase: str, write_completed: bool
