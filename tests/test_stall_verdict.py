@@ -264,6 +264,32 @@ def test_a_main_thread_waiting_on_a_thread_blocked_in_a_file_write_is_named_as_s
     assert any("stall over: file system: write at" in r.getMessage() for r in caplog.records)
 
 
+def test_a_main_thread_in_a_file_call_its_frame_does_not_name_is_named_from_the_kernel(
+        tmp_path):
+    # Seen in CI on a hung run directory: rank 0 blocked at the end of a ``with open(...)``
+    # (the implicit close); its frame named no call, so it never reported.
+    from hpcdl.debug.stall import thread_syscall
+
+    if thread_syscall(threading.get_native_id()) is None:
+        pytest.skip("needs Linux x86_64's /proc/self/task/TID/syscall")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    opener = open  # the frame names "opener": only the kernel says it is a file call
+    reader = threading.Thread(target=lambda: opener(fifo, "rb").close())  # until a writer opens
+    reader.start()
+    _wait_until_in(reader, "<lambda>")
+    monitor = CollectiveMonitor(rank=0, size=2)
+    dog = StallWatchdog(monitor, StallThresholds(warn_s=1.0, abort_s=0), str(tmp_path), "j",
+                        None, hosts=["h1", "h2"])
+    dog._main_ident, dog._main_native_id = reader.ident, reader.native_id
+    t0 = time.time()
+    dog.tick(t0)
+    dog.tick(t0 + 1.5)
+    open(fifo, "wb").close()
+    reader.join()
+    assert dog.reports and "in file system: open" in dog.reports[0]
+
+
 def test_the_rank_that_ends_itself_takes_its_children_along():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:

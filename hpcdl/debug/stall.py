@@ -374,6 +374,49 @@ def blocked_call(frame: Any) -> str | None:
     return f"{FILE_PREFIX if name in FILE_CALLS else ''}{name} at {short}:{line}"
 
 
+#: Linux x86_64 system calls that touch a file system, by the number
+#: ``/proc/self/task/TID/syscall`` shows first; those in FD_SYSCALLS name a descriptor.
+FILE_SYSCALLS = {0: "read", 1: "write", 2: "open", 3: "close", 4: "stat", 5: "fstat", 6: "lstat",
+                 17: "pread64", 18: "pwrite64", 19: "readv", 20: "writev", 74: "fsync",
+                 75: "fdatasync", 76: "truncate", 77: "ftruncate", 78: "getdents", 82: "rename",
+                 83: "mkdir", 84: "rmdir", 87: "unlink", 217: "getdents64", 257: "openat",
+                 258: "mkdirat", 262: "newfstatat", 263: "unlinkat", 264: "renameat",
+                 316: "renameat2", 332: "statx"}
+FD_SYSCALLS = frozenset({"read", "write", "close", "fstat", "pread64", "pwrite64", "readv",
+                         "writev", "fsync", "fdatasync", "ftruncate", "getdents", "getdents64"})
+
+
+def thread_syscall(native_id: int | None) -> str | None:
+    """The raw ``/proc/self/task/TID/syscall`` line of a thread (None: not readable here)."""
+    if native_id is None or os.uname().machine != "x86_64":
+        return None
+    try:
+        with open(f"/proc/self/task/{native_id}/syscall", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def file_syscall(line: str | None) -> str | None:
+    """``"close of /run/ckpt.pt"`` when a ``/proc/.../syscall`` line is a file-system call
+    (one on a socket, a pipe or a device is not), else None. What a Python frame cannot show:
+    a file's implicit close at the end of a ``with``, a write inside a C extension."""
+    fields = (line or "").split()
+    if not fields or not fields[0].isdigit() or int(fields[0]) not in FILE_SYSCALLS:
+        return None
+    name = FILE_SYSCALLS[int(fields[0])]
+    if name not in FD_SYSCALLS:
+        return name
+    try:
+        target = os.readlink(f"/proc/self/fd/{int(fields[1], 16)}")
+    except (OSError, ValueError, IndexError):
+        return None
+    if not target.startswith("/") or (target.startswith("/dev/")
+                                      and not target.startswith("/dev/shm/")):
+        return None
+    return f"{name} of {target}"
+
+
 def frame_key(frame: Any) -> tuple | None:
     """Where a thread's newest frame stands: unchanged between two looks, the thread has not
     moved (None: no such thread)."""
@@ -470,6 +513,8 @@ class StallWatchdog(threading.Thread):
         self._aborting = False
         # the main thread blocked in a raw MPI call (blocked_call): where, since when
         self._main_ident = threading.main_thread().ident
+        self._main_native_id = threading.main_thread().native_id
+        self._main_syscall: str | None = None  # the syscall line a file-system label came from
         self._blocked_key: tuple | None = None
         self._blocked_since = 0.0
         self._blocked_what: str | None = None
@@ -579,26 +624,42 @@ class StallWatchdog(threading.Thread):
         frames = sys._current_frames()
         frame = frames.get(self._main_ident)
         key = frame_key(frame)
-        moved = self._file_thread is not None and \
-            frame_key(frames.get(self._file_thread[0])) != self._file_thread[1]
+        moved = (self._file_thread is not None and frame_key(
+            frames.get(self._file_thread[0])) != self._file_thread[1]) or (
+            self._main_syscall is not None
+            and thread_syscall(self._main_native_id) != self._main_syscall)
         if key != self._blocked_key or moved:
             self._note_blocked_over(now)
             self._blocked_key, self._blocked_since = key, now
             self._blocked_what, self._blocked_checked, self._blocked_warned = None, False, False
-            self._file_thread = None
+            self._file_thread, self._main_syscall = None, None
             return
         waited = now - self._blocked_since
         if frame is None or waited < self.quiet_s:
             return
         if not self._blocked_checked:  # once per stop: reading the source is not free
             self._blocked_checked = True
-            self._blocked_what = blocked_call(frame) or self._thread_in_file_system(frames)
+            self._blocked_what = (blocked_call(frame) or self._main_in_file_syscall(frame)
+                                  or self._thread_in_file_system(frames))
         del frame, frames
         what = self._blocked_what
         if what is not None and self._warn_then_abort(
                 self._blocked_warned, blocked_label(what), None, self._blocked_since, now,
                 lambda waited, level: self._report_blocked(what, waited, now, level)):
             self._blocked_warned = True
+
+    def _main_in_file_syscall(self, frame: Any) -> str | None:
+        """A label for the main thread inside a file-system system call that its Python frame
+        does not name (the kernel's view, Linux x86_64); None otherwise."""
+        line = thread_syscall(self._main_native_id)
+        what = file_syscall(line)
+        if what is None:
+            return None
+        self._main_syscall = line
+        path = frame.f_code.co_filename
+        short = path[path.rfind("hpcdl" + os.sep):] if ("hpcdl" + os.sep) in path else \
+            os.path.basename(path)
+        return f"{FILE_PREFIX}{what} at {short}:{frame.f_lineno}"
 
     def _thread_in_file_system(self, frames: Mapping[int, Any]) -> str | None:
         """A label for the main thread waiting on another thread (TensorBoard's event writer
