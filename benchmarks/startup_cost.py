@@ -203,7 +203,9 @@ def _config(global_batch: int):
                                                             "per_rank": 1},
         "epochs": 1, "optimizer": {"name": "lars", "momentum": 0.9},
         "schedule": {"name": "poly", "base_lr": 0.1}, "train": {"seed": 1},
-        "comm": {"backend": "auto"}})
+        # the rule: a recipe's auto adds the start-up trial, whose rounds of the model's
+        # gradient buckets are bounded by comm.trial_s, not by P (docs/comm.md)
+        "comm": {"backend": "rule"}})
 
 
 def worker(shards: str, run_dir: str, out: str) -> None:

@@ -140,7 +140,10 @@ def test_the_demo_has_the_watchdog_at_start_up_and_keeps_every_ranks_state(tmp_p
     run_dir = tmp_path / "demo"
     env = {**os.environ, **STALL_ENV, "HPCDL_INJECT": "1:1:sleep=300"}
     out = subprocess.run(["mpiexec", "-n", "2", sys.executable, "-m", "hpcdl.cli.main", "demo",
-                          "--out", str(run_dir), "--max-steps", "4", "--no-progress"],
+                          "--out", str(run_dir), "--max-steps", "4", "--no-progress",
+                          # the run's own communicator: comm.backend auto's trial would meet
+                          # the stall first, on a candidate watched from the default directory
+                          "comm.backend=rule"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 4, out.stdout + out.stderr
     heartbeat = run_dir / "logs" / "heartbeat"
