@@ -72,11 +72,17 @@ def test_an_ample_budget_runs_every_distinct_measurement_a_tiny_one_only_the_fir
     candidates = {"mpi": "float32", "ring": "float32"}
     ample = run_trial(world, NUMELS, candidates, "mpi", 0.5, 600.0, open_candidate(world))
     # stage 1: both backends; stage 2: the winner at the distinct other sizes; stage 3: the
-    # winner's best size without a first-layers bucket
-    assert len(ample.measurements) == len(candidates) + distinct_layouts(0.5) - 1 + 1
+    # winner's best size without a first-layers bucket -- unless that gives buckets already
+    # timed (which size wins is a measurement: either can happen)
+    staged = len(candidates) + distinct_layouts(0.5) - 1
+    assert len(ample.measurements) in (staged, staged + 1), ample.measurements
+    layouts = [(m.backend, m.buckets, m.bucket_mb, m.first_bucket_mb)
+               for m in ample.measurements]
+    assert len(set(layouts)) == len(layouts)
     assert ample.planned == len(candidates) + 3 + 1
     assert ample.rounds_run == TRIAL_ROUNDS * len(ample.measurements)
-    assert ample.measurements[-1].first_bucket_mb == 0.0
+    if len(ample.measurements) == staged + 1:
+        assert ample.measurements[-1].first_bucket_mb == 0.0
 
     tiny = run_trial(world, NUMELS, candidates, "mpi", 0.5, 1e-9, open_candidate(world))
     assert [(m.backend, m.bucket_mb) for m in tiny.measurements] == [("mpi", 0.5)]
