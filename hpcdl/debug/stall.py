@@ -368,10 +368,14 @@ def blocked_call(frame: Any) -> str | None:
     name = text.split("(", 1)[0].rsplit(".", 1)[-1].strip()
     if name not in BLOCKING_CALLS and name not in FILE_CALLS:
         return None
+    return f"{FILE_PREFIX if name in FILE_CALLS else ''}{name} at {short_path(code)}:{line}"
+
+
+def short_path(code: Any) -> str:
+    """A code object's file as a report names it: from ``hpcdl/`` on, else its base name."""
     path = code.co_filename
-    short = path[path.rfind("hpcdl" + os.sep):] if ("hpcdl" + os.sep) in path else \
-        os.path.basename(path)
-    return f"{FILE_PREFIX if name in FILE_CALLS else ''}{name} at {short}:{line}"
+    marker = "hpcdl" + os.sep
+    return path[path.rfind(marker):] if marker in path else os.path.basename(path)
 
 
 #: Linux x86_64 system calls that touch a file system, by the number
@@ -656,10 +660,7 @@ class StallWatchdog(threading.Thread):
         if what is None:
             return None
         self._main_syscall = line
-        path = frame.f_code.co_filename
-        short = path[path.rfind("hpcdl" + os.sep):] if ("hpcdl" + os.sep) in path else \
-            os.path.basename(path)
-        return f"{FILE_PREFIX}{what} at {short}:{frame.f_lineno}"
+        return f"{FILE_PREFIX}{what} at {short_path(frame.f_code)}:{frame.f_lineno}"
 
     def _thread_in_file_system(self, frames: Mapping[int, Any]) -> str | None:
         """A label for the main thread waiting on another thread (TensorBoard's event writer
