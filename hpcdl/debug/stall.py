@@ -668,8 +668,8 @@ class StallWatchdog(threading.Thread):
         when no such thread. The watchdog's own threads do not count."""
         names = {t.ident: t.name for t in threading.enumerate()}
         for ident, frame in frames.items():
-            name = names.get(ident, "?")
-            if ident == self._main_ident or name in WATCHDOG_THREADS:
+            name = names.get(ident)  # None: it ended since ``frames`` was taken
+            if ident == self._main_ident or name is None or name in WATCHDOG_THREADS:
                 continue
             what = blocked_call(frame)
             if what is not None and what.startswith(FILE_PREFIX):
