@@ -39,7 +39,7 @@ from hpcdl.errors import BadInputError  # noqa: E402
 from hpcdl.topology import auto_backend_name, split_nodes  # noqa: E402
 
 __all__ = ["BACKENDS", "BackendError", "CollectiveMismatchError", "Communicator",
-           "auto_backend", "init", "largest_node", "rule_backend"]
+           "auto_backend", "init", "largest_node"]
 
 #: name -> "module:class"; imported on demand so e.g. gloo costs nothing unless asked for.
 BACKENDS = {
@@ -65,17 +65,11 @@ def largest_node(world: MPI.Intracomm, ranks_per_node: int | None = None) -> int
         node.Free()
 
 
-def rule_backend(most_ranks_on_a_node: int) -> str:
-    """The rule (docs/comm.md, "Choosing the backend"): ``shm`` whenever a node holds more
-    than one rank, else ``mpi`` (the vendor's allreduce)."""
-    return auto_backend_name(most_ranks_on_a_node)
-
-
 def auto_backend(world: MPI.Intracomm, ranks_per_node: int | None = None) -> str:
     """What ``init(backend="auto")`` (or ``"rule"``) opens over ``world``: the rule, without
     timing anything (a recipe's ``comm.backend: auto`` times candidates first,
     hpcdl/comm/trial.py). Collective over ``world``."""
-    return rule_backend(largest_node(world, ranks_per_node))
+    return auto_backend_name(largest_node(world, ranks_per_node))
 
 
 def init(backend: str = "auto", world: MPI.Intracomm | None = None,

@@ -1,9 +1,9 @@
 """The backend and bucket layout a run uses, chosen by timing them on its own ranks at start.
 
-A rule (hpcdl.comm.rule_backend: ``shm`` when a node holds several ranks, else ``mpi``) cannot
-know the interconnect, the MPI library's tuning or the model; a few allreduce rounds of the
-run's own gradient buckets on the run's own communicator can. Each choice, with its reason
-(docs/comm.md, "The start-up trial"):
+A rule (hpcdl.topology.auto_backend_name: ``shm`` when a node holds several ranks, else
+``mpi``) cannot know the interconnect, the MPI library's tuning or the model; a few allreduce
+rounds of the run's own gradient buckets on the run's own communicator can. Each choice, with
+its reason (docs/comm.md, "The start-up trial"):
 
 - **What is timed is one step's communication**: every bucket of the model's gradients, laid
   out by the reducer's own rule (:func:`hpcdl.buckets.bucket_bounds`, in the wire dtype the
