@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -355,3 +356,14 @@ def test_counters_of_a_step_are_differences_and_none_without_a_nic():
     assert deltas["nic_tx_bytes"] is None and deltas["nic_rx_bytes"] is None
     assert deltas["cpu_s"] >= 0 and deltas["comm_thread_cpu_s"] == 0
     assert bench.thread_cpu_s([threading.get_native_id()]) > 0
+
+
+def test_a_step_shorter_than_a_clock_tick_still_costs_cpu_seconds():
+    # a small model's step takes a few ms: the process clock must not round it to nothing
+    # (os.times() counts 10-ms ticks), or the per-CPU-second FLOP fraction goes missing
+    read = bench.step_counters(None)
+    before = read()
+    started = time.process_time()
+    while time.process_time() - started < 0.001:
+        pass
+    assert bench.counter_deltas(before, read())["cpu_s"] >= 0.001

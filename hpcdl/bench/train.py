@@ -294,10 +294,11 @@ def step_counters(nic: str | None) -> Callable[[], dict[str, float | None]]:
     process's CPU seconds (all threads), the communication threads' CPU seconds."""
     def read() -> dict[str, float | None]:
         sent_received = nic_bytes(nic) if nic else None
-        cpu = os.times()
         return {"nic_tx_bytes": sent_received[0] if sent_received else None,
                 "nic_rx_bytes": sent_received[1] if sent_received else None,
-                "cpu_s": cpu.user + cpu.system,
+                # the process clock (every thread) in ns: os.times() counts 10-ms ticks,
+                # which a few-ms step of a small model rounds to nothing
+                "cpu_s": time.process_time(),
                 "comm_thread_cpu_s": thread_cpu_s(comm_thread_ids())}
     return read
 
