@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The training step across two hosts of the test cluster (tests/cluster/cluster.sh), links
-# shaped with tbf: the no-comm ceiling, hpcdl's overlapped step (MPI, and gloo underneath),
-# bf16 on the wire, DDP + gloo, and Horovod where it imports, in ONE invocation per repeat.
+# shaped with tbf: the no-comm ceiling, hpcdl's overlapped step (on the backend and buckets its
+# timed trial picks, and on gloo), bf16 on the wire, DDP + gloo in fp32 and with its
+# fp16_compress_hook, and Horovod where it imports, in ONE invocation per repeat.
 #
 #   export HPCDL_CLUSTER_DIR=/var/tmp/hpcdl-bench-cluster
 #   tests/cluster/cluster.sh up 2
@@ -20,7 +21,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 for h in h1 h2; do "$here/tests/cluster/cluster.sh" shape "$h" "$RATE"; done
 # horovod is always asked for: where it does not import, the JSON's absent_modes says why.
-MODES=no_comm,ours,ours@gloo,ours_bf16,ddp_gloo,horovod
+MODES=no_comm,ours,ours@gloo,ours_bf16,ddp_gloo,ddp_gloo_fp16,horovod
 for r in $(seq 1 "$REPEATS"); do
   echo "== $(date -u +%FT%T) $RATE run $r, load $(cut -d' ' -f1-3 /proc/loadavg)"
   "$here/tests/cluster/cluster.sh" exec h1 env PATH="$PATH" OMP_NUM_THREADS=1 bash -c \

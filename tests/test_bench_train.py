@@ -302,6 +302,23 @@ def test_the_torch_mode_is_timed_beside_no_comm_with_its_ratios(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
+def test_ddp_with_its_fp16_hook_is_the_16_bit_baseline(tmp_path):
+    _, report = run_bench_train(tmp_path / "train.json", "--steps", "2", "--modes",
+                                "ddp_gloo,ddp_gloo_fp16,ours_bf16", "--precision", "float32",
+                                "--no-breakdown")
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert by_mode["ddp_gloo_fp16"]["wire_dtype"] == "float16"
+    assert by_mode["ddp_gloo_fp16"]["backend"] == "gloo"
+    assert by_mode["ours_bf16"]["wire_dtype"] == "bfloat16"
+    assert by_mode["ddp_gloo"]["wire_dtype"] == "float32"
+    ratios = report["ratios"]
+    assert ratios["bf16_wire_vs_ddp_gloo_fp16"] == pytest.approx(
+        by_mode["ours_bf16"]["images_per_s_per_rank"]
+        / by_mode["ddp_gloo_fp16"]["images_per_s_per_rank"])
+    assert ratios["ddp_fp16_wire_vs_ddp_gloo"] > 0
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 def test_shard_update_flag_shards_ours_and_leaves_the_ceiling_whole(tmp_path):
     _, report = run_bench_train(tmp_path / "train.json", "--steps", "2", "--modes",
                                 "ours,no_comm,ours_allreduce", "--shard-update",

@@ -80,8 +80,11 @@ def torch_stepper(config, total_steps: int) -> Iterator[Stepper]:
 
 
 @contextlib.contextmanager
-def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
-    """The same step written the way a PyTorch user would: DDP(model) on gloo, LARS."""
+def ddp_stepper(mpi_comm, config, total_steps: int,
+                fp16_wire: bool = False) -> Iterator[Stepper]:
+    """The same step written the way a PyTorch user would: DDP(model) on gloo, LARS. With
+    ``fp16_wire``, DDP's ``fp16_compress_hook``: the 16-bit wire DDP offers on CPU (its
+    ``bf16_compress_hook`` asks for CUDA and NCCL, or XPU)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -89,21 +92,26 @@ def ddp_stepper(mpi_comm, config, total_steps: int) -> Iterator[Stepper]:
     from hpcdl.comm.gloo import init_process_group_over_mpi
     from hpcdl.train.trainer import recipe_model, recipe_optimizer, recipe_schedule
 
-    store = init_process_group_over_mpi(mpi_comm)
+    # Both DDP modes share torch's one default group: the first to open it closes it last.
+    store = None if dist.is_initialized() else init_process_group_over_mpi(mpi_comm)
     try:
         memory_format = recipe_memory_format(config, torch.get_num_threads())
         model = recipe_model(config).to(memory_format=memory_format)
         # Held in a dict so it can be dropped before its process group is destroyed.
         held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}
+        if fp16_wire:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            held["ddp"].register_comm_hook(None, default_hooks.fp16_compress_hook)
         schedule = recipe_schedule(config, total_steps, total_steps)
         optimizer = recipe_optimizer(config, model, schedule)
         yield plain_step(lambda inputs: held["ddp"](inputs), optimizer, schedule,
                          config.train.precision == "bfloat16", memory_format)
         held.clear()
     finally:
-        dist.destroy_process_group()
-        mpi_comm.Barrier()  # rank 0's store outlives every peer's last use of it
-        del store
+        if store is not None:
+            dist.destroy_process_group()
+            mpi_comm.Barrier()  # rank 0's store outlives every peer's last use of it
+            del store
 
 
 def horovod_missing() -> str | None:

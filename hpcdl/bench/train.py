@@ -52,11 +52,14 @@ from hpcdl.train.precision import agreed_precision
 COMMAND = "train"
 HELP = "images/s per rank of hpcdl's step vs no communication (ceiling) and DDP on gloo"
 
-MODES = ("ours", "no_comm", "ddp_gloo", "ours_allreduce", "ours_bf16", "horovod", "torch")
+MODES = ("ours", "no_comm", "ddp_gloo", "ours_allreduce", "ours_bf16", "horovod", "torch",
+         "ddp_gloo_fp16")
 COLUMNS = ["mode", "ranks", "batch_per_rank", "step_time_s", "images_per_s_per_rank",
            "compute_s", "comm_wait_s", "data_wait_s", "train_gflops_per_s",
            "flops_fraction_of_matmul", "vs_torch", "nic_tx_MB_per_step", "cpu_s_per_step",
            "comm_thread_cpu_share"]
+#: The modes whose gradients cross the wire in 16 bits (the rest: float32).
+WIRE_DTYPES = {"ours_bf16": "bfloat16", "ddp_gloo_fp16": "float16"}
 #: --memory-format -> train.channels_last
 MEMORY_FORMATS = {"auto": "auto", "channels_last": True, "contiguous": False}
 #: The per-step counters each sample carries besides its times (see step_counters).
@@ -519,7 +522,9 @@ def ratios_of(records: dict[str, dict[str, Any]], matmul: float,
         if own_backend(mode):
             compare(f"{mode}_vs_", mode, ("no_comm", "ddp_gloo"))
     if "ours_bf16" in records:   # bf16 gradients on the wire
-        compare("bf16_wire_vs_", "ours_bf16", ("no_comm", "ddp_gloo", "ours"))
+        compare("bf16_wire_vs_", "ours_bf16", ("no_comm", "ddp_gloo", "ddp_gloo_fp16", "ours"))
+    if "ddp_gloo_fp16" in records:   # DDP's own 16-bit wire against its fp32 one
+        compare("ddp_fp16_wire_vs_", "ddp_gloo_fp16", ("no_comm", "ddp_gloo"))
     plain = records.get("ours_allreduce")
     if plain is not None:   # --shard-update: the unsharded step of the same run
         compare("allreduce_vs_", "ours_allreduce", ("no_comm", "ddp_gloo"))
@@ -578,7 +583,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def record_backend(mode: str, comm, steppers: dict[str, Stepper]) -> str:
-    if mode == "ddp_gloo":
+    if mode in ("ddp_gloo", "ddp_gloo_fp16"):
         return "gloo"
     if mode == "horovod":
         return "horovod (MPI)"
@@ -677,9 +682,10 @@ def run(args: argparse.Namespace) -> int:
             if "ours_bf16" in modes:
                 built["ours_bf16"] = stack.enter_context(own_comm_stepper(
                     world, config, loader, bf16_wire_backend(comm), wire_dtype="bfloat16"))
-            if "ddp_gloo" in modes:
-                built["ddp_gloo"] = stack.enter_context(
-                    ddp_stepper(world, config, args.warmup + args.steps))
+            for mode in ("ddp_gloo", "ddp_gloo_fp16"):
+                if mode in modes:
+                    built[mode] = stack.enter_context(ddp_stepper(
+                        world, config, args.warmup + args.steps, mode == "ddp_gloo_fp16"))
             if "horovod" in modes:
                 built["horovod"] = stack.enter_context(
                     horovod_stepper(config, args.warmup + args.steps))
@@ -713,7 +719,7 @@ def run(args: argparse.Namespace) -> int:
             for mode, record in records.items():
                 record.update(model=args.model, image_size=args.image_size, threads=args.threads,
                               memory_format=layout, malloc=malloc, precision=precision,
-                              wire_dtype="bfloat16" if mode == "ours_bf16" else "float32",
+                              wire_dtype=WIRE_DTYPES.get(mode, "float32"),
                               shard_update=bool(args.shard_update and mode == "ours"),
                               backend=record_backend(mode, comm, steppers),
                               bucket_mb=config.comm.bucket_mb,
