@@ -85,6 +85,11 @@ def load_each(root: Path, pattern: str) -> list[tuple[Path, Any]]:
     return [(p, json.loads(p.read_text())) for p in sorted((root / RESULTS).glob(pattern))]
 
 
+def load_reports(root: Path, pattern: str) -> list[Any]:
+    """The parsed JSON of every raw file matching ``pattern``, in name order."""
+    return [report for _, report in load_each(root, pattern)]
+
+
 # ---- allreduce -------------------------------------------------------------------------
 
 ALLREDUCE_FILES = {2: ("allreduce-p2-2026-12-01.json", "allreduce-sites-np2-quiet-2026-12-01.json"),
@@ -144,12 +149,9 @@ RATIO_ROWS = (*((name, f"≥ {goal:g}") for name, goal in ALLREDUCE_GOALS.items(
 
 def allreduce_ratio_values(root: Path) -> dict[str, dict[int, tuple[float | None, float]]]:
     """Each bench ratio at P = 2 and 4: (backends run's value or None, site run's value)."""
-    out: dict[str, dict[int, tuple[float | None, float]]] = {}
-    for name, _ in RATIO_ROWS:
-        for p in (2, 4):
-            own = load(root, ALLREDUCE_FILES[p][0])["ratios"].get(name)
-            out.setdefault(name, {})[p] = (own, load(root, ALLREDUCE_FILES[p][1])["ratios"][name])
-    return out
+    ratios = {p: [load(root, name)["ratios"] for name in ALLREDUCE_FILES[p]] for p in (2, 4)}
+    return {name: {p: (own.get(name), site[name]) for p, (own, site) in ratios.items()}
+            for name, _ in RATIO_ROWS}
 
 
 @table("allreduce-ratios", *ALLREDUCE_SOURCES,
@@ -208,16 +210,6 @@ STEP_MODELS = (("alexnet_bn-224-b32-np2", "AlexNet-BN 224 px, 32", 1.10, 0.95),
                ("resnet50-112-b16-np2", "ResNet-50 112 px, 16", 1.05, 0.97))
 
 
-def _step_reports(root: Path, prefix: str) -> list[Mapping[str, Any]]:
-    return [report for _, report in load_each(root, f"{STEP_DIR}/{prefix}-run*.json")]
-
-
-def _step_runs(root: Path, prefix: str) -> list[dict[str, float]]:
-    """images/s per rank of each mode, one dict per run."""
-    return [{r["mode"]: r["images_per_s_per_rank"] for r in report["results"]}
-            for report in _step_reports(root, prefix)]
-
-
 @dataclass(frozen=True)
 class StepFigures:
     label: str
@@ -236,12 +228,14 @@ STEP_RATIOS = (("ours_allreduce", "no_comm"), ("ours_allreduce", "ddp_gloo"),
 def step_figures(root: Path) -> list[StepFigures]:
     out = []
     for prefix, label, ddp_goal, ceiling_goal in STEP_MODELS:
-        runs = _step_runs(root, prefix)
+        reports = load_reports(root, f"{STEP_DIR}/{prefix}-run*.json")
+        # images/s per rank of each mode, one dict per run
+        runs = [{r["mode"]: r["images_per_s_per_rank"] for r in report["results"]}
+                for report in reports]
         out.append(StepFigures(
             label, len(runs), {m: statistics.median(r[m] for r in runs) for m in runs[0]},
             {f"{a}/{b}": [r[a] / r[b] for r in runs] for a, b in STEP_RATIOS},
-            ddp_goal, ceiling_goal,
-            [r["ratios"]["flops_fraction_of_matmul"] for r in _step_reports(root, prefix)]))
+            ddp_goal, ceiling_goal, [r["ratios"]["flops_fraction_of_matmul"] for r in reports]))
     return out
 
 
@@ -254,13 +248,12 @@ def ddp_need(s: StepFigures) -> float:
        how=f"img/s per rank: median over runs; {SAME_RUN}; the DDP goal's need is goal × the "
            "median of ddp_gloo ÷ no_comm.")
 def training_step(root: Path) -> str:
-    rows = []
-    for s in step_figures(root):
-        rows.append([f"{s.label} ({s.runs} runs)", f(s.median_rate["ours_allreduce"]),
-                     f(s.median_rate["no_comm"]), f(s.median_rate["ddp_gloo"]),
-                     *(spread(s.ratios[f"{a}/{b}"]) for a, b in STEP_RATIOS[:3]),
-                     f"{s.ddp_goal:.2f}× → {f(ddp_need(s), 3)}",
-                     spread(s.ratios["ours/ours_allreduce"]), _minmax(s.flops_fraction, 2)])
+    rows = [[f"{s.label} ({s.runs} runs)",
+             *(f(s.median_rate[mode]) for mode in ("ours_allreduce", "no_comm", "ddp_gloo")),
+             *(spread(s.ratios[f"{a}/{b}"]) for a, b in STEP_RATIOS[:3]),
+             f"{s.ddp_goal:.2f}× → {f(ddp_need(s), 3)}",
+             spread(s.ratios["ours/ours_allreduce"]), _minmax(s.flops_fraction, 2)]
+            for s in step_figures(root)]
     header = ["model, per-rank batch, 2 ranks", "default step img/s", "no_comm", "ddp_gloo",
               "default ÷ no_comm", "default ÷ ddp_gloo", "ddp_gloo ÷ no_comm",
               "DDP goal needs (÷ ceiling)", "sharded ÷ default",
@@ -277,7 +270,7 @@ BUCKET_DIR = "bucket-size-alexnet-2026-12-01"
 def bucket_size(root: Path) -> str:
     rows = []
     for mb in (6, 25, 160):
-        reports = [report for _, report in load_each(root, f"{BUCKET_DIR}/b{mb}-*.json")]
+        reports = load_reports(root, f"{BUCKET_DIR}/b{mb}-*.json")
         ratios = [r["ratios"]["vs_no_comm"] for r in reports]
         rates = [r["ratios"]["images_per_s_per_rank"] for r in reports]
         rows.append([f"{mb} MB", " / ".join(f(x) for x in rates),
@@ -301,7 +294,7 @@ def _link_rate(report: Mapping[str, Any]) -> str:
 
 def across_runs(root: Path) -> list[Mapping[str, Any]]:
     """The runs at ``ACROSS_RATE`` (by each JSON's recorded tbf rate), in file order."""
-    return [r for _, r in load_each(root, f"{ACROSS_DIR}/*/step-*.json")
+    return [r for r in load_reports(root, f"{ACROSS_DIR}/*/step-*.json")
             if _link_rate(r) == ACROSS_RATE]
 
 
@@ -461,7 +454,7 @@ def _dtype_runs(root: Path, prefix: str) -> dict[tuple[str, str], list[Mapping[s
     ``auto`` picks) and ``layout-{prefix}-*.json`` (the other one)."""
     runs: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for pattern in (f"{prefix}-*.json", f"layout-{prefix}-*.json"):
-        for _, report in load_each(root, f"{BF16_SPEED_DIR}/{pattern}"):
+        for report in load_reports(root, f"{BF16_SPEED_DIR}/{pattern}"):
             ours = _record_of(report, "no_comm")
             runs.setdefault((ours["precision"], ours["memory_format"]), []).append(report)
     return runs
@@ -651,10 +644,10 @@ def convergence(root: Path) -> str:
 
 # ---- relaxed consistency ---------------------------------------------------------------
 
-RELAXED_FILES = {"seeds": "relaxed-seeds-2026-12-01.json",
-                 "hier": "relaxed-hierarchical-seeds-2026-12-01.json",
-                 "r4a": "relaxed-r4-seeds01-2026-12-01.json",
-                 "r4b": "relaxed-r4-seed2-2026-12-01.json"}
+#: the raw files of each set of runs (r = 4's seeds were run in two goes)
+RELAXED_FILES = {"seeds": ("relaxed-seeds-2026-12-01.json",),
+                 "hier": ("relaxed-hierarchical-seeds-2026-12-01.json",),
+                 "r4": ("relaxed-r4-seeds01-2026-12-01.json", "relaxed-r4-seed2-2026-12-01.json")}
 RELAXED_ROWS = (("sync", "seeds", "`sync` (hpcdl)"),
                 ("hierarchical", "hier", "`hierarchical` H = 8, 2 × 2"),
                 ("powersgd", "seeds", "`powersgd` r = 2 (hpcdl)"),
@@ -664,11 +657,10 @@ RELAXED_ROWS = (("sync", "seeds", "`sync` (hpcdl)"),
                 ("ddp_sync", "seeds", "`ddp_sync` (PyTorch's own loop)"))
 
 
-def _relaxed_records(root: Path, key: str) -> list[Mapping[str, Any]]:
-    if key == "r4":
-        return [*load(root, RELAXED_FILES["r4a"])["results"],
-                *load(root, RELAXED_FILES["r4b"])["results"]]
-    return load(root, RELAXED_FILES[key])["results"]
+def _relaxed_seeds(root: Path, key: str, run: str) -> list[Mapping[str, Any]]:
+    """The per-seed records of ``run`` in the files of ``key``, by seed (not the mean row)."""
+    return sorted((r for name in RELAXED_FILES[key] for r in load(root, name)["results"]
+                   if r["run"] == run and r["seed"] != "mean"), key=lambda r: r["seed"])
 
 
 @dataclass(frozen=True)
@@ -682,12 +674,10 @@ class RelaxedRow:
 
 
 def relaxed_rows(root: Path) -> list[RelaxedRow]:
-    sync_top1 = [r["top1"] * 100 for r in _relaxed_records(root, "seeds")
-                 if r["run"] == "sync" and r["seed"] != "mean"]
+    sync_top1 = [r["top1"] * 100 for r in _relaxed_seeds(root, "seeds", "sync")]
     rows = []
     for run, key, label in RELAXED_ROWS:
-        seeds = sorted((r for r in _relaxed_records(root, key)
-                        if r["run"] == run and r["seed"] != "mean"), key=lambda r: r["seed"])
+        seeds = _relaxed_seeds(root, key, run)
         top1 = [r["top1"] * 100 for r in seeds]
         rows.append(RelaxedRow(label, run, top1,
                                statistics.mean(top1) - statistics.mean(sync_top1),
@@ -695,7 +685,7 @@ def relaxed_rows(root: Path) -> list[RelaxedRow]:
     return rows
 
 
-@table("relaxed-call-site", *RELAXED_FILES.values(),
+@table("relaxed-call-site", *(name for names in RELAXED_FILES.values() for name in names),
        how="top-1 mean and sample sd over seeds, Δ against sync's mean; bytes each rank passed "
            "to allreduce at the call site, sync's over this run's.")
 def relaxed_call_site(root: Path) -> str:
@@ -790,12 +780,10 @@ BAND = f"{f(PLAN_BAND[0])}–{f(PLAN_BAND[1])}"
            "repeat) ÷ their median, the JSON's `spread`.")
 def planner_windows(root: Path) -> str:
     w2, w1 = (load(root, p)["results"] for p in WINDOWS)
-    rows = []
-    for a, b in zip(w2, w1, strict=True):
-        rows.append([f"{MODEL_NAMES[a['model']]} {a['image_size']} px", a["ranks"],
-                     f"{a['predicted_step_s']:.3f} / {a['measured_step_s']:.3f} s",
-                     _ratio(plan_ratio(a)), _ratio(plan_ratio(b)),
-                     f"{a['spread']:.0%} / {b['spread']:.0%}"])
+    rows = [[f"{MODEL_NAMES[a['model']]} {a['image_size']} px", a["ranks"],
+             f"{a['predicted_step_s']:.3f} / {a['measured_step_s']:.3f} s",
+             _ratio(plan_ratio(a)), _ratio(plan_ratio(b)), f"{a['spread']:.0%} / {b['spread']:.0%}"]
+            for a, b in zip(w2, w1, strict=True)]
     inside = [sum(in_band(plan_ratio(r)) for r in w) for w in (w2, w1)]
     widest = [max(r["spread"] for r in w) for w in (w2, w1)]
     table = md(["workload", "np", "window 2: predicted / measured step", "ratio",
@@ -963,12 +951,12 @@ SENSITIVITY = (("", "as shipped"), ("-dense08", "dense fractions × 0.8"),
                ("-dense125", "× 1.25"), ("-mem08", "memory passes × 0.8"), ("-mem125", "× 1.25"),
                ("-nooverhead", "no per-layer overhead"), ("-noov", "overlap off"),
                ("-rab", "`rabenseifner`"), ("-hier", "`hierarchical`"))
-#: per plan, the variants run (the file suffixes of SENSITIVITY it has)
-SENSITIVITY_PLANS = (("alexnet_bn_32k-skx", "AlexNet-BN 32K on `skx`",
-                      ("", "-dense08", "-dense125", "-mem08", "-mem125", "-nooverhead", "-noov",
-                       "-rab", "-hier")),
+SENSITIVITY_SUFFIXES = tuple(suffix for suffix, _ in SENSITIVITY)
+#: per plan, the variants run (the file suffixes of SENSITIVITY it has): ResNet-50's plan
+#: has no overlap-off or hierarchical run
+SENSITIVITY_PLANS = (("alexnet_bn_32k-skx", "AlexNet-BN 32K on `skx`", SENSITIVITY_SUFFIXES),
                      ("resnet50_32k-knl", "ResNet-50 32K on `knl`",
-                      ("", "-dense08", "-dense125", "-mem08", "-mem125", "-nooverhead", "-rab")))
+                      tuple(s for s in SENSITIVITY_SUFFIXES if s not in ("-noov", "-hier"))))
 
 
 @table("planner-sensitivity",
