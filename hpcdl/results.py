@@ -15,7 +15,9 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -105,6 +107,28 @@ def emit(report: Mapping[str, Any], columns: Sequence[str], json_path: str | Non
     if json_path:
         write_json(json_path, report)
         print(f"wrote {json_path}")
+
+
+def run_bench_json(procs: int, bench_args: Sequence[str], timeout_s: float, *,
+                   mpiexec: Sequence[str] = ("mpiexec",), python: str = sys.executable,
+                   env: Mapping[str, str] | None = None,
+                   announce: bool = False) -> dict[str, Any]:
+    """``MPIEXEC -n PROCS PYTHON -m hpcdl.cli.main bench BENCH_ARGS --json F`` in a temporary
+    directory (``env`` over this process's environment), F parsed; a failed run is a
+    RuntimeError with its exit status and the tail of its output."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.json")
+        cmd = [*mpiexec, "-n", str(procs), python, "-m", "hpcdl.cli.main", "bench",
+               *bench_args, "--json", out]
+        if announce:
+            print("running:", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout)[-1000:]}")
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)
 
 
 

@@ -15,13 +15,10 @@ docs/performance.md, "Allreduce".
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -249,20 +246,18 @@ def parse_site_mpi(items: list[str]) -> list[tuple[str, str]]:
 
 
 def launch_bench(mpiexec: list[str], python: str, np: int, bench_args: list[str],
-                 env: dict[str, str], json_path: str) -> list[dict]:
+                 env: dict[str, str]) -> list[dict]:
     """One ``mpiexec -n np python -m hpcdl.cli.main bench allreduce ...``; its records, each
     with the MPI library it ran under."""
-    command = [*mpiexec, "-n", str(np), python, "-m", "hpcdl.cli.main", "bench", "allreduce",
-               *bench_args, "--json", json_path]
-    proc = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=1800)
-    if proc.returncode != 0:
+    from hpcdl.results import run_bench_json
+
+    try:
+        report = run_bench_json(np, ["allreduce", *bench_args], 1800, mpiexec=mpiexec,
+                                python=python, env=env)
+    except RuntimeError as exc:
         # a failed run, not bad input: exit 1 (hpcdl.cli.main makes a message-only exit 2)
-        print(f"hpcdl bench allreduce: `{' '.join(command)}` failed (exit {proc.returncode}):\n"
-              f"{proc.stderr[-2000:]}", file=sys.stderr)
-        raise SystemExit(1)
-    with open(json_path, encoding="utf-8") as f:
-        report = json.load(f)
+        print(f"hpcdl bench allreduce: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     return [dict(r, mpi=report["machine"]["mpi"]) for r in report["results"]]
 
 
@@ -294,22 +289,19 @@ def run_driver(args: argparse.Namespace, sizes: list[int]) -> int:
         raise SystemExit("hpcdl bench allreduce: no mpiexec on PATH for hpcdl's own run")
     common = ["--sizes", args.sizes, "--repeats", str(args.repeats), "--warmup",
               str(args.warmup)]
-    with tempfile.TemporaryDirectory(prefix="hpcdl-allreduce-driver-") as work:
-        records = launch_bench([mpiexec], sys.executable, args.np,
-                               ["--backends", args.backends, *common], {},
-                               os.path.join(work, "hpcdl.json"))
-        for name, prefix in sites:
-            for i, tuning in enumerate(SITE_TUNINGS[name]):
-                print(f"measuring {name} {tuning or '(its default)'}", flush=True)
-                rows = launch_bench(
-                    [os.path.join(prefix, "bin", "mpiexec"), *site_launcher_args(name, args.np)],
-                    os.path.join(prefix, "bin", "python"), args.np,
-                    ["--backends", "mpi", "--only-listed", *common],
-                    {**SITE_ENV[name], **tuning}, os.path.join(work, f"{name}-{i}.json"))
-                label = " ".join(f"{k}={v}" for k, v in tuning.items()) or "default"
-                records += [dict(r, backend=name, tuning=label) for r in rows]
-        if args.ccl_tunings:
-            records += measure_ccl_tunings(mpiexec, args.np, common, work)
+    records = launch_bench([mpiexec], sys.executable, args.np,
+                           ["--backends", args.backends, *common], {})
+    for name, prefix in sites:
+        for tuning in SITE_TUNINGS[name]:
+            print(f"measuring {name} {tuning or '(its default)'}", flush=True)
+            rows = launch_bench(
+                [os.path.join(prefix, "bin", "mpiexec"), *site_launcher_args(name, args.np)],
+                os.path.join(prefix, "bin", "python"), args.np,
+                ["--backends", "mpi", "--only-listed", *common], {**SITE_ENV[name], **tuning})
+            label = " ".join(f"{k}={v}" for k, v in tuning.items()) or "default"
+            records += [dict(r, backend=name, tuning=label) for r in rows]
+    if args.ccl_tunings:
+        records += measure_ccl_tunings(mpiexec, args.np, common)
     ratios = {**bandwidth_ratios(records, sizes),
               **site_ratios(records, [name for name, _ in sites], sizes),
               **ccl_tuning_ratios(records, sizes)}
@@ -318,15 +310,15 @@ def run_driver(args: argparse.Namespace, sizes: list[int]) -> int:
     return 0
 
 
-def measure_ccl_tunings(mpiexec: str, np: int, common: list[str], work: str) -> list[dict]:
+def measure_ccl_tunings(mpiexec: str, np: int, common: list[str]) -> list[dict]:
     """``ccl`` alone under each of :func:`ccl_tunings`, one launch each (oneCCL reads its
     settings once, when the library loads); rows ``ccl-tuned``, labelled by setting."""
     records = []
-    for i, tuning in enumerate(ccl_tunings(np, os.cpu_count() or 1)):
+    for tuning in ccl_tunings(np, os.cpu_count() or 1):
         print(f"measuring ccl {tuning or '(defaults)'}", flush=True)
         records += [dict(r, backend="ccl-tuned") for r in launch_bench(
             [mpiexec], sys.executable, np, ["--backends", "ccl", "--only-listed", *common],
-            tuning, os.path.join(work, f"ccl-{i}.json"))]
+            tuning)]
     return records
 
 

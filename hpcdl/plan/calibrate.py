@@ -141,7 +141,7 @@ def fit_alpha_beta(records: Sequence[Mapping[str, Any]], gamma: float,
 def allreduce_records(timeout_s: float = 600) -> list[dict]:
     """Run ``hpcdl bench allreduce`` at 2 ranks (the mpi backend: the one the fit reads) and
     return its result records."""
-    from hpcdl.plan.validate import run_bench_json
+    from hpcdl.results import run_bench_json
 
     sizes = ",".join(str(s) for s in ALLREDUCE_SIZES)
     report = run_bench_json(2, ("allreduce", "--sizes", sizes, "--backends", "mpi"), timeout_s)

@@ -9,15 +9,14 @@ with the spread, in the bench JSON convention. The bench's JSON is read tolerant
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hpcdl.results import run_bench_json
 from hpcdl.train.config import CommConfig
 
 # The median step first (hpcdl bench train's ``step_time_median_s``: one slow step of a few,
@@ -88,24 +87,6 @@ def measured_step(report: Mapping[str, Any], ranks: int) -> dict[str, float]:
         if value is not None:
             out[name] = value
     return out
-
-
-def run_bench_json(procs: int, bench_args: Sequence[str], timeout_s: float,
-                   announce: bool = False) -> dict[str, Any]:
-    """``mpiexec -n PROCS hpcdl bench BENCH_ARGS --json F`` in a temporary directory, F parsed;
-    a failed run is a RuntimeError with its exit status and the tail of its output."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "bench.json")
-        cmd = ["mpiexec", "-n", str(procs), sys.executable, "-m", "hpcdl.cli.main", "bench",
-               *bench_args, "--json", out]
-        if announce:
-            print("running:", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
-                               f"{(proc.stderr or proc.stdout)[-1000:]}")
-        with open(out, encoding="utf-8") as f:
-            return json.load(f)
 
 
 def bench_threads(procs: int) -> int:
