@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_TRIAL_S", "LAST_BUCKET_BYTES", "MIB",
-           "TRIAL_BUCKET_MB", "TRIAL_RUN_SHARE", "bucket_bounds", "bucket_bytes",
+           "TRIAL_BUCKET_MB", "TRIAL_RUN_SHARE", "TRIAL_SAMPLE_MB", "bucket_bounds", "bucket_bytes",
            "check_bucket_bytes", "tail_start"]
 
 MIB = 2**20
@@ -32,6 +32,11 @@ TRIAL_RUN_SHARE = 0.01
 #: bucket sizes (MiB) the trial tries besides the recipe's ``comm.bucket_mb``: DDP's 25 and
 #: a step smaller and larger
 TRIAL_BUCKET_MB = (4.0, 25.0, 64.0)
+#: bytes (MiB) of the large buckets each trial round reduces, the first layers' bucket besides:
+#: a large model's whole step (AlexNet's 245 MB: 1 s a round at 2 Gbit/s) would spend a few
+#: seconds' budget on the first candidate alone; a sample this size still holds several
+#: buckets at the smallest size tried
+TRIAL_SAMPLE_MB = 8.0
 
 
 def bucket_bytes(bucket_mb: float) -> int:

@@ -16,6 +16,7 @@ from hpcdl.comm.trial import (
     choose,
     layout_score,
     rule_result,
+    sampled_buckets,
     trial_budget,
     trial_candidates,
     trial_layouts,
@@ -57,6 +58,21 @@ def test_the_wire_dtype_sets_the_bytes_a_bucket_holds():
 def test_a_layout_scores_its_round_plus_its_exposed_last_bucket():
     assert layout_score([0.5, 0.25, 0.125]) == 0.5 + 0.25 + 0.125 + 0.125
     assert layout_score([]) == 0.0
+    # a sampled round: the large buckets' time scaled to all of theirs, the last one whole
+    assert layout_score([0.5, 0.25, 0.125], scale=4.0) == 4.0 * 0.75 + 2 * 0.125
+
+
+def test_a_round_samples_the_large_buckets_and_keeps_the_first_layers_whole():
+    mib = MIB // 4   # fp32 elements in a MiB
+    # AlexNet-like: a 16 MiB bucket, a 150 MiB parameter alone, a 30 MiB rest, 1 MiB first
+    buckets = [16 * mib, 150 * mib, 30 * mib, mib]
+    timed, scale = sampled_buckets(buckets, 4, sample_bytes=24 * MIB)
+    assert timed == [16 * mib, 8 * mib, mib]       # up to 24 MiB, the last cut short
+    assert scale == pytest.approx(196 / 24)         # the large buckets' bytes over those timed
+    # a model whose large buckets fit is timed whole, unscaled (the demo: every small model)
+    assert sampled_buckets([mib, mib, mib], 4, sample_bytes=24 * MIB) == ([mib] * 3, 1.0)
+    assert sampled_buckets([mib], 4) == ([mib], 1.0)  # one bucket: the first layers' alone
+    assert sampled_buckets([], 4) == ([], 1.0)
 
 
 def test_the_fastest_wins_only_by_the_margin_so_equals_keep_the_earlier():

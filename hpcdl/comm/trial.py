@@ -5,13 +5,16 @@ A rule (hpcdl.topology.auto_backend_name: ``shm`` when a node holds several rank
 rounds of the run's own gradient buckets on the run's own communicator can. Each choice, with
 its reason (docs/comm.md, "The start-up trial"):
 
-- **What is timed is one step's communication**: every bucket of the model's gradients, laid
+- **What is timed is one step's communication, sampled**: the model's gradient buckets, laid
   out by the reducer's own rule (:func:`hpcdl.buckets.bucket_bounds`, in the wire dtype the
   candidate would send), allreduced in launch order on a thread whose waits yield, as the
-  reducer's communication thread does. A layout's score is the sum of its bucket times (what
-  a step waits for when it is communication-bound) plus its last bucket's time (what nothing
-  hides when backward covers the rest; the reason for the small last bucket, Li et al., VLDB
-  2020, §3.2.3): a first-order proxy, since the trial runs no backward to overlap with.
+  reducer's communication thread does -- the large buckets only up to
+  :data:`~hpcdl.buckets.TRIAL_SAMPLE_MB` per round (the last bucket cut short), their time
+  scaled by the bytes left out, and the first layers' bucket whole. A layout's score is the
+  sum of its bucket times (what a step waits for when it is communication-bound) plus its
+  last bucket's time (what nothing hides when backward covers the rest; the reason for the
+  small last bucket, Li et al., VLDB 2020, §3.2.3): a first-order proxy, since the trial runs
+  no backward to overlap with.
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
   ranks (a collective is as slow as its slowest rank), in one allreduce; rank 0 picks the
   fastest (a later measurement must beat the earlier by :data:`TRIAL_MARGIN`, so noise
@@ -41,6 +44,7 @@ from hpcdl.buckets import (
     MIB,
     TRIAL_BUCKET_MB,
     TRIAL_RUN_SHARE,
+    TRIAL_SAMPLE_MB,
     bucket_bounds,
     bucket_bytes,
 )
@@ -48,7 +52,8 @@ from hpcdl.comm.base import yield_waits_in_this_thread
 
 __all__ = ["Layout", "Measurement", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats",
            "bucket_numels", "choose",
-           "layout_score", "rule_result", "run_trial", "trial_budget", "trial_candidates",
+           "layout_score", "rule_result", "run_trial", "sampled_buckets", "trial_budget",
+           "trial_candidates",
            "trial_layouts", "unavailable_backends"]
 
 #: how much faster a later measurement must be to replace the best so far: within it, two
@@ -87,6 +92,8 @@ class Measurement:
     buckets: int
     rounds: int
     seconds: float
+    #: the share of the layout's bytes each round reduced (sampled_buckets)
+    timed_share: float = 1.0
 
     @property
     def layout(self) -> Layout:
@@ -174,9 +181,30 @@ def bucket_numels(numels: Sequence[int], element_size: int, layout: Layout) -> l
             bucket_bounds(sizes, layout.bucket_bytes, layout.last_bucket_bytes)]
 
 
-def layout_score(bucket_seconds: Sequence[float]) -> float:
-    """A step's communication for one round of bucket times (module docstring)."""
-    return sum(bucket_seconds) + (bucket_seconds[-1] if bucket_seconds else 0.0)
+def sampled_buckets(buckets: Sequence[int], element_size: int,
+                    sample_bytes: int = int(TRIAL_SAMPLE_MB * MIB)) -> tuple[list[int], float]:
+    """Elements of each bucket a trial round reduces, and the factor that scales the large
+    buckets' time to all of theirs: the large buckets in launch order up to ``sample_bytes``
+    (the last one taken cut short), then the first layers' bucket (the last launched) whole."""
+    if not buckets:
+        return [], 1.0
+    *large, last = buckets
+    left, taken = sample_bytes // element_size, []
+    for numel in large:
+        if left <= 0:
+            break
+        taken.append(min(numel, left))
+        left -= taken[-1]
+    return taken + [last], (sum(large) / sum(taken) if taken else 1.0)
+
+
+def layout_score(bucket_seconds: Sequence[float], scale: float = 1.0) -> float:
+    """A step's communication for one round of bucket times (module docstring), the large
+    buckets' (all but the last) scaled by ``scale``."""
+    if not bucket_seconds:
+        return 0.0
+    *large, last = bucket_seconds
+    return scale * sum(large) + 2 * last
 
 
 def beats(new: Measurement, best: Measurement) -> bool:
@@ -278,7 +306,7 @@ class _Trial:
             self._drop(name)
             return best
         m = Measurement(name, layout.bucket_mb, layout.first_bucket_mb, len(buckets),
-                        self.rounds, agreed)
+                        self.rounds, agreed, self._timed_share(buckets, dtype))
         result.measurements.append(m)
         if best is None or beats(m, best):
             if best is not None and best.backend != name:
@@ -288,13 +316,19 @@ class _Trial:
             self._drop(name)
         return best
 
+    @staticmethod
+    def _timed_share(buckets: list[int], dtype: torch.dtype) -> float:
+        timed, _ = sampled_buckets(buckets, torch.empty(0, dtype=dtype).element_size())
+        return sum(timed) / max(1, sum(buckets))
+
     def _time(self, name: str, layout: Layout, dtype: torch.dtype,
               buckets: list[int]) -> tuple[float, BaseException | None]:
         try:
             comm, buffer = self._communicator(name, layout, dtype)
-            views = list(buffer[:sum(buckets)].split(buckets))
+            timed, scale = sampled_buckets(buckets, torch.empty(0, dtype=dtype).element_size())
+            views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []
-            _on_yielding_thread(lambda: self._rounds(comm, views, scores))
+            _on_yielding_thread(lambda: self._rounds(comm, views, scale, scores))
             return statistics.median(scores), None
         except Exception as exc:  # noqa: BLE001 - any failure excludes the candidate
             return 0.0, exc
@@ -310,7 +344,8 @@ class _Trial:
             self.open[name] = (comm, buffer)
         return self.open[name]
 
-    def _rounds(self, comm: Any, views: list[torch.Tensor], scores: list[float]) -> None:
+    def _rounds(self, comm: Any, views: list[torch.Tensor], scale: float,
+                scores: list[float]) -> None:
         for r in range(1 + self.rounds):
             self.world.Barrier()  # every rank starts the round together
             times = []
@@ -319,7 +354,7 @@ class _Trial:
                 comm.allreduce_flat_(view, average=True)
                 times.append(time.perf_counter() - t0)
             if r:
-                scores.append(layout_score(times))
+                scores.append(layout_score(times, scale))
 
     def _agree(self, seconds: float, began: float) -> float:
         """The largest score, time spent and measurement time over ranks, in one allreduce."""
