@@ -34,8 +34,8 @@ TRIAL_RUN_SHARE = 0.01
 TRIAL_BUCKET_MB = (4.0, 25.0, 64.0)
 #: bytes (MiB) of the large buckets each trial round reduces, the first layers' bucket besides:
 #: a large model's whole step (AlexNet's 245 MB: 1 s a round at 2 Gbit/s) would spend a few
-#: seconds' budget on the first candidate alone; a sample this size still holds several
-#: buckets at the smallest size tried
+#: seconds' budget on the first candidate alone; a sample this size still holds two buckets
+#: at the smallest size tried (4 MiB), so bucket sizes still differ in calls per round
 TRIAL_SAMPLE_MB = 8.0
 
 

@@ -51,10 +51,9 @@ from hpcdl.buckets import (
 from hpcdl.comm.base import yield_waits_in_this_thread
 
 __all__ = ["Layout", "Measurement", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats",
-           "bucket_numels", "choose",
-           "layout_score", "rule_result", "run_trial", "sampled_buckets", "trial_budget",
-           "trial_candidates",
-           "trial_layouts", "unavailable_backends"]
+           "bucket_numels", "choose", "layout_score", "rule_result", "run_trial",
+           "sampled_buckets", "trial_budget", "trial_candidates", "trial_layouts",
+           "unavailable_backends"]
 
 #: how much faster a later measurement must be to replace the best so far: within it, two
 #: choices are the same to a few rounds on a shared node, and the earlier (the rule's pick,
