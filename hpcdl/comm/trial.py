@@ -297,7 +297,7 @@ class _Trial:
             return best  # the same buckets as a layout already timed on this backend
         self.seen.setdefault(name, []).append(buckets)
         began = time.perf_counter()
-        seconds, error = self._time(name, layout, dtype, buckets)
+        seconds, timed_share, error = self._time(name, layout, dtype, buckets)
         agreed = self._agree(seconds if error is None else float("inf"), began)
         reason = self._agreed_error(error)
         if reason is not None:
@@ -305,7 +305,7 @@ class _Trial:
             self._drop(name)
             return best
         m = Measurement(name, layout.bucket_mb, layout.first_bucket_mb, len(buckets),
-                        self.rounds, agreed, self._timed_share(buckets, dtype))
+                        self.rounds, agreed, timed_share)
         result.measurements.append(m)
         if best is None or beats(m, best):
             if best is not None and best.backend != name:
@@ -315,22 +315,19 @@ class _Trial:
             self._drop(name)
         return best
 
-    @staticmethod
-    def _timed_share(buckets: list[int], dtype: torch.dtype) -> float:
-        timed, _ = sampled_buckets(buckets, torch.empty(0, dtype=dtype).element_size())
-        return sum(timed) / max(1, sum(buckets))
-
     def _time(self, name: str, layout: Layout, dtype: torch.dtype,
-              buckets: list[int]) -> tuple[float, BaseException | None]:
+              buckets: list[int]) -> tuple[float, float, BaseException | None]:
+        """The median score over rounds, the share of the layout's elements a round reduced,
+        and what raised instead."""
         try:
             comm, buffer = self._communicator(name, layout, dtype)
             timed, scale = sampled_buckets(buckets, torch.empty(0, dtype=dtype).element_size())
             views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []
             _on_yielding_thread(lambda: self._rounds(comm, views, scale, scores))
-            return statistics.median(scores), None
+            return statistics.median(scores), sum(timed) / max(1, sum(buckets)), None
         except Exception as exc:  # noqa: BLE001 - any failure excludes the candidate
-            return 0.0, exc
+            return 0.0, 0.0, exc
 
     def _communicator(self, name: str, layout: Layout, dtype: torch.dtype):
         if name not in self.open:

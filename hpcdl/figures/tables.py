@@ -459,9 +459,11 @@ def optim_step(root: Path) -> str:
                 f"≤ {OPTIM_GOAL:g}: " + _met(ratio <= OPTIM_GOAL)]], right=0)
 
 
-BF16_SPEED_DIR = "step-fp32-bf16-vs-torch-2026-12-02"   # AMX: the summary's figures
-#: Each CPU's runs, a table each: bf16 on AMX tiles, and on AVX512-BF16 alone (quiet).
-BF16_SPEED_DIRS = (BF16_SPEED_DIR, "step-fp32-bf16-vs-torch-quiet-avx512bf16-2026-12-02")
+#: The current runs (quiet, AVX512-BF16): performance.md's table and the summary's figures
+BF16_SPEED_DIR = "step-fp32-bf16-vs-torch-quiet-avx512bf16-2026-12-02"
+#: Each block's runs: the current, and the loaded AMX runs kept in the bf16 notebook
+BF16_SPEED_TABLES = {"bf16-speed": BF16_SPEED_DIR,
+                     "bf16-speed-amx-loaded": "step-fp32-bf16-vs-torch-2026-12-02"}
 #: (file prefix, label) of each model the fp32/bf16 runs measured
 BF16_SPEED_MODELS = (("resnet50-112px-b32", "ResNet-50, 112 px"),
                      ("alexnet_bn-224px-b32", "AlexNet-BN, 224 px"))
@@ -538,17 +540,15 @@ def _dtype_row(label: str, reports: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{f(100 * conv, 0)}%", f(peak, 0), _minmax(loads)]
 
 
-@table("bf16-speed", *(f"{d}/" for d in BF16_SPEED_DIRS),
-       how="each cell is the median over a row's runs; hpcdl ÷ torch is each run's own "
-           "(`vs_torch`), median [min–max]; a FLOP fraction is training FLOPs (6 × forward "
-           "multiply-adds per image) over an n×n matmul's of the step's dtype on the same "
-           "threads, per CPU second of the process (`cpu_flops_fraction_of_matmul`: less moved "
-           "by time-slicing on shared cores, though not by cache sharing) and per wall second "
-           "(`flops_fraction_of_matmul`); conv. share is `compute_breakdown.convolution_share` "
-           f"(hpcdl's profiled step); bf16 ÷ fp32: {SEPARATE_RUNS} (hpcdl's CPU s per step, "
-           "the layout auto picks).")
-def bf16_speed(root: Path) -> str:
-    return "\n\n".join(bf16_speed_of(root, directory) for directory in BF16_SPEED_DIRS)
+BF16_SPEED_HOW = (
+    "each cell is the median over a row's runs; hpcdl ÷ torch is each run's own "
+    "(`vs_torch`), median [min–max]; a FLOP fraction is training FLOPs (6 × forward "
+    "multiply-adds per image) over an n×n matmul's of the step's dtype on the same "
+    "threads, per CPU second of the process (`cpu_flops_fraction_of_matmul`: less moved "
+    "by time-slicing on shared cores, though not by cache sharing) and per wall second "
+    "(`flops_fraction_of_matmul`); conv. share is `compute_breakdown.convolution_share` "
+    f"(hpcdl's profiled step); bf16 ÷ fp32: {SEPARATE_RUNS} (hpcdl's CPU s per step, "
+    "the layout auto picks).")
 
 
 def bf16_speed_of(root: Path, directory: str) -> str:
@@ -574,6 +574,11 @@ def bf16_speed_of(root: Path, directory: str) -> str:
                  "FLOP fraction per CPU s, hpcdl / torch", "per wall s", "conv. share",
                  "matmul GFLOP per CPU s", "load (1 min)"], rows, right=3)
     return f"{cpu}\n\n{table_}"
+
+
+for _name, _directory in BF16_SPEED_TABLES.items():
+    table(_name, f"{_directory}/", how=BF16_SPEED_HOW)(
+        functools.partial(bf16_speed_of, directory=_directory))
 
 
 #: The accuracy cells, each with how its CPU computed bf16 (emulated: rounded fp32 kernels).
@@ -1240,9 +1245,9 @@ def _summary_bf16(root: Path) -> list[str]:
     vs_torch, fraction = bf16_vs_torch(root, resnet)
     return [f"bf16 LARS − fp32: {signed(diff)} points emulated (mean of "
             f"{len(_bf16_seeds(root, emulated))} seeds), {signed(native_diff)} native "
-            f"({len(_bf16_seeds(root, native))} seeds); native bf16 ÷ fp32 CPU s per step across "
-            f"separate loaded runs (not a speed figure): {f(bf16_speedup(root, resnet))}× / "
-            f"{f(bf16_speedup(root, alexnet))}× (ResNet-50 / AlexNet-BN, AMX); ResNet-50 bf16, "
+            f"({len(_bf16_seeds(root, native))} seeds); bf16 ÷ fp32 CPU s per step, quiet: "
+            f"{f(bf16_speedup(root, resnet))}× / {f(bf16_speedup(root, alexnet))}× "
+            f"(ResNet-50 / AlexNet-BN, AVX512-BF16); ResNet-50 bf16, "
             f"same run: {spread(vs_torch, 2)}× plain "
             f"torch, {f(fraction)} of the bf16 matmul peak per CPU s",
             f"≥ {f(BF16_GOAL, 1)} points; ≥ 1× plain torch",
