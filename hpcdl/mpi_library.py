@@ -14,9 +14,9 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-__all__ = ["FLAVORS", "RANK_ENV", "WORLD_SIZE_ENV", "MpiLibrary", "identify",
+__all__ = ["FLAVORS", "NETMOD_SETTINGS", "RANK_ENV", "WORLD_SIZE_ENV", "MpiLibrary", "identify",
            "launched_rank", "launched_world_size", "launcher_of", "loaded_library",
-           "set_wheel_mpi_root"]
+           "mpich_netmod_for_slurm_pmi1", "set_wheel_mpi_root"]
 
 #: flavor -> name as users say it. "mpich" covers MPICH-derived builds we do not single out.
 FLAVORS = {"impi": "Intel MPI", "openmpi": "Open MPI", "mpich": "MPICH",
@@ -131,3 +131,35 @@ def set_wheel_mpi_root(env: MutableMapping[str, str] = os.environ,
         return None
     env["I_MPI_ROOT"] = prefix
     return prefix
+
+
+#: The most bytes of one PMI-1 request Slurm's ``--mpi=pmi2`` plugin takes: it reads a request
+#: with one read() of this size and parses the rest as a new request.
+SLURM_PMI1_READ_BYTES = 1024
+#: The environment variables that choose MPICH's network module, in the order MPICH reads them
+NETMOD_SETTINGS = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD", "MPIR_PARAM_CH4_NETMOD")
+
+
+def mpich_netmod_for_slurm_pmi1(library_version: str,
+                                env: MutableMapping[str, str] = os.environ) -> str | None:
+    """Under ``srun --mpi=pmi2``, set MPICH's network module to ``ofi`` when it was built with
+    both ``ucx`` and ``ofi`` and nobody chose one; return what it set, if anything.
+
+    MPICH speaks the PMI-1 wire protocol to Slurm, whose plugin reads at most
+    :data:`SLURM_PMI1_READ_BYTES` of a request. MPICH's UCX module publishes a 4,096-byte
+    address in 511-byte segments, hex-encoded with runs of zero bytes shortened, so a segment
+    with few zero bytes (what the address's unused bytes hold decides) makes a request longer
+    than that: MPI_Init hangs in some jobs and not others (seen on the test cluster's hosts).
+    The OFI module's address is 16 bytes. Hydra's ``mpiexec`` reads whole lines and needs
+    none of this; a build with UCX only has no way out under srun but Hydra.
+    """
+    if identify(library_version).flavor != "mpich" or launcher_of(env) != "srun":
+        return None
+    if env.get("SLURM_MPI_TYPE") != "pmi2" or any(key in env for key in NETMOD_SETTINGS):
+        return None
+    device = re.search(r"MPICH Device:\s*(.*)", library_version)
+    netmods = set(re.findall(r"\w+", device.group(1))) if device else set()
+    if not {"ucx", "ofi"} <= netmods:
+        return None
+    env["MPIR_CVAR_CH4_NETMOD"] = "ofi"
+    return "ofi"

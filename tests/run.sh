@@ -12,11 +12,14 @@ results=test-results
 rm -rf "$results" && mkdir -p "$results"
 status=0
 
-stage() {  # stage NAME COMMAND...: run one pytest stage and remember a failure
+costs=()
+stage() {  # stage NAME COMMAND...: run one pytest stage, remember a failure and its cost
     local name=$1; shift
     echo "=== $name: $*"
+    local start=$SECONDS
     "$@"
     local rc=$?
+    costs+=("$(printf '%-16s %5d s' "$name" $((SECONDS - start)))")
     if [ $rc -eq 5 ]; then echo "!!! $name collected no tests (pytest exit 5)"; status=1
     elif [ $rc -ne 0 ]; then echo "!!! $name failed (exit $rc)"; status=1; fi
 }
@@ -78,4 +81,6 @@ stage slurm-mpi python3 -m pytest tests --ignore=tests/mpi --ignore=tests/cluste
 stage cluster python3 -m pytest tests/cluster -q -rs --junitxml="$results/cluster.xml"
 
 python3 tests/summarize.py "$results" || status=1
+printf 'stage costs (wall):\n'; printf '  %s\n' "${costs[@]}"
+printf '  %-16s %5d s\n' "all of run.sh" "$SECONDS"
 exit $status

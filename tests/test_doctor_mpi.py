@@ -5,7 +5,7 @@ the matrix) and the Slurm jobs of tests/test_slurm_jobs.py."""
 import pytest
 
 from hpcdl.debug.doctor import binding_fix, diagnose
-from hpcdl.mpi_library import identify, launcher_of, set_wheel_mpi_root
+from hpcdl.mpi_library import identify, launcher_of, mpich_netmod_for_slurm_pmi1, set_wheel_mpi_root
 
 # MPI_Get_library_version as each library prints it (the first three from the wheels the
 # matrix installs; MVAPICH2 and Cray MPICH from their documentation's format).
@@ -150,3 +150,23 @@ def test_wheel_intel_mpi_root_is_set_only_where_the_wheel_is_and_never_overrides
     site = {"I_MPI_ROOT": "/opt/intel/oneapi/mpi/2021.13"}
     assert set_wheel_mpi_root(site, str(tmp_path)) is None
     assert site["I_MPI_ROOT"] == "/opt/intel/oneapi/mpi/2021.13"
+
+
+MPICH_BOTH = "MPICH Version:      5.0.2\nMPICH Device:       ch4:ucx ofi\n"
+SRUN_PMI2 = {"SLURM_MPI_TYPE": "pmi2", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}
+
+
+@pytest.mark.parametrize("library, env, chosen", [
+    (MPICH_BOTH, SRUN_PMI2, "ofi"),
+    (MPICH_BOTH, {**SRUN_PMI2, "MPICH_CH4_NETMOD": "ucx"}, None),  # the user's choice stands
+    (MPICH_BOTH, {**SRUN_PMI2, "SLURM_MPI_TYPE": "pmix"}, None),
+    (MPICH_BOTH, {**SRUN_PMI2, "MPI_LOCALNRANKS": "2"}, None),  # Hydra inside the allocation
+    ("MPICH Version:      4.2.0\nMPICH Device:       ch4:ucx\n", SRUN_PMI2, None),
+    ("Intel(R) MPI Library 2021.13 for Linux* OS\n", SRUN_PMI2, None),
+])
+def test_mpich_gets_ofi_only_under_srun_pmi2_when_built_with_it_and_unchosen(library, env,
+                                                                               chosen):
+    env = dict(env)
+    before = dict(env)
+    assert mpich_netmod_for_slurm_pmi1(library, env) == chosen
+    assert env == ({**before, "MPIR_CVAR_CH4_NETMOD": chosen} if chosen else before)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hpcdl.cpus import affinity_cores, cpu_socket, format_cpu_list, online_cpus, threads_per_rank
-from hpcdl.mpi_library import RANK_ENV, WORLD_SIZE_ENV, launcher_of
+from hpcdl.mpi_library import NETMOD_SETTINGS, RANK_ENV, WORLD_SIZE_ENV, launcher_of
 
 #: File systems where HDF5's POSIX locks fail or serialise readers.
 PARALLEL_FS = ("lustre", "gpfs", "nfs", "nfs4", "beegfs", "cephfs", "ceph", "pvfs2",
@@ -101,6 +101,10 @@ def _library_info() -> dict[str, Any]:
         "ipex": importlib.util.find_spec("intel_extension_for_pytorch") is not None,
         "oneccl": oneccl_found(),
     }
+    # MPICH's network module where one is set (hpcdl sets ofi under srun --mpi=pmi2)
+    netmod = next((os.environ[k] for k in NETMOD_SETTINGS if k in os.environ), None)
+    if netmod:
+        info["mpich_netmod"] = netmod
     try:
         import h5py
 
@@ -522,9 +526,9 @@ def format_report(ranks: Sequence[Mapping[str, Any]], findings: Sequence[Finding
     lines += ["  ".join(str(r[c]).ljust(widths[c]) for c in ROW_COLUMNS) for r in rows]
     lines.append("")
     first = ranks[0]
-    for key in ("mpi_name", "launcher", "mpi_library", "mpi_vendor", "mpi_standard",
-                "thread_level", "mpi4py",
-                "mpi4py_config", "torch", "ipex", "oneccl", "h5py", "hdf5", "hdf5_file_locking",
+    for key in ("mpi_name", "launcher", "mpi_library", "mpich_netmod", "mpi_vendor",
+                "mpi_standard", "thread_level", "mpi4py", "mpi4py_config", "torch", "ipex",
+                "oneccl", "h5py", "hdf5", "hdf5_file_locking",
                 "staging_dir", "staging_fs", "data_dir", "data_fs"):
         if key not in first:
             continue

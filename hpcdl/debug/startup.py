@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator, Mapping
 
 from hpcdl.env import env_seconds
-from hpcdl.mpi_library import RANK_ENV
+from hpcdl.mpi_library import RANK_ENV, mpich_netmod_for_slurm_pmi1
 
 #: What to try when start-up does not end: the usual cause is the launcher's PMI.
 WHAT_TO_TRY = ("the launcher's PMI may not suit this MPI: try the other PMI (srun --mpi=pmi2 "
@@ -131,7 +131,8 @@ def _mpi_init_thread_symbol(extension: str):
 class _BoundedLoader(importlib.abc.Loader):
     """mpi4py.MPI's own loader with MPI_Init taken out of the import (``mpi4py.rc.initialize``
     off while the module runs) and run afterwards under the start-up bound, without the GIL.
-    MPI is finalised at exit as when mpi4py initialises it (``rc.finalize``)."""
+    MPI is finalised at exit as when mpi4py initialises it (``rc.finalize``). The library is
+    known before MPI_Init: MPICH under srun gets the network module Slurm's PMI can carry."""
 
     def __init__(self, inner: importlib.abc.Loader) -> None:
         self._inner = inner
@@ -152,6 +153,7 @@ class _BoundedLoader(importlib.abc.Loader):
         finally:
             rc.initialize = initialize
         if initialize and not module.Is_initialized():
+            mpich_netmod_for_slurm_pmi1(module.Get_library_version())
             with startup_bound(MPI_INIT):
                 _init_releasing_the_gil(module)
 

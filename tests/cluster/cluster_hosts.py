@@ -142,10 +142,12 @@ def make_the_hosts_again(cluster: Cluster, count: int | None = None) -> None:
     a site reboots nodes a fault or an aborted job went through.
     Measured without it (the whole cluster stage): every MPICH job under `srun --mpi=pmi2`
     after the fault tests (and after the scale rehearsal's aborted jobs) failed in MPI_Init
-    (garbled PMI-2 requests, UCX "Destination is unreachable") on all three hosts, while each
-    passed on fresh hosts, and Intel MPI's and Open MPI's passed either way. What state they
-    leave (killed ranks' shared memory, half-closed connections) is not pinned down; what is
-    left in /dev/shm is printed for the record."""
+    (garbled PMI requests, UCX "Destination is unreachable") on all three hosts, while each
+    passed on fresh hosts, and Intel MPI's and Open MPI's passed either way. The garbled
+    requests were UCX addresses too long for one Slurm read (docs/mpi.md, "MPICH under srun
+    --mpi=pmi2"), which hpcdl's ranks no longer publish; what else the faults leave (killed
+    ranks' shared memory, half-closed connections) is not pinned down; what is left in
+    /dev/shm is printed for the record."""
     left = {h: cluster.listing(h, "/dev/shm") for h in cluster.hosts}
     print(f"\n/dev/shm before the hosts are made again: {left}")
     cluster.script("down")

@@ -203,3 +203,43 @@ def test_template_trains_across_hosts_under_each_mpis_launcher(slurm, shards, mp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["ranks"], summary["steps"]) == (2, 7), summary
     assert "[rank 1/2 h2]" in (run_dir / "logs" / "rank-0001.log").read_text()
+
+
+# MPICH's PMI client prints each request it sends under PMI_DEBUG=1.
+PMI_PUT = re.compile(r"send to fd=\d+ pmi: (cmd=put kvsname=\S+ key=\S+ value=)(\S*)")
+HELLO = {
+    "plain": "from mpi4py import MPI\n",
+    "hpcdl": "from hpcdl.debug import import_mpi_within_bound\nMPI = import_mpi_within_bound()\n",
+}
+SAY_HELLO = "print(f'hello rank {MPI.COMM_WORLD.rank} of {MPI.COMM_WORLD.size}', flush=True)\n"
+
+
+def longest_possible_put(stderr: str) -> int:
+    """The longest PMI-1 put line the published values' byte counts allow: MPICH shortens runs
+    of zero bytes ("[n]"), so the same value without zeros is two characters a byte."""
+    longest = 0
+    for prefix, value in PMI_PUT.findall(stderr):
+        tokens = re.findall(r"\[(\d+)\]|([0-9A-F]{2})", value)
+        raw = sum(int(run) if run else 1 for run, _ in tokens)
+        longest = max(longest, len(prefix) + max(len(value), 2 * raw) + 1)
+    return longest
+
+
+def test_mpich_pmi_requests_fit_one_slurm_read_under_srun_pmi2(slurm):
+    """Slurm's pmi2 plugin takes a PMI-1 request in one 1,024-byte read, and a longer one is
+    cut (MPI_Init then hangs). hpcdl's ranks, one on each host, publish what fits whatever
+    its bytes; plain mpi4py on MPICH's default UCX module does not, which this test can see."""
+    from hpcdl.mpi_library import SLURM_PMI1_READ_BYTES, loaded_library
+
+    if loaded_library(initialize=False).flavor != "mpich":
+        pytest.skip("the PMI-1 client under srun --mpi=pmi2 is MPICH's")
+    workdir = slurm.workdir("pmi")
+    longest = {}
+    for name, start in HELLO.items():
+        (workdir / f"{name}_hello.py").write_text(start + SAY_HELLO)
+        done = on_controller(slurm, f"cd {workdir} && PMI_DEBUG=1 srun --mpi=pmi2 -N 2 -n 2 "
+                             f"{sys.executable} {name}_hello.py", timeout=300, check=False)
+        said = sorted(re.findall(r"hello rank (\d) of (\d)", done.stdout))
+        assert done.returncode == 0 and said == [("0", "2"), ("1", "2")], done.stderr[-3000:]
+        longest[name] = longest_possible_put(done.stderr)
+    assert longest["hpcdl"] <= SLURM_PMI1_READ_BYTES < longest["plain"], longest
