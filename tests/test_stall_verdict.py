@@ -357,3 +357,42 @@ def test_a_rank_that_goes_quiet_every_step_writes_its_heartbeat_at_most_once_per
         dog.wait_published(10)
     span_s = steps * gap_s
     assert 1 <= len(writes) <= span_s / dog.beat_s + 1
+
+
+
+FRAMES_UNDER_COLLECTION = """
+import gc, threading, time
+from hpcdl.debug.stall import current_frames
+
+def leaf():
+    x = 0
+    for _ in range(1000):
+        x += 1
+    return x
+
+def busy():  # inside a fresh leaf() frame at most looks: each look creates frame objects
+    while True:
+        leaf()
+
+for _ in range(20):
+    threading.Thread(target=busy, daemon=True).start()
+time.sleep(0.2)
+for _ in range(30):
+    gc.collect()               # the young generation's count back to 0
+    cycle = threading.local()  # garbage whose finalizer takes the thread-list lock
+    cycle.me = cycle
+    del cycle
+    gc.set_threshold(10)       # a collection some 10 allocations in: amid the 20 frames
+    current_frames()
+    gc.set_threshold(700)
+print("looked 30 times")
+"""
+
+
+def test_the_watchdogs_look_at_the_threads_survives_a_collection_inside_it():
+    """The watchdog reads every thread's frame each poll; a garbage collection starting inside
+    that read must not deadlock the rank (plain ``sys._current_frames()`` does, on 3.11)."""
+    run = subprocess.run([sys.executable, "-c", FRAMES_UNDER_COLLECTION], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "looked 30 times" in run.stdout

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import json
 import linecache
 import logging
@@ -421,6 +422,28 @@ def file_syscall(line: str | None) -> str | None:
     return f"{name} of {target}"
 
 
+_FRAMES_LOCK = threading.Lock()
+
+
+def current_frames() -> dict[int, Any]:
+    """``sys._current_frames()`` with the cyclic garbage collector held off while it runs.
+
+    Up to CPython 3.11 that call holds the interpreter's thread-list lock while it creates
+    frame objects; an allocation there can start a collection whose finalizers (a
+    ``threading.local`` in a cycle) take the same lock again: the calling thread deadlocks
+    holding the GIL and every thread of the rank stops (python/cpython#106883, fixed in 3.12
+    by the same guard inside the call). The lock keeps two watchdogs of one process from
+    re-enabling the collector under each other."""
+    with _FRAMES_LOCK:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return sys._current_frames()
+        finally:
+            if enabled:
+                gc.enable()
+
+
 def frame_key(frame: Any) -> tuple | None:
     """Where a thread's newest frame stands: unchanged between two looks, the thread has not
     moved (None: no such thread)."""
@@ -625,7 +648,7 @@ class StallWatchdog(threading.Thread):
     def _watch_main_thread(self, now: float) -> None:
         """Outside the communicator's collectives: is the main thread blocked in a raw MPI
         call (a control Allreduce, a checkpoint's bcast, a user's Barrier) for too long?"""
-        frames = sys._current_frames()
+        frames = current_frames()
         frame = frames.get(self._main_ident)
         key = frame_key(frame)
         moved = (self._file_thread is not None and frame_key(
