@@ -13,8 +13,11 @@ its reason (docs/comm.md, "The start-up trial"):
   scaled by the bytes left out, and the first layers' bucket whole. A layout's score is the
   sum of its bucket times (what a step waits for when it is communication-bound) plus its
   last bucket's time (what nothing hides when backward covers the rest; the reason for the
-  small last bucket, Li et al., VLDB 2020, §3.2.3): a first-order proxy, since the trial runs
-  no backward to overlap with.
+  small last bucket, Li et al., VLDB 2020, §3.2.3), **plus the compute it takes**: while the
+  rounds run, the main thread multiplies matrices on torch's intra-op threads as backward
+  would, and the share of that rate the transport took (its progress engine polling on the
+  same cores) times the rounds' wall time is added -- overlapped with backward, a transport
+  that spins costs the step compute even when its allreduce is as fast.
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
   ranks (a collective is as slow as its slowest rank), in one allreduce; rank 0 picks the
   fastest (a later measurement must beat the earlier by :data:`TRIAL_MARGIN`, so noise
@@ -50,10 +53,10 @@ from hpcdl.buckets import (
 )
 from hpcdl.comm.base import yield_waits_in_this_thread
 
-__all__ = ["Layout", "Measurement", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats",
-           "bucket_numels", "choose", "layout_score", "rule_result", "run_trial",
-           "sampled_buckets", "trial_budget", "trial_candidates", "trial_layouts",
-           "unavailable_backends"]
+__all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "QUIET_LOAD_S", "TRIAL_MARGIN",
+           "TRIAL_ROUNDS", "TrialResult", "beats", "bucket_numels", "choose", "layout_score",
+           "rule_result", "run_trial", "sampled_buckets", "trial_budget", "trial_candidates",
+           "trial_layouts", "unavailable_backends"]
 
 #: how much faster a later measurement must be to replace the best so far: within it, two
 #: choices are the same to a few rounds on a shared node, and the earlier (the rule's pick,
@@ -62,6 +65,11 @@ TRIAL_MARGIN = 0.10
 #: timed rounds per measurement, after one untimed round (the first call of a layout also
 #: pays the mismatch check and first-touch page faults)
 TRIAL_ROUNDS = 3
+#: the compute load's matrix side: a product takes about a millisecond on one core, short
+#: beside a round and long beside Python's loop around it
+LOAD_MATRIX = 256
+#: seconds the load runs alone once, for the rate the rounds' share is taken from
+QUIET_LOAD_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,9 @@ class Measurement:
     seconds: float
     #: the share of the layout's bytes each round reduced (sampled_buckets)
     timed_share: float = 1.0
+    #: the share of the compute rate beside the rounds that the transport took (agreed: the
+    #: largest over ranks); ``seconds`` includes it (module docstring)
+    compute_taken: float = 0.0
 
     @property
     def layout(self) -> Layout:
@@ -283,6 +294,8 @@ class _Trial:
         self.last_s = 0.0        # the last measurement's agreed duration
         self.open: dict[str, tuple[Any, torch.Tensor]] = {}
         self.seen: dict[str, list[list[int]]] = {}
+        self.load = ComputeLoad()
+        self.quiet_rate: float | None = None  # the load's rate with no rounds beside it
 
     def within(self, budget_s: float, result: TrialResult) -> bool:
         """Whether another measurement fits (the same answer on every rank: agreed times);
@@ -297,15 +310,15 @@ class _Trial:
             return best  # the same buckets as a layout already timed on this backend
         self.seen.setdefault(name, []).append(buckets)
         began = time.perf_counter()
-        seconds, timed_share, error = self._time(name, layout, dtype, buckets)
-        agreed = self._agree(seconds if error is None else float("inf"), began)
+        seconds, timed_share, taken, error = self._time(name, layout, dtype, buckets)
+        agreed, taken = self._agree(seconds if error is None else float("inf"), began, taken)
         reason = self._agreed_error(error)
         if reason is not None:
             result.excluded[name] = reason
             self._drop(name)
             return best
         m = Measurement(name, layout.bucket_mb, layout.first_bucket_mb, len(buckets),
-                        self.rounds, agreed, timed_share)
+                        self.rounds, agreed, timed_share, round(taken, 4))
         result.measurements.append(m)
         if best is None or beats(m, best):
             if best is not None and best.backend != name:
@@ -315,19 +328,27 @@ class _Trial:
             self._drop(name)
         return best
 
-    def _time(self, name: str, layout: Layout, dtype: torch.dtype,
-              buckets: list[int]) -> tuple[float, float, BaseException | None]:
-        """The median score over rounds, the share of the layout's elements a round reduced,
-        and what raised instead."""
+    def _time(self, name: str, layout: Layout, dtype: torch.dtype, buckets: list[int]
+              ) -> tuple[float, float, float, BaseException | None]:
+        """The median score over rounds with the compute the rounds took, the share of the
+        layout's elements a round reduced, that compute share, and what raised instead."""
         try:
             comm, buffer = self._communicator(name, layout, dtype)
             timed, scale = sampled_buckets(buckets, torch.empty(0, dtype=dtype).element_size())
             views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []
-            _on_yielding_thread(lambda: self._rounds(comm, views, scale, scores))
-            return statistics.median(scores), sum(timed) / max(1, sum(buckets)), None
+            if self.quiet_rate is None:
+                self.world.Barrier()  # every rank's load runs beside every other's, as later
+                self.quiet_rate = self.load.rate_for(QUIET_LOAD_S)
+            began = time.perf_counter()
+            rate = _on_yielding_thread(lambda: self._rounds(comm, views, scale, scores),
+                                       beside=self.load.rate_while)
+            taken = max(0.0, 1.0 - rate / self.quiet_rate)
+            wall = (time.perf_counter() - began) / (1 + self.rounds)
+            return (statistics.median(scores) + taken * wall,
+                    sum(timed) / max(1, sum(buckets)), taken, None)
         except Exception as exc:  # noqa: BLE001 - any failure excludes the candidate
-            return 0.0, 0.0, exc
+            return 0.0, 0.0, 0.0, exc
 
     def _communicator(self, name: str, layout: Layout, dtype: torch.dtype):
         if name not in self.open:
@@ -352,16 +373,17 @@ class _Trial:
             if r:
                 scores.append(layout_score(times, scale))
 
-    def _agree(self, seconds: float, began: float) -> float:
-        """The largest score, time spent and measurement time over ranks, in one allreduce."""
+    def _agree(self, seconds: float, began: float, taken: float) -> tuple[float, float]:
+        """The largest score, compute share, time spent and measurement time over ranks, in
+        one allreduce."""
         import numpy as np
         from mpi4py import MPI
 
         now = time.perf_counter()
-        values = np.array([seconds, now - self.start, now - began], dtype=np.float64)
+        values = np.array([seconds, taken, now - self.start, now - began], dtype=np.float64)
         self.world.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)
-        self.spent_s, self.last_s = float(values[1]), float(values[2])
-        return float(values[0])
+        self.spent_s, self.last_s = float(values[2]), float(values[3])
+        return float(values[0]), float(values[1])
 
     def _agreed_error(self, error: BaseException | None) -> str | None:
         """None when no rank failed, else the lowest failing rank's reason, on every rank."""
@@ -385,9 +407,34 @@ class _Trial:
             self._drop(name)
 
 
-def _on_yielding_thread(work: Callable[[], None]) -> None:
+class ComputeLoad:
+    """Backward's stand-in beside the trial's rounds: square fp32 matrix products on torch's
+    intra-op threads, as many as fit while the rounds run, counted."""
+
+    def __init__(self, size: int = LOAD_MATRIX) -> None:
+        self.a = torch.rand(size, size)
+        self.out = torch.empty_like(self.a)
+
+    def rate_while(self, busy: Callable[[], bool]) -> float:
+        """Products per second while ``busy()`` (at least one)."""
+        began, count = time.perf_counter(), 0
+        while busy() or not count:
+            torch.mm(self.a, self.a, out=self.out)
+            count += 1
+        return count / (time.perf_counter() - began)
+
+    def rate_for(self, seconds: float) -> float:
+        """Products per second over ``seconds`` with nothing beside them."""
+        end = time.perf_counter() + seconds
+        return self.rate_while(lambda: time.perf_counter() < end)
+
+
+def _on_yielding_thread(work: Callable[[], None],
+                        beside: Callable[[Callable[[], bool]], float] | None = None
+                        ) -> float | None:
     """Run ``work`` on a thread whose waits yield, as the reducer's communication thread
-    does; re-raise what it raised."""
+    does, and ``beside(still_running)`` on this one meanwhile (its value is returned);
+    re-raise what ``work`` raised."""
     raised: list[BaseException] = []
 
     def body() -> None:
@@ -399,9 +446,11 @@ def _on_yielding_thread(work: Callable[[], None]) -> None:
 
     thread = threading.Thread(target=body, name="hpcdl-comm-trial", daemon=True)
     thread.start()
+    value = beside(thread.is_alive) if beside is not None else None
     thread.join()
     if raised:
         raise raised[0]
+    return value
 
 
 def unavailable_backends(world: Any, most_ranks_on_a_node: int) -> dict[str, str]:

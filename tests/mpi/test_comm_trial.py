@@ -5,6 +5,7 @@ measurements run, a candidate that raises is excluded, summary.json keeps the re
 checked is what ran and what was agreed, never how fast."""
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,65 @@ def test_an_ample_budget_runs_every_distinct_measurement_a_tiny_one_only_the_fir
     assert [(m.backend, m.bucket_mb) for m in tiny.measurements] == [("mpi", 0.5)]
     assert tiny.rounds_run == TRIAL_ROUNDS
     assert (tiny.backend, tiny.bucket_mb, tiny.fallback) == ("mpi", 0.5, None)
+
+
+class Marked:
+    """A real ``mpi`` communicator that says, while it reduces, how much of the compute
+    beside it this rank's transport takes: the trial's load reads that instead of the
+    clock, so what is checked is how the share is agreed and kept, never how fast."""
+
+    taking = 0.0
+
+    def __init__(self, inner, share: float) -> None:
+        self.inner, self.share = inner, share
+
+    def allreduce_flat_(self, buffer, average=False):
+        Marked.taking = max(Marked.taking, self.share)
+        return self.inner.allreduce_flat_(buffer, average=average)
+
+    def empty(self, numel, dtype):
+        return self.inner.empty(numel, dtype)
+
+    def close(self):
+        self.inner.close()
+
+
+class MarkedLoad:
+    """The trial's compute load with the rate it sees taken from :class:`Marked`."""
+
+    QUIET = 1000.0
+
+    def rate_for(self, seconds):
+        return self.QUIET
+
+    def rate_while(self, busy):
+        Marked.taking = 0.0
+        while busy():
+            time.sleep(0.001)
+        return self.QUIET * (1.0 - Marked.taking)
+
+
+def test_the_compute_a_transport_takes_is_agreed_as_the_largest_share_and_kept(
+        world, monkeypatch):
+    """Rank r's "spinning" transport takes (r+1)/(2·size) of the compute beside its rounds,
+    "sleeping" none: every rank records the largest share, 1/2, for spinning and 0 for
+    sleeping, and summary.json's record carries both."""
+    monkeypatch.setattr("hpcdl.comm.trial.ComputeLoad", MarkedLoad)
+
+    def open_(name, layout, wire_dtype):
+        inner = hpcdl.comm.init("mpi", world, bucket_bytes=layout.bucket_bytes,
+                                last_bucket_bytes=layout.last_bucket_bytes)
+        share = (world.rank + 1) / (2 * world.size) if name == "spinning" else 0.0
+        return Marked(inner, share)
+
+    trial = run_trial(world, NUMELS, {"sleeping": "float32", "spinning": "float32"},
+                      "sleeping", 0.5, 600.0, open_, vary_buckets=False)
+    taken = {m.backend: m.compute_taken for m in trial.measurements}
+    assert taken == {"sleeping": 0.0, "spinning": 0.5}
+    gathered = world.allgather(taken)
+    assert all(other == taken for other in gathered)
+    recorded = {c["backend"]: c["compute_taken"] for c in trial.record()["candidates"]}
+    assert recorded == taken
 
 
 def test_a_candidate_that_raises_is_excluded_with_its_reason(world):
