@@ -359,7 +359,6 @@ def test_a_rank_that_goes_quiet_every_step_writes_its_heartbeat_at_most_once_per
     assert 1 <= len(writes) <= span_s / dog.beat_s + 1
 
 
-
 FRAMES_UNDER_COLLECTION = """
 import gc, threading, time
 from hpcdl.debug.stall import current_frames

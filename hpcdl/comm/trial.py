@@ -295,7 +295,8 @@ class _Trial:
         self.open: dict[str, tuple[Any, torch.Tensor]] = {}
         self.seen: dict[str, list[list[int]]] = {}
         self.load = ComputeLoad()
-        self.quiet_rate: float | None = None  # the load's rate with no rounds beside it
+        world.Barrier()  # every rank's load runs beside every other's, as during the rounds
+        self.quiet_rate = self.load.rate_for(QUIET_LOAD_S)  # with no rounds beside it
 
     def within(self, budget_s: float, result: TrialResult) -> bool:
         """Whether another measurement fits (the same answer on every rank: agreed times);
@@ -337,9 +338,6 @@ class _Trial:
             timed, scale = sampled_buckets(buckets, torch.empty(0, dtype=dtype).element_size())
             views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []
-            if self.quiet_rate is None:
-                self.world.Barrier()  # every rank's load runs beside every other's, as later
-                self.quiet_rate = self.load.rate_for(QUIET_LOAD_S)
             began = time.perf_counter()
             rate = _on_yielding_thread(lambda: self._rounds(comm, views, scale, scores),
                                        beside=self.load.rate_while)
@@ -430,8 +428,7 @@ class ComputeLoad:
 
 
 def _on_yielding_thread(work: Callable[[], None],
-                        beside: Callable[[Callable[[], bool]], float] | None = None
-                        ) -> float | None:
+                        beside: Callable[[Callable[[], bool]], float]) -> float:
     """Run ``work`` on a thread whose waits yield, as the reducer's communication thread
     does, and ``beside(still_running)`` on this one meanwhile (its value is returned);
     re-raise what ``work`` raised."""
@@ -446,7 +443,7 @@ def _on_yielding_thread(work: Callable[[], None],
 
     thread = threading.Thread(target=body, name="hpcdl-comm-trial", daemon=True)
     thread.start()
-    value = beside(thread.is_alive) if beside is not None else None
+    value = beside(thread.is_alive)
     thread.join()
     if raised:
         raise raised[0]
