@@ -123,8 +123,7 @@ def allreduce_busbw(root: Path) -> str:
               "mpi": "MPICH `MPI_Allreduce` (mpi4py, this env)", "gloo": "gloo"}
     tunings: dict[str, list[str]] = {}
     for p in (2, 4):
-        own = load(root, ALLREDUCE_FILES[p][0])["results"]
-        sites = load(root, ALLREDUCE_FILES[p][1])["results"]
+        own, sites = (load(root, name)["results"] for name in ALLREDUCE_FILES[p])
         for backend, label in labels.items():
             bw = _busbw(own, backend)
             rows.setdefault(label, []).extend(f(bw[s]) for s in SIZES)
@@ -271,11 +270,9 @@ BUCKET_DIR = "bucket-size-alexnet-2026-12-01"
 def bucket_size(root: Path) -> str:
     rows = []
     for mb in (6, 25, 160):
-        reports = load_reports(root, f"{BUCKET_DIR}/b{mb}-*.json")
-        ratios = [r["ratios"]["vs_no_comm"] for r in reports]
-        rates = [r["ratios"]["images_per_s_per_rank"] for r in reports]
-        rows.append([f"{mb} MB", " / ".join(f(x) for x in rates),
-                     " / ".join(f(x, 3) for x in ratios)])
+        ratios = [r["ratios"] for r in load_reports(root, f"{BUCKET_DIR}/b{mb}-*.json")]
+        rows.append([f"{mb} MB", " / ".join(f(r["images_per_s_per_rank"]) for r in ratios),
+                     " / ".join(f(r["vs_no_comm"], 3) for r in ratios)])
     return md(["bucket", "img/s per rank, run 1 / 2", "÷ no_comm, run 1 / 2"], rows)
 
 
@@ -533,8 +530,7 @@ def _dtype_row(label: str, reports: Sequence[Mapping[str, Any]]) -> list[str]:
     loads = [r["machine"]["load_average"][when][0] for r in reports for when in ("before", "after")]
     return [label, "bf16" if first["precision"] == "bfloat16" else "fp32",
             f"{layout} (auto)" if layout == _auto_layout(reports[0]) else layout,
-            f(_median_of(reports, "no_comm", "images_per_s_per_rank"), 1),
-            f(_median_of(reports, "torch", "images_per_s_per_rank"), 1),
+            *(f(_median_of(reports, m, "images_per_s_per_rank"), 1) for m in ("no_comm", "torch")),
             f"**{spread([_record_of(r, 'no_comm')['vs_torch'] for r in reports], 2)}**",
             both("cpu_flops_fraction_of_matmul"), both("flops_fraction_of_matmul"),
             f"{f(100 * conv, 0)}%", f(peak, 0), _minmax(loads)]
@@ -609,10 +605,6 @@ def _bf16_cpu(root: Path, directory: str) -> str:
     return f"{BF16_ACC_DIRS[directory]}: \"{machine['cpu']}\", `{machine['cpu_capability']}`"
 
 
-def _bf16_verdict(diff: float) -> str:
-    return f"**{signed(diff)}** (goal ≥ {f(BF16_GOAL, 1)}: {_met(diff >= BF16_GOAL)})"
-
-
 @table("bf16-accuracy", *(f"{d}/" for d in BF16_ACC_DIRS),
        how="top-1 of each seed's two runs; with several seeds, the mean row is the mean over "
            "that CPU's seeds of each, then their difference (the goal's reading).")
@@ -620,7 +612,8 @@ def bf16_accuracy(root: Path) -> str:
     rows = []
     for directory in BF16_ACC_DIRS:
         seeds, cpu = _bf16_seeds(root, directory), _bf16_cpu(root, directory)
-        verdict = _bf16_verdict(bf16_accuracy_diff(root, directory))
+        diff = bf16_accuracy_diff(root, directory)
+        verdict = f"**{signed(diff)}** (goal ≥ {f(BF16_GOAL, 1)}: {_met(diff >= BF16_GOAL)})"
         rows += [[cpu, seed, f(a), f(b), verdict if len(seeds) == 1 else signed(b - a)]
                  for seed, (a, b) in seeds.items()]
         if len(seeds) > 1:
@@ -640,11 +633,10 @@ def _by_batch(report: Mapping[str, Any], optimizer: str) -> dict[int, Mapping[st
 
 
 def _final(r: Mapping[str, Any]) -> str:
-    pct = {k: r[k] * 100 for k in ("top1_mean", "top1_std", "top1_min", "top1_max")}
+    mean, sd, lo, hi = (f(r[k] * 100) for k in ("top1_mean", "top1_std", "top1_min", "top1_max"))
     edge = ", edge" if r.get("at_edge") else ""
     tuned = f"; {r['tuned_lrs']}" if "tuned_lrs" in r else ""
-    return (f"{f(pct['top1_mean'])} ± {f(pct['top1_std'])} [{f(pct['top1_min'])}–"
-            f"{f(pct['top1_max'])}] ({r['lr']:.3g}{edge}{tuned})")
+    return f"{mean} ± {sd} [{lo}–{hi}] ({r['lr']:.3g}{edge}{tuned})"
 
 
 @dataclass(frozen=True)
@@ -765,14 +757,11 @@ class NetworkRow:
 
 
 def relaxed_network_rows(root: Path) -> list[NetworkRow]:
-    base = root / RESULTS / NETWORK_DIR
-    tx = {}
-    for line in (base / "eth0-bytes.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        tx[row["run"]] = (row["h1"]["tx"], row["h2"]["tx"])
+    lines = (root / RESULTS / NETWORK_DIR / "eth0-bytes.jsonl").read_text().splitlines()
+    tx = {row["run"]: (row["h1"]["tx"], row["h2"]["tx"]) for row in map(json.loads, lines)}
     rows = []
     for run in NETWORK_RUNS:
-        top1 = json.loads((base / f"relaxed-{run}.json").read_text())["results"][0]["top1"] * 100
+        top1 = load(root, f"{NETWORK_DIR}/relaxed-{run}.json")["results"][0]["top1"] * 100
         h1, h2 = tx[run]
         vs = {ref: (tx[ref][0] / h1, tx[ref][1] / h2, sum(tx[ref]) / (h1 + h2))
               for ref in ("sync", "ddp_sync")}
@@ -784,12 +773,10 @@ def relaxed_network_rows(root: Path) -> list[NetworkRow]:
        how="bytes each host's eth0 sent over the run; per host = each host's sync (or ddp_sync) "
            "bytes over its own bytes in this run; in total = both hosts summed on each side.")
 def relaxed_network(root: Path) -> str:
-    rows = []
-    for r in relaxed_network_rows(root):
-        s1, s2, st = r.vs["sync"]
-        d1, d2, dt = r.vs["ddp_sync"]
-        rows.append([f"`{r.run}`", f"{r.tx[0] / 1e6:.1f} / {r.tx[1] / 1e6:.1f}",
-                     f"{f(s1)} / {f(s2)}", f(st), f"{f(d1)} / {f(d2)}", f(dt), f(r.top1)])
+    rows = [[f"`{r.run}`", f"{r.tx[0] / 1e6:.1f} / {r.tx[1] / 1e6:.1f}",
+             *(cell for h1, h2, total in (r.vs["sync"], r.vs["ddp_sync"])
+               for cell in (f"{f(h1)} / {f(h2)}", f(total))), f(r.top1)]
+            for r in relaxed_network_rows(root)]
     header = ["run (2 hosts × 2 ranks)", "MB out of h1 / h2", "sync ÷ this, per host h1 / h2",
               "in total", "ddp_sync ÷ this, per host", "in total", "top-1 (seed 0)"]
     return md(header, rows)
@@ -1121,7 +1108,7 @@ def plan_network_held_out(root: Path) -> dict[str, list[Mapping[str, Any]]]:
 
 def _span(rows: Sequence[Mapping[str, Any]]) -> str:
     ratios = [r["predicted_over_measured"] for r in rows]
-    return f"{f(min(ratios))}–{f(max(ratios))}" if ratios else "—"
+    return _minmax(ratios, 2) if ratios else "—"
 
 
 @table("planner-network", PLAN_NETWORK,
@@ -1214,14 +1201,12 @@ def _summary_across(root: Path) -> list[str]:
     medians = {rate: {m: statistics.median(v["vs_same_wire"])
                       for m, v in across_figures(root, rate).items() if m in SAME_WIRE_DDP}
                for rate in ACROSS_RATES}
-    met = {rate: {m: r >= ACROSS_GOAL for m, r in ratios.items()}
-           for rate, ratios in medians.items()}
     return ["2 hosts × 1 rank, AlexNet-BN; ÷ DDP+gloo with as many bits on the wire, median: "
             + "; ".join(f"{rate.lower()}: fp32 {f(m['ours'])}× ({f(m['ours@gloo'])}× on gloo), "
                         f"bf16 {f(m['ours_bf16'])}× DDP fp16" for rate, m in medians.items()),
             f"≥ {ACROSS_GOAL:g}× at each rate, fp32 and 16-bit",
-            "; ".join(f"{rate.lower()}: fp32 {_met(m['ours'])}, 16-bit {_met(m['ours_bf16'])}"
-                      for rate, m in met.items())]
+            "; ".join(f"{rate.lower()}: fp32 {_met(m['ours'] >= ACROSS_GOAL)}, 16-bit "
+                      f"{_met(m['ours_bf16'] >= ACROSS_GOAL)}" for rate, m in medians.items())]
 
 
 def _summary_loader(root: Path) -> list[str]:
@@ -1408,12 +1393,11 @@ def _files_beyond_p(summary: Mapping[str, Any]) -> int:
 def checkpoint_cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
     s = report["summary"]
     rows, models = s["rows"], s["models"]
-    written = {m: rows["write.wchar"]["at_2048"][m] for m, _ in CKPT_MODELS}
+    r50 = CKPT_MODELS[0][0]
+    written = rows["write.wchar"]["at_2048"][r50]
     # before per-rank files, each rank read everything a checkpoint writes (all ranks' state
     # and the model) and rank 0 gathered the others' state: the same bytes, measured here
-    before_read = {m: w["total"] for m, w in written.items()}
-    before_gather = {m: w["total"] - w["rank0"] for m, w in written.items()}
-    r50 = CKPT_MODELS[0][0]
+    before_read, before_gather = written["total"], written["total"] - written["rank0"]
     extra = _files_beyond_p(s)
     files = s["files"]
     return [
@@ -1447,7 +1431,7 @@ def checkpoint_cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
         ["write: MPI payload, rank 0",
          *_ckpt_row(rows, "write.message_bytes", "rank0", "B", "the gather of file records"),
          f"8 B × BN floats + 130 B a rank (before: every other rank's state, "
-         f"{_size(before_gather[r50])} for ResNet-50; with local SGD ≈ P × `model.pt`: "
+         f"{_size(before_gather)} for ResNet-50; with local SGD ≈ P × `model.pt`: "
          f"{_size(CKPT_P * models[r50]['model_pt'])})", "—"],
         ["resume: bytes read, rank ≠ 0", *_ckpt_row(rows, "resume.rchar", "other", "B",
                                                     "torch's zip padding, 64-byte steps"),
@@ -1460,7 +1444,7 @@ def checkpoint_cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
         ["resume: bytes read in all (file system)",
          *_ckpt_row(rows, "resume.rchar", "total", "KB0"),
          f"`model.pt` once + P rank files (before: P × everything written = "
-         f"{_size(CKPT_P * before_read[r50])} for ResNet-50, {_size(before_read[r50])} a rank)",
+         f"{_size(CKPT_P * before_read)} for ResNet-50, {_size(before_read)} a rank)",
          "—"],
         [f"resume: MPI calls per rank ({_calls(report, 'resume')}; again per checkpoint "
          "skipped)", *_ckpt_row(rows, "resume.messages", "other", "B"), "constant",
