@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import os
 import threading
 import time
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+import hpcdl.buckets
 from hpcdl.buckets import DEFAULT_BUCKET_MB, LAST_BUCKET_BYTES, bucket_bytes, check_bucket_bytes
 from hpcdl.debug import NULL_MONITOR, abort_on_unshared_error, debug_enabled
 from hpcdl.env import env_tristate
@@ -43,10 +45,7 @@ class CollectiveMismatchError(RuntimeError):
 def segment_bounds(numel: int, parts: int) -> list[int]:
     """Offsets of ``parts`` near-equal segments (the first ``numel % parts`` one longer)."""
     base, extra = divmod(numel, parts)
-    bounds = [0]
-    for j in range(parts):
-        bounds.append(bounds[-1] + base + (1 if j < extra else 0))
-    return bounds
+    return [0, *itertools.accumulate(base + (1 if j < extra else 0) for j in range(parts))]
 
 
 def require_thread_multiple() -> None:
@@ -488,18 +487,10 @@ class Communicator(Closing):
             by_dtype.setdefault(reduction_dtype(t.dtype), []).append(t)
         buckets: list[tuple[torch.dtype, list]] = []
         for dtype, group in by_dtype.items():
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            current: list[torch.Tensor] = []
-            filled = 0
-            for t in group:
-                nbytes = t.numel() * itemsize
-                if current and filled + nbytes > self.bucket_bytes:
-                    buckets.append((dtype, current))
-                    current, filled = [], 0
-                current.append(t)
-                filled += nbytes
-            if current:
-                buckets.append((dtype, current))
+            # hpcdl.buckets' greedy rule, the reducer's, without a first-layers bucket
+            sizes = [t.numel() * dtype.itemsize for t in group]
+            buckets += [(dtype, group[start:end]) for start, end in
+                        hpcdl.buckets.bucket_bounds(sizes, self.bucket_bytes)]
         return buckets
 
     def _flat_meta(self, buffer: torch.Tensor, bucket: int | None, **extra: Any) -> dict:

@@ -238,7 +238,6 @@ class PowerSGDPolicy(ConsistencyPolicy):
         self.compressor = compressor
         self.sync_warmup_steps = int(sync_warmup_steps)
         self._plain = reducer
-        self._seen_compressed = 0
 
     def before_step(self, step: int) -> None:
         plain = step < self.sync_warmup_steps
@@ -247,11 +246,10 @@ class PowerSGDPolicy(ConsistencyPolicy):
         self.reducer = self._plain if plain else self.compressor
 
     def after_step(self, step: int, last: bool = False) -> None:
-        delta = self._plain.bytes_reduced - self._seen
-        self._seen = self._plain.bytes_reduced
-        delta += self.compressor.bytes_reduced - self._seen_compressed
-        self._seen_compressed = self.compressor.bytes_reduced
-        self.bytes_world += delta
+        # both reducers' bytes: the plain one's during the warm-up, the compressor's after
+        sent = self._plain.bytes_reduced + self.compressor.bytes_reduced
+        self.bytes_world += sent - self._seen
+        self._seen = sent
 
     def traffic(self) -> dict[str, Any]:
         return {**super().traffic(), "powersgd_rank": self.compressor.rank,

@@ -20,6 +20,7 @@ This module speaks tensors and a communicator only: it never imports a model or 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import threading
 import time
@@ -71,12 +72,9 @@ def layout_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: i
 
 def _bucket(index: int, members: list[tuple[str, torch.Tensor]],
             wire_dtype: torch.dtype | None) -> Bucket:
-    offsets, total = [], 0
-    for _, p in members:
-        offsets.append(total)
-        total += p.numel()
-    return Bucket(index, [n for n, _ in members], [p for _, p in members], offsets, total,
-                  wire_dtype or members[0][1].dtype)
+    ends = list(itertools.accumulate(p.numel() for _, p in members))
+    return Bucket(index, [n for n, _ in members], [p for _, p in members], [0, *ends[:-1]],
+                  ends[-1], wire_dtype or members[0][1].dtype)
 
 
 def pack_gradient(bucket: Bucket, position: int, grad: torch.Tensor | None) -> None:
@@ -172,7 +170,6 @@ class GradientReducer(Closing):
         self._lock = threading.Lock()
         self.comm_wait_s = 0.0
         self.total_comm_wait_s = 0.0
-        self.steps = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                          for _, p in trainable]
         self._queue: queue.Queue[tuple[Bucket, object, bool] | None] = queue.Queue()
@@ -204,12 +201,14 @@ class GradientReducer(Closing):
             bucket.done.wait()
         self.comm_wait_s = time.perf_counter() - start
         self.total_comm_wait_s += self.comm_wait_s
-        self.steps += 1
         self._armed = False
         self._raise_failure("gradient allreduce")
         for bucket in self.buckets:
             if not self.reduce_scatter:
-                self._unpack(bucket)
+                # Every rank sets p.grad, even for a parameter it did not use, so the optimizer
+                # takes the same step on every rank.
+                for position in range(len(bucket.params)):
+                    unpack_gradient(bucket, position)
             bucket.filled.clear()
             bucket.done.clear()
         self._next_launch = 0
@@ -358,12 +357,6 @@ class GradientReducer(Closing):
                 self._error = exc
             finally:
                 bucket.done.set()
-
-    def _unpack(self, bucket: Bucket) -> None:
-        # Every rank sets p.grad, even for a parameter it did not use, so the optimizer
-        # takes the same step on every rank.
-        for position in range(len(bucket.params)):
-            unpack_gradient(bucket, position)
 
 
 def _aliases(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:

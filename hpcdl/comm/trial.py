@@ -33,6 +33,7 @@ its reason (docs/comm.md, "The start-up trial"):
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -225,11 +226,7 @@ def beats(new: Measurement, best: Measurement) -> bool:
 def choose(measurements: Sequence[Measurement]) -> Measurement:
     """The earliest measurement that no later one beats by the margin: the rule's candidate
     at the recipe's layout unless another is clearly faster."""
-    best = measurements[0]
-    for m in measurements[1:]:
-        if beats(m, best):
-            best = m
-    return best
+    return functools.reduce(lambda best, m: m if beats(m, best) else best, measurements)
 
 
 def rule_result(rule: str, bucket_mb: float, budget_s: float, why: str,

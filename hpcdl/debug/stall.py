@@ -193,8 +193,7 @@ def describe_rank_state(beat: Mapping[str, Any] | None, now: float) -> str:
 
 
 def format_stall_report(rank: int, size: int, seq: int, name: str, waited_s: float,
-                        beats: Mapping[int, Mapping[str, Any]], now: float,
-                        max_listed: int = 16) -> str:
+                        beats: Mapping[int, Mapping[str, Any]], now: float) -> str:
     """The text the waiting ranks print: the collective, who is missing, what they did last."""
     late = not_arrived(seq, size, beats)
     groups = disagreeing(seq, beats)
@@ -212,12 +211,12 @@ def format_stall_report(rank: int, size: int, seq: int, name: str, waited_s: flo
             f"HPCDL_DEBUG=1 to fail at the first differing call):"
         lines += [f"    rank{'s' if len(r) > 1 else ''} {compact_ranks(r)}: {what}"
                   for what, r in groups.items()]
-    lines += rank_states(late, beats, now, max_listed, "logs/heartbeat/")
+    lines += rank_states(late, beats, now, "logs/heartbeat/")
     return "\n".join(lines)
 
 
 def rank_states(ranks: Sequence[int], beats: Mapping[int, Mapping[str, Any]], now: float,
-                max_listed: int, more_in: str) -> list[str]:
+                more_in: str, max_listed: int = 16) -> list[str]:
     """One line per rank (the first ``max_listed``) saying where it is, then how many more."""
     lines = [f"  rank {r}: {describe_rank_state(beats.get(r), now)}" for r in ranks[:max_listed]]
     if len(ranks) > max_listed:
@@ -814,14 +813,13 @@ class StallWatchdog(threading.Thread):
         self.reports.append(text)
         return text
 
-    def _report_blocked(self, what: str, waited: float, now: float, level: int,
-                        max_listed: int = 16) -> str:
+    def _report_blocked(self, what: str, waited: float, now: float, level: int) -> str:
         m = self.monitor
         beats = self._beats(now)
         others = [r for r in range(m.size) if r != m.rank]
         lines = [f"stall: rank {m.rank} has waited {waited:.1f} s in {blocked_label(what)} "
                  f"(outside the communicator's collectives)"]
-        lines += rank_states(others, beats, now, max_listed, "the heartbeats")
+        lines += rank_states(others, beats, now, "the heartbeats")
         lines.append("  verdict: " + stall_verdict(m.rank, m.size, None, beats, self.hosts,
                                                    now, self.stale_s, self._blocked_since))
         blocked = [r for r, b in beats.items() if b.get("blocked_in") or b.get("in_collective")]

@@ -311,13 +311,10 @@ def _plan(raw: Any, origin: str) -> dict[str, Any]:
         return {}
     if not isinstance(raw, Mapping) or set(raw) - {"machine", "procs"}:
         raise RecipeError(f"{origin}: 'plan' is a mapping {{machine, procs}}, got {raw!r}")
-    found = {}
-    if "machine" in raw:
-        found["machine"] = _coerce(raw["machine"], "str", f"{origin}: plan.machine")
-    if "procs" in raw:
-        found["procs"] = _coerce(raw["procs"], "int", f"{origin}: plan.procs")
-        if found["procs"] < 1:
-            raise RecipeError(f"{origin}: plan.procs must be >= 1, got {found['procs']}")
+    found = {key: _coerce(raw[key], kind, f"{origin}: plan.{key}")
+             for key, kind in (("machine", "str"), ("procs", "int")) if key in raw}
+    if found.get("procs", 1) < 1:
+        raise RecipeError(f"{origin}: plan.procs must be >= 1, got {found['procs']}")
     return found
 
 

@@ -167,7 +167,6 @@ class Trainer:
         # A checkpoint of another rank count (a requeue onto other nodes) is resumed with the
         # same global batch: the per-rank batch and accumulation adapt, or this raises naming
         # the rank counts that would work -- before any loader exists.
-        self.resume_layout = resume_layout
         if resume_layout and resume_layout.get("world_size", self.size) != self.size:
             self.per_rank, self.accumulation = elastic_batch(config.batch, self.size,
                                                              resume_layout.get("per_rank"))
