@@ -129,15 +129,11 @@ def run_recipes(args: argparse.Namespace, ranks: int = 2) -> dict[str, dict[str,
 def convergence_ratios(records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Differences in top-1 percentage points (goal: LARS ≥ baseline − 1)."""
     ratios: dict[str, Any] = {f"{name}_top1": r["top1"] for name, r in records.items()}
-    base = records.get("baseline")
-    if base is not None and base["top1"] is not None:
-        for name in ("lars", "sgd_scaled"):
-            r = records.get(name)
-            if r is not None and r["top1"] is not None:
-                ratios[f"{name}_minus_baseline_top1"] = 100.0 * (r["top1"] - base["top1"])
-    fp32, bf16 = records.get("lars"), records.get("lars_bf16")
-    if fp32 and bf16 and fp32["top1"] is not None and bf16["top1"] is not None:
-        ratios["lars_bf16_minus_lars_top1"] = 100.0 * (bf16["top1"] - fp32["top1"])
+    for name, reference in (("lars", "baseline"), ("sgd_scaled", "baseline"),
+                            ("lars_bf16", "lars")):
+        r, base = records.get(name), records.get(reference)
+        if r and base and r["top1"] is not None and base["top1"] is not None:
+            ratios[f"{name}_minus_{reference}_top1"] = 100.0 * (r["top1"] - base["top1"])
     return ratios
 
 

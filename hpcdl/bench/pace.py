@@ -219,6 +219,8 @@ def paced(shard_dir: str, step: dict[str, Any], workers: int, layout: str, secon
         p.join()
     wall = sum(r["wall_s"] for r in per_rank)
     delivered = sum(r["images"] / r["wall_s"] for r in per_rank) / len(per_rank)
+    # compute and decode CPU of every rank process: what an image costs in core-seconds
+    per_cpu_s = sum(r["images"] for r in per_rank) / sum(r["cpu_s"] for r in per_rank)
     return {"kind": "paced", "model": step["model"], "layout": layout, "workers": workers,
             "ranks": len(ranks), "compute_cpus": [c for c, _ in ranks],
             "decode_cpus": [d for _, d in ranks], "batch": step["batch"],
@@ -226,12 +228,8 @@ def paced(shard_dir: str, step: dict[str, Any], workers: int, layout: str, secon
             "data_wait_fraction": sum(r["data_wait_s"] for r in per_rank) / wall,
             "delivered_images_per_s_per_rank": delivered,
             "delivered_vs_step": delivered / step["images_per_s_per_core"],
-            # compute and decode CPU of every rank process: what an image costs in core-seconds
-            "images_per_cpu_s": (sum(r["images"] for r in per_rank)
-                                 / sum(r["cpu_s"] for r in per_rank)),
-            "cpu_vs_step": (sum(r["images"] for r in per_rank)
-                            / sum(r["cpu_s"] for r in per_rank)
-                            / step["images_per_s_per_core"]),
+            "images_per_cpu_s": per_cpu_s,
+            "cpu_vs_step": per_cpu_s / step["images_per_s_per_core"],
             "per_rank": per_rank, "load_average_before": before,
             "load_average_after": load_average()}
 

@@ -414,8 +414,7 @@ def matmul_rates(n: int, seconds: float = 2.0, min_repeats: int = 3,
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
-    b = torch.randn(n, n, generator=generator).to(getattr(torch, dtype))
+    a, b = (torch.randn(n, n, generator=generator).to(getattr(torch, dtype)) for _ in range(2))
     out = torch.empty(n, n, dtype=a.dtype)
     torch.mm(a, b, out=out)
     repeats, start, cpu_start = 0, time.perf_counter(), time.process_time()
@@ -435,9 +434,8 @@ def mean_of(rows: list[dict[str, float | None]], key: str) -> float | None:
 
 
 def rank_means(samples: list[dict[str, float]]) -> dict[str, float | None]:
-    means = {"step": mean_of(samples, "step"), "comm_wait": mean_of(samples, "comm_wait"),
-             "data_wait": mean_of(samples, "data_wait"),
-             "step_median": statistics.median(s["step"] for s in samples)}
+    means = {key: mean_of(samples, key) for key in ("step", "comm_wait", "data_wait")}
+    means["step_median"] = statistics.median(s["step"] for s in samples)
     for key in COUNTERS:
         if any(key in s for s in samples):
             means[key] = mean_of(samples, key)
@@ -686,12 +684,9 @@ def run(args: argparse.Namespace) -> int:
                 if mode in modes:
                     built[mode] = stack.enter_context(ddp_stepper(
                         world, config, args.warmup + args.steps, mode == "ddp_gloo_fp16"))
-            if "horovod" in modes:
-                built["horovod"] = stack.enter_context(
-                    horovod_stepper(config, args.warmup + args.steps))
-            if "torch" in modes:
-                built["torch"] = stack.enter_context(
-                    torch_stepper(config, args.warmup + args.steps))
+            for mode, stepper in (("horovod", horovod_stepper), ("torch", torch_stepper)):
+                if mode in modes:
+                    built[mode] = stack.enter_context(stepper(config, args.warmup + args.steps))
             steppers = {mode: built[mode] for mode in modes}
             samples = time_rounds(world, steppers, loader, args.steps, args.warmup,
                                   args.rounds, counters=step_counters(args.nic))

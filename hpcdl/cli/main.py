@@ -17,6 +17,7 @@ hpcdl/debug/startup.py), on the first import of ``mpi4py.MPI`` wherever it happe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
 import traceback
@@ -110,10 +111,8 @@ def cli() -> None:
     code = main()
     from hpcdl.debug.stall import guard_mpi_finalize
 
-    try:
+    with contextlib.suppress(EnvVarError):  # already reported as the command's bad input
         guard_mpi_finalize()
-    except EnvVarError:  # already reported as the command's bad input
-        pass
     sys.exit(code)
 
 

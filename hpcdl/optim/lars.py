@@ -221,12 +221,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float,
     for p in model.parameters():
         if p.requires_grad:
             (skipped if id(p) in skip_ids else adapted).append(p)
-    groups = []
-    if adapted:
-        groups.append({"params": adapted, "weight_decay": weight_decay, "lars": True})
-    if skipped:
-        groups.append({"params": skipped, "weight_decay": 0.0, "lars": False})
-    return groups
+    groups = [{"params": adapted, "weight_decay": weight_decay, "lars": True},
+              {"params": skipped, "weight_decay": 0.0, "lars": False}]
+    return [g for g in groups if g["params"]]
 
 
 def norm_layer_params(model: torch.nn.Module) -> set[int]:

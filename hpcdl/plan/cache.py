@@ -7,6 +7,7 @@ read-only one is recounted, never fatal.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -38,7 +39,5 @@ def update_cache(path: str, key: str, value: Any) -> None:
     """Add ``key`` to the cache at ``path`` (atomic write; a read-only home is ignored)."""
     entries = read_cache(path)
     entries[key] = value
-    try:
+    with contextlib.suppress(OSError):   # only costs recounting next time
         atomic_write_text(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
-    except OSError:
-        pass   # only costs recounting next time

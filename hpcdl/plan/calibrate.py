@@ -685,17 +685,14 @@ def calibrate_across_hosts(args: argparse.Namespace, directory: str,
     previous = kept_machine_doc(directory) if world.rank == 0 else None
     if previous is not None:
         print(f"node figures kept from {old}; measuring the network", flush=True)
-    previous = world.bcast(previous, root=0)
-    if previous is None:
-        base = None
+    base = world.bcast(previous, root=0)
+    if base is None:   # every rank: rank 0 measures the node, the others sleep until it has
         if world.rank == 0:
             print(f"no {old}: measuring this node first (the other ranks wait)", flush=True)
             base = machine_document(measure(quick=args.quick, batch=args.batch_per_rank,
                                             allreduce=False, precision=precision), None)
         sleeping_barrier(world)
         base = world.bcast(base, root=0)
-    else:
-        base = previous
     net = network_calibration(node_gamma(base, ranks_per_node),
                               repeats=3 if args.quick else 5)
     if world.rank != 0:

@@ -121,10 +121,9 @@ def build(kind: str, args: tuple) -> Any:
     if kind == "conv":
         cin, cout, k, stride, pad, groups = args
         return nn.Conv2d(cin, cout, k, stride=stride, padding=pad, groups=groups, bias=False)
-    if kind == "add":
-        return AddLearnt()
     makers: dict[str, Callable[[], Any]] = {
-        "linear": lambda: nn.Linear(*args), "batch_norm": lambda: nn.BatchNorm2d(*args),
+        "add": AddLearnt, "linear": lambda: nn.Linear(*args),
+        "batch_norm": lambda: nn.BatchNorm2d(*args),
         "relu": lambda: nn.ReLU(), "max_pool": lambda: nn.MaxPool2d(*args),
         "avg_pool": lambda: nn.AdaptiveAvgPool2d(1), "dropout": lambda: nn.Dropout(*args),
         "lrn": lambda: nn.LocalResponseNorm(*args)}

@@ -12,6 +12,7 @@ class".
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -188,10 +189,8 @@ def layer_table(model: str, image_size: int, cache_file: str | None = None) -> t
         return _MEMO[key]
     cached = read_cache(path).get(key)
     if cached:
-        try:
+        with contextlib.suppress(TypeError):   # written by another version: recount
             return tuple(Layer(**dict(record)) for record in cached)
-        except TypeError:
-            pass   # written by another version: recount
     table = tuple(count_layers(meta_model(model).to_empty(device="cpu"), image_size))
     _MEMO[key] = table
     update_cache(path, key, [asdict(layer) for layer in table])

@@ -9,6 +9,7 @@ first match wins): docs/planner.md, "Machine files".
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,10 +101,8 @@ def _figure(path: str, key: str, leaf: Any) -> Figure:
     value, source = leaf["value"], leaf["source"]
     if isinstance(value, str):
         # PyYAML (YAML 1.1) reads exponent forms like 1.4e9 as strings: accept them as numbers.
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise MachineError(f"{path}: {key}.value must be a positive number, got {value!r}")
     if not isinstance(source, str) or not source.strip():

@@ -221,8 +221,7 @@ def rank_flops(machine: Machine, procs_per_node: int) -> float:
 
 def rank_memory_Bps(machine: Machine, procs_per_node: int) -> float:
     """Stream bandwidth of one rank: its cores' rate, capped by its share of the node's."""
-    return min(machine["node.core_stream_Bps"] * machine.threads_per_rank(procs_per_node),
-               machine["node.memory_bandwidth_Bps"] / procs_per_node)
+    return pass_rate_Bps(machine, 1.0, machine.threads_per_rank(procs_per_node), procs_per_node)
 
 
 def rank_cores(machine: Machine, op_class: str, procs_per_node: int) -> float:
