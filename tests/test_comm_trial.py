@@ -10,6 +10,7 @@ from hpcdl.buckets import LAST_BUCKET_BYTES, MIB, TRIAL_BUCKET_MB
 from hpcdl.comm.reducer import layout_buckets
 from hpcdl.comm.trial import (
     TRIAL_MARGIN,
+    ComputeLoad,
     Layout,
     Measurement,
     bucket_numels,
@@ -85,6 +86,20 @@ def test_the_fastest_wins_only_by_the_margin_so_equals_keep_the_earlier():
     clearly = Measurement("gloo", 25.0, 1.0, 3, 3, 0.2 * (1 - TRIAL_MARGIN) * 0.99)
     assert choose([rule, just_inside]) is rule
     assert choose([rule, just_inside, clearly]) is clearly
+
+
+def test_the_quiet_rate_is_the_fastest_of_its_looks():
+    """A look that another process slowed reads a lower rate; the quiet rate is the fastest
+    look, wherever it falls among them."""
+    class Looks(ComputeLoad):
+        def __init__(self, rates):
+            self.rates = list(rates)
+
+        def rate_for(self, seconds):
+            return self.rates.pop(0)
+
+    for rates in ([900.0, 1000.0, 950.0], [1000.0, 400.0, 800.0], [300.0, 500.0, 1000.0]):
+        assert Looks(rates).quiet_rate(looks=3, seconds=0.01) == 1000.0
 
 
 def test_the_budget_is_trial_s_and_at_most_one_percent_of_a_known_run():

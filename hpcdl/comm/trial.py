@@ -41,7 +41,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from mpi4py import MPI
 
 from hpcdl.buckets import (
     LAST_BUCKET_BYTES,
@@ -54,10 +56,10 @@ from hpcdl.buckets import (
 )
 from hpcdl.comm.base import yield_waits_in_this_thread
 
-__all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "QUIET_LOAD_S", "TRIAL_MARGIN",
-           "TRIAL_ROUNDS", "TrialResult", "beats", "bucket_numels", "choose", "layout_score",
-           "rule_result", "run_trial", "sampled_buckets", "trial_budget", "trial_candidates",
-           "trial_layouts", "unavailable_backends"]
+__all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "QUIET_LOAD_S", "QUIET_LOOKS",
+           "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats", "bucket_numels", "choose",
+           "layout_score", "rule_result", "run_trial", "sampled_buckets", "trial_budget",
+           "trial_candidates", "trial_layouts", "unavailable_backends"]
 
 #: how much faster a later measurement must be to replace the best so far: within it, two
 #: choices are the same to a few rounds on a shared node, and the earlier (the rule's pick,
@@ -69,8 +71,10 @@ TRIAL_ROUNDS = 3
 #: the compute load's matrix side: a product takes about a millisecond on one core, short
 #: beside a round and long beside Python's loop around it
 LOAD_MATRIX = 256
-#: seconds the load runs alone once, for the rate the rounds' share is taken from
-QUIET_LOAD_S = 0.1
+#: looks at the load running alone, each of ``QUIET_LOAD_S`` seconds, for the rate the
+#: rounds' share is taken from: the fastest is kept, as a shared core only slows a look
+QUIET_LOOKS = 3
+QUIET_LOAD_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -293,7 +297,7 @@ class _Trial:
         self.seen: dict[str, list[list[int]]] = {}
         self.load = ComputeLoad()
         world.Barrier()  # every rank's load runs beside every other's, as during the rounds
-        self.quiet_rate = self.load.rate_for(QUIET_LOAD_S)  # with no rounds beside it
+        self.quiet_rate = self.load.quiet_rate()  # with no rounds beside it
 
     def within(self, budget_s: float, result: TrialResult) -> bool:
         """Whether another measurement fits (the same answer on every rank: agreed times);
@@ -371,9 +375,6 @@ class _Trial:
     def _agree(self, seconds: float, began: float, taken: float) -> tuple[float, float]:
         """The largest score, compute share, time spent and measurement time over ranks, in
         one allreduce."""
-        import numpy as np
-        from mpi4py import MPI
-
         now = time.perf_counter()
         values = np.array([seconds, taken, now - self.start, now - began], dtype=np.float64)
         self.world.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)
@@ -382,8 +383,6 @@ class _Trial:
 
     def _agreed_error(self, error: BaseException | None) -> str | None:
         """None when no rank failed, else the lowest failing rank's reason, on every rank."""
-        from mpi4py import MPI
-
         size = self.world.size
         first = self.world.allreduce(self.world.rank if error else size, op=MPI.MIN)
         if first == size:
@@ -423,6 +422,11 @@ class ComputeLoad:
         end = time.perf_counter() + seconds
         return self.rate_while(lambda: time.perf_counter() < end)
 
+    def quiet_rate(self, looks: int = QUIET_LOOKS, seconds: float = QUIET_LOAD_S) -> float:
+        """The fastest of ``looks`` rates over ``seconds`` each: one look can land on a
+        moment another process holds the core and read a share taken that no round took."""
+        return max(self.rate_for(seconds) for _ in range(looks))
+
 
 def _on_yielding_thread(work: Callable[[], None],
                         beside: Callable[[Callable[[], bool]], float]) -> float:
@@ -451,9 +455,6 @@ def unavailable_backends(world: Any, most_ranks_on_a_node: int) -> dict[str, str
     """Backends that cannot run over ``world`` here, with the reason (the lowest rank's that
     lacks it): ``shm`` with one rank per node (it would be ``mpi`` plus a copy), ``ccl``
     where oneCCL is not found, ``gloo`` where torch has no gloo. Collective over ``world``."""
-    import numpy as np
-    from mpi4py import MPI
-
     mine = _local_unavailable(most_ranks_on_a_node)
     names = ("shm", "ccl", "gloo")
     first = np.array([world.rank if n in mine else world.size for n in names], dtype=np.int64)

@@ -117,7 +117,7 @@ class MarkedLoad:
 
     QUIET = 1000.0
 
-    def rate_for(self, seconds):
+    def quiet_rate(self):
         return self.QUIET
 
     def rate_while(self, busy):
