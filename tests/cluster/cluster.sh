@@ -246,7 +246,9 @@ SlurmctldPort=$port1
 SlurmdPort=$port2
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/run/munge/munge.socket
+# cred_expire: how long a requeued job waits before it may start again (default 120 s);
+# also a job step's credential lifetime, which 30 s leaves ample for a local launch.
+AuthInfo=socket=$dir/run/munge/munge.socket,cred_expire=30
 StateSaveLocation=$dir/run/slurm-state
 SlurmdSpoolDir=$dir/run/slurmd-%n
 SlurmctldPidFile=$dir/run/slurmctld.pid.slurm

@@ -639,7 +639,8 @@ def test_a_node_set_down_under_slurm_requeues_the_job_which_resumes_on_the_other
     assert state() == "COMPLETED" and job_field(slurm, job, "ExitCode") == "0:0", log[-4000:]
     assert int(job_field(slurm, job, "Restarts")) >= 1, log[-4000:]
     starts = re.findall(r"restart (\d) on (\S+): (\d) node", log)
-    # The requeued job starts by itself once Slurm's requeue delay (~2 min) is over, on any
+    # The requeued job starts by itself once Slurm's requeue delay (the test cluster's
+    # AuthInfo cred_expire, 30 s) is over, on any
     # 2 idle hosts: h2 too, since it re-registered (ReturnToService=2 returns a DOWN node).
     assert starts[0] == ("0", "h[1-2]", "2") and starts[-1][0] != "0", starts
     assert starts[-1][2] == "2", starts
