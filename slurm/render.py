@@ -120,12 +120,9 @@ def parse_time(text: str) -> int:
     numbers = [int(x) for x in (a, b, c) if x is not None]
     if days is not None:  # D-H, D-H:M, D-H:M:S
         hours, minutes, seconds = (numbers + [0, 0])[:3]
-        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
-    if len(numbers) == 1:
-        return numbers[0] * 60
-    if len(numbers) == 2:
-        return numbers[0] * 60 + numbers[1]
-    return (numbers[0] * 60 + numbers[1]) * 60 + numbers[2]
+    else:  # M, M:S, H:M:S (a lone number is minutes)
+        hours, minutes, seconds = ([0, 0] + numbers + [0] * (len(numbers) == 1))[-3:]
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def activation_bytes_per_image(model_cfg: dict, image_size: int) -> tuple[int, int]:
@@ -310,12 +307,10 @@ def validate(spec: JobSpec) -> tuple[list[str], int | None, int | None, object]:
 
     Raises RenderError naming the first bad value."""
     warnings: list[str] = []
-    if spec.arch not in ARCHES:
-        raise RenderError(f"--arch {spec.arch!r}: choose one of {sorted(ARCHES)}")
-    if spec.launcher not in LAUNCHERS:
-        raise RenderError(f"--launcher {spec.launcher!r}: choose one of {list(LAUNCHERS)}")
-    if spec.mpi not in MPIS:
-        raise RenderError(f"--mpi {spec.mpi!r}: choose one of {list(MPIS)}")
+    for option, choices in (("arch", sorted(ARCHES)), ("launcher", list(LAUNCHERS)),
+                            ("mpi", list(MPIS))):
+        if getattr(spec, option) not in choices:
+            raise RenderError(f"--{option} {getattr(spec, option)!r}: choose one of {choices}")
     if spec.nodes < 1:
         raise RenderError(f"--nodes {spec.nodes}: must be at least 1")
     fixed = ARCHES[spec.arch].ranks_per_node
@@ -336,10 +331,9 @@ def validate(spec: JobSpec) -> tuple[list[str], int | None, int | None, object]:
         value = getattr(spec, name)
         if value is not None:
             _check_text("--" + name.replace("_", "-"), value)
-    for item in spec.overrides:
-        _check_text("override", item)
-    for item in spec.train_args:
-        _check_text("--train-arg", item)
+    for name, items in (("override", spec.overrides), ("--train-arg", spec.train_args)):
+        for item in items:
+            _check_text(name, item)
     ranks_per_node = spec.ranks_per_node or fixed
     config = _load_recipe(spec.recipe, spec.overrides)
     _train_shard_count(spec.data, spec.nodes, warnings)

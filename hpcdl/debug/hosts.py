@@ -66,13 +66,11 @@ def reach_problems(mpi_comm: Any, timeout_s: float = REACH_TIMEOUT_S,
                 # rank 0 heard them (a list to every rank would be O(P x hosts) from rank 0)
                 mpi_comm.isend(leaders if rank in first_ranks else {}, dest=rank,
                                tag=TAG_LEADERS)
-        problems[me] += probe_peers(mpi_comm, {h: r for h, r in leaders.items() if h != me},
-                                    timeout_s)
+        peers = {h: r for h, r in leaders.items() if h != me}
+        problems[me] += probe_peers(mpi_comm, peers, timeout_s)
         reports = poll({h: mpi_comm.irecv(source=r, tag=TAG_REPORT)
-                        for h, r in leaders.items() if h != me}, 2 * timeout_s)
-        for host in leaders:
-            if host != me:
-                problems[host] = reports[host] if host in reports else []
+                        for h, r in peers.items()}, 2 * timeout_s)
+        problems.update({host: reports.get(host, []) for host in peers})
         return {h: sorted(set(p)) for h, p in problems.items() if p}
     mpi_comm.isend(me, dest=0, tag=TAG_HOST)
     got = poll({0: mpi_comm.irecv(source=0, tag=TAG_LEADERS)}, 2 * timeout_s)
