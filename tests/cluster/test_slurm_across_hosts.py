@@ -20,7 +20,7 @@ DEMO_RECIPE = REPO / "recipes" / "demo_fmnist.yaml"
 # hold the same number of images per rank and an epoch is 180 // 24 = 7 steps on any of them;
 # a global batch that 1, 2 and 3 ranks divide, so a job can resume on another host count.
 STEPS = 3 * 7
-ELASTIC_STEPS = 40 * 7
+ELASTIC_STEPS = 20 * 7
 OVERRIDES = ("epochs=3", "batch.global=24", "batch.per_rank=null", "train.log_every_steps=1",
              "data.workers=0")
 TRAIN_ARGS = ("--deterministic", "--no-eval", "--no-progress")
@@ -135,7 +135,7 @@ def test_requeued_onto_two_hosts_then_three_resumes_to_the_same_step_count(slurm
     Slurm does to a requeued job whose nodes are gone, by hand) -> 2 hosts -> requeue, h3
     back -> 3 hosts: the same global batch throughout, the uninterrupted step count at the end."""
     run_dir = slurm.workdir("run") / "elastic"
-    # 40 epochs: on a quiet machine the demo's 21 steps end before a USR1 can land.
+    # 20 epochs: on a quiet machine the demo's 21 steps end before a USR1 can land.
     script = render(slurm, shards, run_dir, "3", f"epochs={ELASTIC_STEPS // 7}")
     job = on_controller(slurm, f"HPCDL_DOCTOR=0 sbatch --parsable {script}"
                         ).stdout.strip().split(";")[0]
