@@ -52,9 +52,7 @@ def write_idx(path: str, array: np.ndarray) -> None:
 def load_split(source: str, split: str) -> tuple[np.ndarray, np.ndarray]:
     """(images N x 28 x 28, labels N) of ``split`` from ``source``: 'demo', 'debian' or a folder."""
     folder = {"demo": demo_dir(), "debian": DEBIAN_DIR}.get(source, source)
-    images_file, labels_file = FILES[split]
-    images = read_idx(os.path.join(folder, images_file))
-    labels = read_idx(os.path.join(folder, labels_file))
+    images, labels = (read_idx(os.path.join(folder, name)) for name in FILES[split])
     if len(images) != len(labels):
         raise ValueError(f"{folder}: {len(images)} images but {len(labels)} labels for {split}")
     return images, labels

@@ -52,15 +52,13 @@ def _write_quirks(root: str, classes: list[str], rng: np.random.Generator, size:
     w, h = size
     c0 = classes[0]
     rgb = Image.fromarray(photo_like(rng, w, h))
-    key = f"train/{c0}/cmyk.JPEG"
-    _save(rgb.convert("CMYK"), os.path.join(root, key), quality=90)
-    info.labels[key] = 0
-    key = f"train/{c0}/gray.JPEG"
-    _save(rgb.convert("L"), os.path.join(root, key), quality=90)
-    info.labels[key] = 0
-    key = f"train/{classes[1 % len(classes)]}/png_named.JPEG"
-    _save(rgb, os.path.join(root, key), fmt="PNG")
-    info.labels[key] = 1 % len(classes)
+    second = 1 % len(classes)
+    decodable = ((f"train/{c0}/cmyk.JPEG", rgb.convert("CMYK"), {"quality": 90}, 0),
+                 (f"train/{c0}/gray.JPEG", rgb.convert("L"), {"quality": 90}, 0),
+                 (f"train/{classes[second]}/png_named.JPEG", rgb, {"fmt": "PNG"}, second))
+    for key, image, kw, label in decodable:
+        _save(image, os.path.join(root, key), **kw)
+        info.labels[key] = label
     buf = io.BytesIO()
     rgb.save(buf, format="JPEG", quality=90)
     key = f"train/{c0}/truncated.JPEG"

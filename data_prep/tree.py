@@ -132,12 +132,10 @@ def read_devkit_ground_truth(path: str, files: list[str], classes: list[str],
 
 def find_val_labels(tree: str) -> str | None:
     """A labels file in the usual places when none is given."""
-    for folder in (tree, os.path.join(tree, "val"), os.path.dirname(os.path.abspath(tree))):
-        for name in (LOC_SOLUTION, DEVKIT_GROUND_TRUTH):
-            path = os.path.join(folder, name)
-            if os.path.isfile(path):
-                return path
-    return None
+    folders = (tree, os.path.join(tree, "val"), os.path.dirname(os.path.abspath(tree)))
+    paths = (os.path.join(folder, name) for folder in folders
+             for name in (LOC_SOLUTION, DEVKIT_GROUND_TRUTH))
+    return next((path for path in paths if os.path.isfile(path)), None)
 
 
 def scan_flat_val(tree: str, classes: list[str], labels_file: str | None,

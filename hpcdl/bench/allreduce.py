@@ -189,10 +189,8 @@ def measure_backend(name: str, sizes: list[int], repeats: int, warmup: int) -> l
     with hpcdl.comm.init(backend) as comm:
         for nbytes in sizes:
             numel = nbytes // 4
-            if name == "shm-copyin":
-                buffer = torch.empty(numel, dtype=torch.float32)  # not window memory
-            else:
-                buffer = comm.empty(numel, torch.float32)
+            buffer = (torch.empty(numel, dtype=torch.float32)  # not window memory
+                      if name == "shm-copyin" else comm.empty(numel, torch.float32))
             buffer.fill_(comm.rank + 1.0)
             seconds = time_allreduce(comm, buffer, repeats, warmup)
             records.append(bandwidth_record(name, comm.backend, numel * 4, comm.size, seconds))

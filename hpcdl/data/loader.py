@@ -10,6 +10,7 @@ sample), never a bare HDF5 error.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -156,10 +157,8 @@ class ShardedImageNet:
     def _check_node_shards(self, verify: bool) -> None:
         """Sizes of every shard this node reads (any epoch); with ``verify`` also the sha256 of
         this local rank's share of them, so a node's ranks hash in parallel."""
-        mine = node_shard_indices(len(self.entries), self.node_index, self.num_nodes, 0,
-                                  rotate=False)
-        if self.rotate_shards:
-            mine = list(range(len(self.entries)))
+        mine = range(len(self.entries)) if self.rotate_shards else node_shard_indices(
+            len(self.entries), self.node_index, self.num_nodes, 0, rotate=False)
         node_entries = [self.entries[i] for i in mine]
         check_shard_files(self.shard_dir, node_entries)
         if verify:
@@ -286,10 +285,8 @@ class ShardedImageNet:
         pending: deque = deque()
         todo = iter(batches)
         try:
-            for batch in todo:
-                pending.append(pool.submit(self.load_batch, batch))
-                if len(pending) >= self.workers * PREFETCH_PER_WORKER:
-                    break
+            pending.extend(pool.submit(self.load_batch, batch)
+                           for batch in itertools.islice(todo, self.workers * PREFETCH_PER_WORKER))
             while pending:
                 start = time.perf_counter()
                 result = pending.popleft().result()

@@ -25,9 +25,8 @@ def node_shard_indices(num_shards: int, node_index: int, num_nodes: int, epoch: 
 def node_samples(counts: list[int], shards: list[int]) -> np.ndarray:
     """Global sample indices of ``shards``, in shard order."""
     offsets = shard_offsets(counts)
-    if not shards:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in shards])
+    return np.concatenate([np.zeros(0, dtype=np.int64)]
+                          + [np.arange(offsets[i], offsets[i + 1]) for i in shards])
 
 
 def train_num_batches(counts: list[int], num_nodes: int, local_size: int, batch_size: int) -> int:

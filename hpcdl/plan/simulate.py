@@ -319,10 +319,9 @@ def allreduce_phases(algorithm: str, positions: Sequence[int], procs: int, procs
     """The steps of one allreduce of ``n`` bytes: rank r on node r // procs_per_node, node k
     at fabric position ``positions[k]``."""
     where = [positions[r // procs_per_node] for r in range(procs)]
-    if algorithm == "ring":
-        return ring_phases(where, n, gamma)
-    if algorithm == "rabenseifner":
-        return rabenseifner_phases(where, n, gamma)
+    flat = {"ring": ring_phases, "rabenseifner": rabenseifner_phases}
+    if algorithm in flat:
+        return flat[algorithm](where, n, gamma)
     if algorithm == "hierarchical":
         q = min(procs, procs_per_node)
         if procs % q:

@@ -276,11 +276,9 @@ def _os_error_of(exc: BaseException) -> BaseException:
     context. Re-raises ``exc`` when there is none."""
     cause: BaseException | None = exc
     for _ in range(8):
-        if cause is None:
-            break
         if isinstance(cause, OSError):
             return cause
-        cause = cause.__cause__ or cause.__context__
+        cause = cause and (cause.__cause__ or cause.__context__)
     raise exc
 
 
@@ -592,15 +590,12 @@ def prune_checkpoints(run_dir: str, keep: int, line: str | None = None) -> list[
     if line is None and known:
         line = known[-1].line
     mine = [e for e in known if e.line == line]
-    doomed = mine[:-keep] if keep > 0 else []
     pruned = []
-    for entry in doomed:
+    for entry in mine[:-keep] if keep > 0 else []:
         tmp = _temporary_name(entry.path, "pruned.")
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.rename(entry.path, tmp)
-        except FileNotFoundError:
-            continue
-        pruned.append(tmp)
+            pruned.append(tmp)
     return pruned
 
 
@@ -608,15 +603,11 @@ def remove_pruned(pruned: list[str], rank: int | None = None) -> None:
     """Remove pruned checkpoints: ``rank`` given, only that rank's own file in each (every
     rank, in parallel); None, everything left (rank 0, after every rank)."""
     for path in pruned:
-        if rank is not None:
-            if os.path.isdir(path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(path, rank_file(rank)))
-        elif os.path.isdir(path):
+        if rank is None and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
-        else:
+        elif rank is None or os.path.isdir(path):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                os.unlink(path if rank is None else os.path.join(path, rank_file(rank)))
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:

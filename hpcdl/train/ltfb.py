@@ -333,10 +333,8 @@ class LTFB:
         else:
             gathered = self.world.gather(summary if self.layout.trainer_rank == 0 else None)
             rounds = self._all_rounds()
-            run = None
-            if self.world.rank == 0:
-                run = self._combine([s for s in gathered if s is not None], rounds, ltfb,
-                                    wall_s)
+            run = (self._combine([s for s in gathered if s is not None], rounds, ltfb,
+                                 wall_s) if self.world.rank == 0 else None)
             run = self.world.bcast(run, root=0)
         if self.world.rank == 0 and self.options.write_files:
             write_summary(os.path.join(self.run_dir, "summary.json"), run)
@@ -351,10 +349,8 @@ class LTFB:
     def _combine(summaries: list[dict[str, Any]], rounds: list[dict[str, Any]],
                  ltfb: dict[str, Any], wall_s: float) -> dict[str, Any]:
         """The run summary: the best trainer's numbers up front, every trainer's beside."""
-        def key(s: dict[str, Any]) -> float:
-            return s["top1"] if s.get("top1") is not None else -1.0
-
-        best = max(range(len(summaries)), key=lambda t: key(summaries[t]))
+        best = max(range(len(summaries)), key=lambda t: -1.0 if summaries[t].get("top1") is None
+                   else summaries[t]["top1"])
         top = summaries[best]
         return {
             "name": top["name"], **ltfb, "stopped": top["stopped"], "best_trainer": best,

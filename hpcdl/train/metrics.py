@@ -8,6 +8,7 @@ atomically at the end. The same records go to TensorBoard (``tensorboard/``, tag
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -92,13 +93,8 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     records = []
     with open(path, encoding="utf-8") as f:
         for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+            with contextlib.suppress(json.JSONDecodeError):
+                records.append(json.loads(line.strip()))
     return records
 
 
