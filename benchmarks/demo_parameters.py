@@ -8,14 +8,14 @@ from it (``PYTHONPATH`` on that tree; the top-level stages ``data_prep``, ``slur
 ``recipes`` linked under ``hpcdl/`` as the editable install maps them) for ``--max-steps``
 steps on the ``shm`` backend: the start-up trial of ``backend: auto`` picks by timing, and a
 different transport sums in a different order. The SHA-256 of every parameter and buffer of the
-last checkpoint's model, in name order, is written for both. A later revision that computes in
+last checkpoint's model, in name order (``hpcdl.train.metrics.params_sha256``), is written for
+both. A later revision that computes in
 bf16 by default (``train.precision: auto`` on a CPU with native bf16) needs
 ``--after-override train.precision=float32`` to be compared with an fp32 one.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -24,6 +24,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from hpcdl.results import machine_info
+from hpcdl.train.metrics import params_sha256
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("data_prep", "slurm", "recipes")
@@ -38,11 +41,7 @@ def model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
 def parameters_sha256(run_dir: Path) -> tuple[str, str]:
     """The last checkpoint's name and the SHA-256 of its model's tensors, in name order."""
     last = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))[-1]
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model_state(last).items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return last.name, digest.hexdigest()
+    return last.name, params_sha256(sorted(model_state(last).items()))
 
 
 def run_demo(rev: str, out: Path, steps: int, overrides: list[str]) -> dict[str, str]:
@@ -70,14 +69,6 @@ def run_demo(rev: str, out: Path, steps: int, overrides: list[str]) -> dict[str,
             "parameters_sha256": sha}
 
 
-def machine() -> dict[str, str]:
-    model = next((line.split(":", 1)[1].strip() for line in
-                  subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-                  if line.startswith("Model name")), "")
-    return {"lscpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", required=True, help="the revision before")
@@ -90,7 +81,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         before = run_demo(args.before, Path(tmp) / "before", args.max_steps, [])
         after = run_demo(args.after, Path(tmp) / "after", args.max_steps, args.after_override)
-    report = {"machine": machine(), "ranks": 2, "max_steps": args.max_steps,
+    report = {"machine": machine_info(ranks=2), "max_steps": args.max_steps,
               "before": before, "after": after,
               "identical": before["parameters_sha256"] == after["parameters_sha256"]}
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

@@ -25,8 +25,13 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-import hpcdl.buckets
-from hpcdl.buckets import DEFAULT_BUCKET_MB, LAST_BUCKET_BYTES, bucket_bytes, check_bucket_bytes
+from hpcdl.buckets import (
+    DEFAULT_BUCKET_MB,
+    LAST_BUCKET_BYTES,
+    bucket_bounds,
+    bucket_bytes,
+    check_bucket_bytes,
+)
 from hpcdl.debug import NULL_MONITOR, abort_on_unshared_error, debug_enabled
 from hpcdl.env import env_tristate
 from hpcdl.io import Closing
@@ -490,7 +495,7 @@ class Communicator(Closing):
             # hpcdl.buckets' greedy rule, the reducer's, without a first-layers bucket
             sizes = [t.numel() * dtype.itemsize for t in group]
             buckets += [(dtype, group[start:end]) for start, end in
-                        hpcdl.buckets.bucket_bounds(sizes, self.bucket_bytes)]
+                        bucket_bounds(sizes, self.bucket_bytes)]
         return buckets
 
     def _flat_meta(self, buffer: torch.Tensor, bucket: int | None, **extra: Any) -> dict:
