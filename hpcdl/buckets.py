@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_TRIAL_S", "LAST_BUCKET_BYTES", "MIB",
-           "TRIAL_BUCKET_MB", "TRIAL_RUN_SHARE", "TRIAL_SAMPLE_MB", "bucket_bounds", "bucket_bytes",
-           "check_bucket_bytes", "tail_start"]
+           "TRIAL_BUCKET_MB", "TRIAL_FIT_SHARE", "TRIAL_RUN_SHARE", "TRIAL_SAMPLE_MB",
+           "bucket_bounds", "bucket_bytes", "check_bucket_bytes", "tail_start"]
 
 MIB = 2**20
 #: The bucket reduced after backward has finished: small, since nothing hides its reduction
@@ -37,6 +37,10 @@ TRIAL_BUCKET_MB = (4.0, 25.0, 64.0)
 #: seconds' budget on the first candidate alone; a sample this size still holds two buckets
 #: at the smallest size tried (4 MiB), so bucket sizes still differ in calls per round
 TRIAL_SAMPLE_MB = 8.0
+#: ... or less on a slow link: the share of the budget every candidate's rounds at the recipe's
+#: layout are fitted into (the rest opens them and measures the compute load), never below
+#: 1 MiB a round, where each call's latency would start to count more than its bytes
+TRIAL_FIT_SHARE = 0.6
 
 
 def bucket_bytes(bucket_mb: float) -> int:

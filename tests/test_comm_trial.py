@@ -6,15 +6,23 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcdl.buckets import LAST_BUCKET_BYTES, MIB, TRIAL_BUCKET_MB
+from hpcdl.buckets import (
+    LAST_BUCKET_BYTES,
+    MIB,
+    TRIAL_BUCKET_MB,
+    TRIAL_FIT_SHARE,
+    TRIAL_SAMPLE_MB,
+)
 from hpcdl.comm.reducer import layout_buckets
 from hpcdl.comm.trial import (
     TRIAL_MARGIN,
+    TRIAL_ROUNDS,
     ComputeLoad,
     Layout,
     Measurement,
     bucket_numels,
     choose,
+    fitted_sample_bytes,
     layout_score,
     rule_result,
     sampled_buckets,
@@ -74,6 +82,22 @@ def test_a_round_samples_the_large_buckets_and_keeps_the_first_layers_whole():
     assert sampled_buckets([mib, mib, mib], 4, sample_bytes=24 * MIB) == ([mib] * 3, 1.0)
     assert sampled_buckets([mib], 4) == ([mib], 1.0)  # one bucket: the first layers' alone
     assert sampled_buckets([], 4) == ([], 1.0)
+
+
+def test_a_slow_link_shrinks_the_sample_so_every_candidate_fits_the_budget():
+    full = int(TRIAL_SAMPLE_MB * MIB)
+    fast = 1 / 250e6                         # 2 Gbit/s: the whole sample fits
+    assert fitted_sample_bytes(fast, MIB, 3, TRIAL_ROUNDS, 3.0) == full
+    slow = 1 / 31.25e6                       # 250 Mbit/s
+    sample = fitted_sample_bytes(slow, MIB, 3, TRIAL_ROUNDS, 3.0)
+    assert MIB < sample < full
+    # three candidates of 1 + TRIAL_ROUNDS rounds of the sample and the first layers' bucket
+    rounds_s = 3 * (1 + TRIAL_ROUNDS) * (sample + MIB) * slow
+    assert rounds_s == pytest.approx(TRIAL_FIT_SHARE * 3.0, rel=1e-6)
+    # fewer candidates, more bytes each; a trickle still reduces a MiB a round
+    assert fitted_sample_bytes(slow, MIB, 1, TRIAL_ROUNDS, 3.0) > sample
+    assert fitted_sample_bytes(1e-3, MIB, 3, TRIAL_ROUNDS, 3.0) == MIB
+    assert fitted_sample_bytes(0.0, MIB, 3, TRIAL_ROUNDS, 3.0) == full
 
 
 def test_the_fastest_wins_only_by_the_margin_so_equals_keep_the_earlier():

@@ -9,8 +9,11 @@ its reason (docs/comm.md, "The start-up trial"):
   out by the reducer's own rule (:func:`hpcdl.buckets.bucket_bounds`, in the wire dtype the
   candidate would send), allreduced in launch order on a thread whose waits yield, as the
   reducer's communication thread does -- the large buckets only up to
-  :data:`~hpcdl.buckets.TRIAL_SAMPLE_MB` per round (the last bucket cut short), their time
-  scaled by the bytes left out, and the first layers' bucket whole. A layout's score is the
+  :data:`~hpcdl.buckets.TRIAL_SAMPLE_MB` per round (the last bucket cut short; less on a link
+  too slow for every candidate's rounds at that size to fit
+  :data:`~hpcdl.buckets.TRIAL_FIT_SHARE` of the budget, :func:`fitted_sample_bytes`, the same
+  size for every candidate), their time scaled by the bytes left out, and the first layers'
+  bucket whole. A layout's score is the
   sum of its bucket times (what a step waits for when it is communication-bound) plus its
   last bucket's time (what nothing hides when backward covers the rest; the reason for the
   small last bucket, Li et al., VLDB 2020, §3.2.3), **plus the compute it takes**: while the
@@ -49,6 +52,7 @@ from hpcdl.buckets import (
     LAST_BUCKET_BYTES,
     MIB,
     TRIAL_BUCKET_MB,
+    TRIAL_FIT_SHARE,
     TRIAL_RUN_SHARE,
     TRIAL_SAMPLE_MB,
     bucket_bounds,
@@ -56,10 +60,11 @@ from hpcdl.buckets import (
 )
 from hpcdl.comm.base import yield_waits_in_this_thread
 
-__all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "QUIET_LOAD_S", "QUIET_LOOKS",
-           "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats", "bucket_numels", "choose",
-           "layout_score", "rule_result", "run_trial", "sampled_buckets", "trial_budget",
-           "trial_candidates", "trial_layouts", "unavailable_backends"]
+__all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "PROBE_BYTES", "QUIET_LOAD_S",
+           "QUIET_LOOKS", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats", "bucket_numels",
+           "choose", "fitted_sample_bytes", "layout_score", "rule_result", "run_trial",
+           "sampled_buckets", "trial_budget", "trial_candidates", "trial_layouts",
+           "unavailable_backends"]
 
 #: how much faster a later measurement must be to replace the best so far: within it, two
 #: choices are the same to a few rounds on a shared node, and the earlier (the rule's pick,
@@ -75,6 +80,9 @@ LOAD_MATRIX = 256
 #: rounds' share is taken from: the fastest is kept, as a shared core only slows a look
 QUIET_LOOKS = 3
 QUIET_LOAD_S = 0.05
+#: the world allreduce that probes the link's rate before the first candidate, to fit the
+#: sample to the budget (large enough that its bytes, not its latency, set its time)
+PROBE_BYTES = MIB
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,8 @@ class TrialResult:
     measurements: list[Measurement] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)
     fallback: str | None = None   # why the rule decided instead (None: the trial did)
+    #: the large buckets' MiB each round reduced (fitted_sample_bytes)
+    sample_mb: float = TRIAL_SAMPLE_MB
     #: after a resume: what the run resumed used (backend, bucket_mb, first_bucket_mb, steps)
     previous: dict[str, Any] | None = None
 
@@ -146,6 +156,7 @@ class TrialResult:
                 "decided_by": "rule" if self.fallback else "trial",
                 "fallback": self.fallback, "rule": self.rule,
                 "budget_s": self.budget_s, "spent_s": round(self.spent_s, 4),
+                "sample_mb": round(self.sample_mb, 3),
                 "planned": self.planned, "rounds_run": self.rounds_run,
                 "candidates": [asdict(m) for m in self.measurements],
                 "excluded": dict(self.excluded), "previous": self.previous}
@@ -213,6 +224,18 @@ def sampled_buckets(buckets: Sequence[int], element_size: int,
     return taken + [last], (sum(large) / sum(taken) if taken else 1.0)
 
 
+def fitted_sample_bytes(seconds_per_byte: float, first_bucket_bytes: int, candidates: int,
+                        rounds: int, budget_s: float) -> int:
+    """The large buckets' bytes a trial round reduces: :data:`TRIAL_SAMPLE_MB`, or less where
+    ``candidates`` measurements of ``1 + rounds`` rounds of that many bytes plus the first
+    layers' bucket would not fit :data:`TRIAL_FIT_SHARE` of ``budget_s`` on a link moving a
+    byte in ``seconds_per_byte``; never below 1 MiB."""
+    per_round_s = TRIAL_FIT_SHARE * budget_s / (max(1, candidates) * (1 + rounds))
+    fitted = per_round_s / seconds_per_byte - first_bucket_bytes if seconds_per_byte > 0 \
+        else float("inf")
+    return int(min(TRIAL_SAMPLE_MB * MIB, max(MIB, fitted)))
+
+
 def layout_score(bucket_seconds: Sequence[float], scale: float = 1.0) -> float:
     """A step's communication for one round of bucket times (module docstring), the large
     buckets' (all but the last) scaled by ``scale``."""
@@ -254,9 +277,10 @@ def run_trial(world: Any, numels: Sequence[int], candidates: Mapping[str, str], 
     ``world``."""
     trial = _Trial(world, numels, candidates, open_candidate, rounds, started)
     first, sizes = trial_layouts(bucket_mb, vary_buckets)
+    trial.fit_sample(first, budget_s)
     result = TrialResult(rule, bucket_mb, first.first_bucket_mb, rule, budget_s,
                          planned=len(candidates) + len(sizes) + (1 if vary_buckets else 0),
-                         excluded=dict(excluded or {}))
+                         excluded=dict(excluded or {}), sample_mb=trial.sample_bytes / MIB)
     best = None
     try:
         for name in candidates:
@@ -298,6 +322,23 @@ class _Trial:
         self.load = ComputeLoad()
         world.Barrier()  # every rank's load runs beside every other's, as during the rounds
         self.quiet_rate = self.load.quiet_rate()  # with no rounds beside it
+        self.sample_bytes = int(TRIAL_SAMPLE_MB * MIB)
+
+    def fit_sample(self, first: Layout, budget_s: float) -> None:
+        """Fit the sample to the budget from a probe of the link over ``world``: the slowest
+        rank's best of two, so every rank samples the same buckets."""
+        probe = np.ones(PROBE_BYTES // 4, dtype=np.float32)
+        self.world.Allreduce(MPI.IN_PLACE, probe)  # untimed: connections, first touch
+        times = []
+        for _ in range(2):
+            self.world.Barrier()
+            began = time.perf_counter()
+            self.world.Allreduce(MPI.IN_PLACE, probe)
+            times.append(time.perf_counter() - began)
+        seconds_per_byte = self.world.allreduce(min(times), op=MPI.MAX) / PROBE_BYTES
+        last = bucket_numels(self.numels, 4, first)[-1:] or [0]
+        self.sample_bytes = fitted_sample_bytes(seconds_per_byte, 4 * last[0], len(self.wire),
+                                                self.rounds, budget_s)
 
     def within(self, budget_s: float, result: TrialResult) -> bool:
         """Whether another measurement fits (the same answer on every rank: agreed times);
@@ -336,7 +377,8 @@ class _Trial:
         layout's elements a round reduced, that compute share, and what raised instead."""
         try:
             comm, buffer = self._communicator(name, layout, dtype)
-            timed, scale = sampled_buckets(buckets, torch.empty(0, dtype=dtype).element_size())
+            timed, scale = sampled_buckets(buckets, torch.empty(0, dtype=dtype).element_size(),
+                                           self.sample_bytes)
             views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []
             began = time.perf_counter()

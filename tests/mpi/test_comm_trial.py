@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl.comm
-from hpcdl.buckets import LAST_BUCKET_BYTES, MIB
+from hpcdl.buckets import LAST_BUCKET_BYTES, MIB, TRIAL_SAMPLE_MB
 from hpcdl.comm.trial import TRIAL_ROUNDS, Layout, bucket_numels, choose, run_trial
 from hpcdl.train.config import CommConfig, config_from_dict
 from hpcdl.train.session import RunSession, open_communicator, recipe_gradients
@@ -89,6 +89,10 @@ def test_an_ample_budget_runs_every_distinct_measurement_a_tiny_one_only_the_fir
     assert [(m.backend, m.bucket_mb) for m in tiny.measurements] == [("mpi", 0.5)]
     assert tiny.rounds_run == TRIAL_ROUNDS
     assert (tiny.backend, tiny.bucket_mb, tiny.fallback) == ("mpi", 0.5, None)
+    # the sample fitted to the budget from the probe of the link, the same on every rank:
+    # whole at an ample budget, the 1 MiB floor at a tiny one
+    assert world.allgather(ample.sample_mb) == [TRIAL_SAMPLE_MB] * world.size
+    assert world.allgather(tiny.record()["sample_mb"]) == [1.0] * world.size
 
 
 class Marked:
