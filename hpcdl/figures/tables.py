@@ -850,8 +850,14 @@ HELD_OUT_BF16 = {
     "planner-held-out-bf16": ("plan-held-out-bf16-2026-12-02/plan-validate-2026-12-02.json",
                               "plan-held-out-bf16-2026-12-02/plan-calibrate-2026-12-02.yaml"),
     "planner-held-out-bf16-quiet": (
-        "plan-held-out-bf16-quiet-2026-12-02/plan-validate-2026-12-02.json",
-        "plan-held-out-bf16-quiet-2026-12-02/plan-calibrate-2026-12-02.yaml")}
+        "plan-held-out-bf16-2026-12-03/attempt2/plan-validate-2026-12-03.json",
+        "plan-held-out-bf16-2026-12-03/attempt2/plan-calibrate-2026-12-03.yaml")}
+#: Every quiet bf16 attempt on the same CPU, oldest first (a calibration and a validation
+#: each), with its name in the table
+QUIET_BF16_ATTEMPTS = {
+    "plan-held-out-bf16-quiet-2026-12-02/plan-validate-2026-12-02.json": "2026-12-02",
+    "plan-held-out-bf16-2026-12-03/attempt1/plan-validate-2026-12-03.json": "2026-12-03, 1st",
+    "plan-held-out-bf16-2026-12-03/attempt2/plan-validate-2026-12-03.json": "2026-12-03, 2nd"}
 HELD_OUT_BF16_HOW = (
     "ratio = predicted (the calibration's bfloat16 rates) ÷ median measured step of the "
     "repeats, `hpcdl bench train --precision bfloat16` (float32 gradients on the wire, as its "
@@ -879,6 +885,24 @@ for _name, (_validation, _calibration) in HELD_OUT_BF16.items():
     table(_name, _validation, _calibration, how=HELD_OUT_BF16_HOW)(
         functools.partial(planner_held_out_bf16_of, validation=_validation,
                           calibration_file=_calibration))
+
+
+@table("planner-held-out-bf16-attempts", *QUIET_BF16_ATTEMPTS,
+       how="each attempt calibrates anew, then predicts and measures the same four rows; "
+           "ratio = predicted ÷ median measured step of the repeats.")
+def planner_held_out_bf16_attempts(root: Path) -> str:
+    """Each quiet bf16 attempt's ratios side by side: how far the band holds from one
+    calibration to the next."""
+    reports = {name: load(root, p) for p, name in QUIET_BF16_ATTEMPTS.items()}
+    first = next(iter(reports.values()))["results"]
+    labels = [f"{MODEL_NAMES[r['model']]} {r['image_size']} px, np {r['ranks']}" for r in first]
+    rows = [[name, *(_ratio(plan_ratio(x)) for x in r["results"]),
+             f"{sum(in_band(plan_ratio(x)) for x in r['results'])} of {len(r['results'])}",
+             f"{r['machine']['load_average']['before'][0]:.1f} → "
+             f"{r['machine']['load_average']['after'][0]:.1f}"]
+            for name, r in reports.items()]
+    return md(["attempt", *labels, f"inside {BAND}", "load average over the validation"],
+              rows)
 
 
 def compute_cpu_s(record: Mapping[str, Any]) -> float:
