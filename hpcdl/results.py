@@ -131,7 +131,6 @@ def run_bench_json(procs: int, bench_args: Sequence[str], timeout_s: float, *,
             return json.load(f)
 
 
-
 @contextlib.contextmanager
 def png_axes(path: str, figsize: tuple[float, float], dpi: int = 110,
              ncols: int = 1) -> Iterator[Any]:

@@ -4,7 +4,8 @@ import torch
 from mpi4py import MPI
 
 import hpcdl.comm
-from hpcdl.comm.reducer import GradientReducer, layout_buckets, split_tail
+from hpcdl.buckets import tail_start
+from hpcdl.comm.reducer import GradientReducer, layout_buckets
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +50,12 @@ def test_first_layers_get_a_small_last_bucket_of_their_own():
     assert buckets[-1].numel == 8
 
 
-def test_split_tail_keeps_everything_in_order():
-    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate([40, 5, 3])]
-    assert split_tail(params, None) == (params, [])
-    assert split_tail(params, 4 * 2) == (params, [])            # nothing fits
-    assert split_tail(params, 4 * 1000) == (params, [])         # everything fits: no split
-    head, tail = split_tail(params, 4 * 8)
-    assert head + tail == params and [n for n, _ in tail] == ["p1", "p2"]
+def test_tail_start_splits_off_the_longest_suffix_that_fits():
+    sizes = [4 * 40, 4 * 5, 4 * 3]
+    assert tail_start(sizes, None) == 3
+    assert tail_start(sizes, 4 * 2) == 3            # nothing fits
+    assert tail_start(sizes, 4 * 1000) == 3         # everything fits: no split
+    assert tail_start(sizes, 4 * 8) == 1            # the last two
 
 
 def test_gradients_view_the_buckets_until_close(comm):

@@ -399,13 +399,6 @@ def print_breakdown(breakdown: dict[str, Any], matmul: float) -> None:
           file=sys.stderr, flush=True)
 
 
-def matmul_flops_per_s(n: int, seconds: float = 2.0, min_repeats: int = 3,
-                       dtype: str = "float32") -> float:
-    """FLOP/s of an n×n matmul (fp32, or bf16 for a bf16 step) on this rank's threads: the
-    reference peak a dense kernel reaches here (2n³ FLOPs per product)."""
-    return matmul_rates(n, seconds, min_repeats, dtype)[0]
-
-
 def matmul_rates(n: int, seconds: float = 2.0, min_repeats: int = 3,
                  dtype: str = "float32") -> tuple[float, float]:
     """(FLOPs per wall second, FLOPs per CPU second of this process) of an n×n matmul of

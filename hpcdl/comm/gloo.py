@@ -62,11 +62,8 @@ class GlooCommunicator(Communicator):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._store, self._group = self._make_group(dist.ProcessGroupGloo)
-
-    def _make_group(self, group_class):
-        store = mpi_tcp_store(self._comm)
-        return store, group_class(store, self.rank, self.size, RENDEZVOUS_TIMEOUT)
+        self._store = mpi_tcp_store(self._comm)
+        self._group = dist.ProcessGroupGloo(self._store, self.rank, self.size, RENDEZVOUS_TIMEOUT)
 
     def _allreduce(self, buffer: torch.Tensor, average: bool) -> None:
         self._group.allreduce([buffer]).wait()

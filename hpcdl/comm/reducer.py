@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpcdl.buckets import LAST_BUCKET_BYTES, bucket_bounds, check_bucket_bytes, tail_start
+from hpcdl.buckets import LAST_BUCKET_BYTES, bucket_bounds, check_bucket_bytes
 from hpcdl.comm.base import yield_waits_in_this_thread
 from hpcdl.debug import abort_on_unshared_error
 from hpcdl.io import Closing
@@ -63,7 +63,8 @@ def layout_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: i
     """Group parameters (already in reverse registration order) into buckets by bytes on the
     wire: the boundaries of :func:`hpcdl.buckets.bucket_bounds` (its rule), which ``hpcdl plan``
     costs."""
-    sizes = [_wire_bytes(p, wire_dtype) for _, p in named_params]
+    sizes = [p.numel() * torch.empty(0, dtype=wire_dtype or p.dtype).element_size()
+             for _, p in named_params]
     bounds = bucket_bounds(sizes, bucket_bytes, last_bucket_bytes,
                            kinds=[p.dtype for _, p in named_params])
     return [_bucket(index, named_params[start:end], wire_dtype)
@@ -102,19 +103,6 @@ def unpack_gradient(bucket: Bucket, position: int) -> None:
     if p.grad is None:
         p.grad = torch.empty_like(p)  # the parameter's dtype and memory layout
     p.grad.copy_(averaged)
-
-
-def _wire_bytes(p: torch.Tensor, wire_dtype: torch.dtype | None) -> int:
-    return p.numel() * torch.empty(0, dtype=wire_dtype or p.dtype).element_size()
-
-
-def split_tail(named_params: list[tuple[str, torch.Tensor]], tail_bytes: int | None,
-               wire_dtype: torch.dtype | None = None):
-    """(head, tail): ``tail`` is the longest suffix of ``named_params`` of at most
-    ``tail_bytes`` bytes on the wire (empty when ``tail_bytes`` is None or the whole list
-    would fit: then there is nothing to split)."""
-    cut = tail_start([_wire_bytes(p, wire_dtype) for _, p in named_params], tail_bytes)
-    return named_params[:cut], named_params[cut:]
 
 
 class GradientReducer(Closing):

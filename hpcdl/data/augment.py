@@ -20,7 +20,6 @@ DRAWS_PER_ATTEMPT = 4        # area scale, log aspect ratio, top, left
 ATTEMPTS = 10                # torchvision's RandomResizedCrop tries 10 times, then centre-crops
 FLIP_DRAW = ATTEMPTS * DRAWS_PER_ATTEMPT
 NUM_DRAWS = FLIP_DRAW + 1
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
