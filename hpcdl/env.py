@@ -13,8 +13,9 @@ docs/debugging.md is complete. Ground floor: imports nothing of hpcdl above it.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from hpcdl.errors import BadInputError
 
@@ -119,30 +120,27 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
     return bool(env_tristate(name, environ))
 
 
+def _number(name: str, text: str, kind: Callable[[str], Any], valid: Callable[[Any], bool]) -> Any:
+    """``kind(text)`` when it parses and is ``valid``, else the variable's :func:`_error`."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise _error(name, text) from None
+    if not valid(value):
+        raise _error(name, text)
+    return value
+
+
 def env_seconds(name: str, environ: Mapping[str, str] | None = None) -> float:
     """A ``seconds`` variable, its table default when unset or empty."""
     text = _lookup(name, environ) or VARIABLES[name].default
-    try:
-        value = float(text)
-    except ValueError:
-        raise _error(name, text) from None
-    if not value >= 0 or value == float("inf"):  # also refuses nan
-        raise _error(name, text)
-    return value
+    return _number(name, text, float, lambda v: v >= 0 and v != float("inf"))  # also refuses nan
 
 
 def env_count(name: str, environ: Mapping[str, str] | None = None) -> int | None:
     """A ``count``: a positive int, or None when unset or empty."""
     text = _lookup(name, environ)
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise _error(name, text) from None
-    if value < 1:
-        raise _error(name, text)
-    return value
+    return _number(name, text, int, lambda v: v >= 1) if text else None
 
 
 def env_text(name: str, environ: Mapping[str, str] | None = None) -> str:

@@ -21,11 +21,9 @@ def nic_bytes(nic: str) -> tuple[int, int] | None:
 
 def interface_bytes() -> dict[str, tuple[int, int]]:
     """(sent, received) bytes of every interface but loopback, from this host's sysfs."""
-    counts = {}
-    for nic in sorted(os.listdir(NET)) if os.path.isdir(NET) else []:
-        if nic != "lo" and (sent_received := nic_bytes(nic)) is not None:
-            counts[nic] = sent_received
-    return counts
+    nics = sorted(os.listdir(NET)) if os.path.isdir(NET) else []
+    return {nic: sent_received for nic in nics
+            if nic != "lo" and (sent_received := nic_bytes(nic)) is not None}
 
 
 def thread_cpu_s(native_ids: list[int]) -> float:

@@ -19,6 +19,7 @@ and the check against PyTorch's hook: docs/comm.md, "Consistency policies".
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,11 +35,7 @@ __all__ = ["PowerSGDReducer", "compressed_bytes", "matrix_shape"]
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     """The paper's reshape: first dimension (output channels) by the product of the rest."""
-    n = int(shape[0])
-    m = 1
-    for d in shape[1:]:
-        m *= int(d)
-    return n, m
+    return int(shape[0]), math.prod(int(d) for d in shape[1:])
 
 
 #: PyTorch's ``PowerSGDState.min_compression_rate`` default: a matrix is compressed only when
@@ -68,10 +65,7 @@ def compressed_bytes(shapes: Iterable[tuple[int, ...]], rank: int, element_bytes
             n, m = matrix_shape(shape)
             total += rank * (n + m)
         else:
-            numel = 1
-            for d in shape:
-                numel *= int(d)
-            total += numel
+            total += math.prod(int(d) for d in shape)
     return total * element_bytes
 
 

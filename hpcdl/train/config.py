@@ -11,6 +11,7 @@ them (hpcdl.models.create_model, hpcdl.optim.create_optimizer / create_schedule)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.resources
 import logging
@@ -541,10 +542,8 @@ def elastic_batch(batch: BatchConfig, ranks: int,
             f"rank per step. Rank counts that keep the global batch: "
             f"{format_counts(rank_counts(global_))}; relaunch on one of them (e.g. "
             f"{', '.join(str(p) for p in _nearest(rank_counts(global_), ranks))} ranks)")
-    try:
+    with contextlib.suppress(RecipeError):
         return resolve_batch(batch, ranks)
-    except RecipeError:
-        pass
     bound = batch.per_rank or saved_per_rank or global_ // ranks
     share = global_ // ranks
     accumulation = next(a for a in range(1, share + 1) if share % a == 0 and share // a <= bound)

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from hpcdl.comm.base import sum_over
 from hpcdl.data.loader import ShardedImageNet
-from hpcdl.data.sampler import node_samples
+from hpcdl.data.sampler import node_samples, val_num_batches
 
 __all__ = ["TrainerLayout", "split_world", "tournament_partners", "partition_samples",
            "PartitionLoader", "state_tensors", "flatten_state", "load_flat_state",
@@ -134,9 +134,8 @@ class PartitionLoader(ShardedImageNet):
                 len(pool) // self.local_size // self.batch_size
             rng = np.random.default_rng([self.seed, epoch, self.trainer_index + 1])
             pool = pool[rng.permutation(len(pool))]
-        else:
-            most = -(-len(pool) // self.local_size)  # ceil: the rank with the most samples
-            self.num_batches = -(-most // self.batch_size)
+        else:  # enough batches for the rank with the most samples
+            self.num_batches = val_num_batches([len(pool)], 1, self.local_size, self.batch_size)
         if not 0 <= start_batch <= self.num_batches:
             raise ValueError(f"start_batch={start_batch} outside 0..{self.num_batches}")
         self.epoch, self.start_batch = epoch, start_batch

@@ -952,9 +952,7 @@ class Trainer:
         write_resolved_config(config, self.run_dir)
         self._metrics = MetricsWriter(os.path.join(self.run_dir, "metrics.jsonl"))
         show = self.options.progress
-        if show is None:
-            show = sys.stderr.isatty()
-        if show:
+        if show or (show is None and sys.stderr.isatty()):
             from tqdm import tqdm
 
             self._progress = tqdm(total=self._last_step(), initial=self.step, unit="step",
