@@ -41,16 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _mpi_world():
-    """COMM_WORLD when this process has initialised MPI, else None (a command without MPI)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    return mpi.COMM_WORLD if mpi is not None and mpi.Is_initialized() else None
-
-
 def report_bad_input(command: str, error: BadInputError, debug: bool = False) -> int:
     """Print ``hpcdl COMMAND: message`` once and return :data:`EXIT_BAD_INPUT`; when ``error``
     may be this rank's alone, print it with the rank and abort the whole job instead."""
-    world = _mpi_world()
+    # COMM_WORLD when this process has initialised MPI, else None (a command without MPI)
+    mpi = sys.modules.get("mpi4py.MPI")
+    world = mpi.COMM_WORLD if mpi is not None and mpi.Is_initialized() else None
     rank, size = (world.Get_rank(), world.Get_size()) if world is not None else (0, 1)
     alone = size > 1 and not error.agreed
     if rank == 0 or alone:

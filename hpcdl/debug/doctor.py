@@ -81,6 +81,7 @@ def _library_info() -> dict[str, Any]:
     import torch
     from mpi4py import MPI
 
+    from hpcdl.comm.ccl import find_library
     from hpcdl.mpi_library import identify
 
     vendor, vendor_version = MPI.get_vendor()
@@ -99,7 +100,9 @@ def _library_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "ipex": importlib.util.find_spec("intel_extension_for_pytorch") is not None,
-        "oneccl": oneccl_found(),
+        # oneCCL's C API library is where the ``ccl`` backend would open it (not opened here:
+        # opening reads oneCCL's settings for good)
+        "oneccl": find_library() is not None,
     }
     # MPICH's network module where one is set (hpcdl sets ofi under srun --mpi=pmi2)
     netmod = next((os.environ[k] for k in NETMOD_SETTINGS if k in os.environ), None)
@@ -430,14 +433,6 @@ def hosts_reach_each_other(mpi_comm: Any) -> bool:
     print("    fix: check those hosts' links and the fabric (ibstat / fi_info / ping over the "
           "MPI's interface) and drain them before submitting", file=sys.stderr, flush=True)
     return False
-
-
-def oneccl_found() -> bool:
-    """oneCCL's C API library is where the ``ccl`` backend would open it (not opened here:
-    opening reads oneCCL's settings for good)."""
-    from hpcdl.comm.ccl import find_library
-
-    return find_library() is not None
 
 
 def check_accelerators(ranks: Sequence[Mapping[str, Any]]) -> Iterator[Finding]:

@@ -214,11 +214,6 @@ class Plan:
         return asdict(self)
 
 
-def rank_flops(machine: Machine, procs_per_node: int) -> float:
-    """Sustained FLOP/s of one rank: the node's, shared by the ranks placed on it."""
-    return machine.sustained_flops_per_node / procs_per_node
-
-
 def rank_memory_Bps(machine: Machine, procs_per_node: int) -> float:
     """Stream bandwidth of one rank: its cores' rate, capped by its share of the node's."""
     return pass_rate_Bps(machine, 1.0, machine.threads_per_rank(procs_per_node), procs_per_node)
@@ -285,8 +280,9 @@ def compute_by_class(machine: Machine, work: Workload, batch_per_rank: float,
                      procs_per_node: int) -> dict[str, float]:
     """Seconds per operator class of one rank's forward + backward."""
     if not (machine.has_class_rates and work.layers):
-        legacy = batch_per_rank * work.train_flops_per_image / rank_flops(machine,
-                                                                          procs_per_node)
+        # sustained FLOP/s of one rank: the node's, shared by the ranks placed on it
+        rank_flops = machine.sustained_flops_per_node / procs_per_node
+        legacy = batch_per_rank * work.train_flops_per_image / rank_flops
         return {"all (sustained fraction)": legacy}
     seconds: dict[str, float] = {}
     for layer in work.layers:
