@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import statistics
+import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -384,10 +387,6 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_study(args: argparse.Namespace) -> int:
     """The MPI side: shards for both splits, one Trainer per run, rank 0 reports."""
-    import logging
-    import sys
-    import time
-
     from mpi4py import MPI
 
     from hpcdl.bench import runs as bench_runs

@@ -27,6 +27,7 @@ docs/performance.md, "Convergence".
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from typing import Any
@@ -149,8 +150,6 @@ def run(args: argparse.Namespace) -> int:
     from hpcdl.bench import check_model_argument
 
     check_model_argument("convergence", args.model)
-    import logging
-
     from mpi4py import MPI
 
     from hpcdl.train.config import CommConfig

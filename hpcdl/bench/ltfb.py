@@ -22,6 +22,7 @@ has every evaluation, the tournament rounds and the settings. docs/performance.m
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -183,8 +184,6 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs <= 0 or args.per_rank < 1 or args.trainers < 2:
         raise SystemExit("hpcdl bench ltfb: --epochs and --per-rank must be positive and "
                          "--trainers at least 2")
-    import logging
-
     from mpi4py import MPI
 
     from hpcdl.bench.runs import bench_workdir, fmnist_shards

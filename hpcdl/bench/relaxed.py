@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -304,8 +305,6 @@ def finish(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
 
 def mean_row(run: str, group: list[dict[str, Any]]) -> dict[str, Any]:
     """The mean over seeds of every number of ``group`` (one run's records)."""
-    import statistics
-
     row: dict[str, Any] = {"run": run, "seed": "mean", "seeds": [r["seed"] for r in group]}
     for key, value in group[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "seed" \

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -159,8 +160,6 @@ def train_run(comm, recipe: dict[str, Any], shard_dir: str, run_dir: str,
 def stopped_by_signal(summary: dict[str, Any], name: str, out: str) -> bool:
     """SIGTERM/SIGUSR1 (Slurm's time limit) checkpointed the run: the bench stops too, so a
     requeued job with the same --out resumes where it was."""
-    import logging
-
     if summary["stopped"] != "signal":
         return False
     logging.getLogger("hpcdl.bench").warning(

@@ -23,9 +23,12 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -286,8 +289,6 @@ def own_comm_stepper(world, config, loader, backend: str,
 # -- what a step costs the host, read from the operating system --------------------------------
 def comm_thread_ids() -> list[int]:
     """The reducers' communication threads (GradientReducer names them ``hpcdl-reducer``)."""
-    import threading
-
     return [t.native_id for t in threading.enumerate()
             if t.name == "hpcdl-reducer" and t.native_id is not None]
 
@@ -584,9 +585,6 @@ def record_backend(mode: str, comm, steppers: dict[str, Stepper]) -> str:
 def link_shaping(nic: str) -> str | None:
     """This host's queueing discipline on ``nic`` (``tc qdisc show``: a ``tbf rate`` line on
     a shaped link), or None where tc or the NIC is missing."""
-    import shutil
-    import subprocess
-
     if not nic or shutil.which("tc") is None or nic_bytes(nic) is None:
         return None
     try:

@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import socket
+import sys
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -418,8 +419,6 @@ def check_clock_skew(ranks: Sequence[Mapping[str, Any]]) -> list[Finding]:
 def hosts_reach_each_other(mpi_comm: Any) -> bool:
     """The reach probe (hpcdl/debug/hosts.py): False, after printing one line per host that
     could not reach others, when the fabric is partitioned; the caller then aborts the job."""
-    import sys
-
     from hpcdl.debug.hosts import describe_unreached, reach_problems
 
     def unreachable_root(message: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
 import uuid
 from collections import deque
@@ -191,8 +192,6 @@ def watch_collectives(comm: Any, run_dir: str | None = None, *, record: bool | N
     directory (removed on a clean close). ``abort(code)`` defaults to MPI_Abort on COMM_WORLD,
     then the rank ending itself ``HPCDL_STALL_EXIT_GRACE_S`` later; a caller's owns the end.
     """
-    import socket
-
     mpi_comm = comm.mpi_comm
     previous = comm.monitor  # hpcdl.comm.init's: the same ranks, their hosts already known
     hosts, job = getattr(previous, "hosts", None), getattr(previous, "job", None)

@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -111,8 +112,6 @@ def default_heartbeat_dir(job: str, environ: Mapping[str, str] = os.environ) -> 
     """Where a communicator without a run directory keeps heartbeats and dumps:
     ``HPCDL_HEARTBEAT_DIR`` (put it on a shared file system to see other hosts' ranks), else
     this host's temporary directory; one sub-directory per job."""
-    import tempfile
-
     base = env_text("HPCDL_HEARTBEAT_DIR", environ) or os.path.join(
         tempfile.gettempdir(), f"hpcdl-heartbeat-{os.getuid()}")
     return os.path.join(base, job[:12])

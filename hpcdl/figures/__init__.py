@@ -21,6 +21,7 @@ README's demo line) computes them with those blocks' own functions, never again.
 """
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,8 +66,6 @@ def render(name: str, root: Path, doc: Path) -> tuple[str, str]:
     """The block ``name`` of the Markdown file ``doc`` as it should read (markers and a
     link to each raw file included) and how its ratios are computed, from ``root``'s raw
     files."""
-    import os
-
     from hpcdl.figures.tables import TABLES
 
     if name not in TABLES:

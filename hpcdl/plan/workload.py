@@ -9,6 +9,7 @@ PyTorch's ``meta`` device (shapes only).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from hpcdl.plan.cache import cache_key, read_cache
@@ -51,8 +52,6 @@ def powersgd_compression_ratio(model_name: str, rank: int) -> float:
     """Dense gradient bytes ÷ the bytes hpcdl's PowerSGD sends at ``rank`` for ``model_name``
     (Vogels et al., NeurIPS'19: r·(n+m) per compressed n×m matrix, the rest dense; the same
     tensors as PyTorch's ``powerSGD_hook``): what ``hpcdl plan --compression-ratio`` takes."""
-    import math
-
     from hpcdl.comm.powersgd import compressed_bytes
 
     model = meta_model(model_name)

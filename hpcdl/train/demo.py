@@ -9,6 +9,7 @@ top-1 on the held-out images, recorded in ``RUN_DIR/summary.json``. The run dire
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -96,8 +97,6 @@ def _prepare_on_rank0(world, run_dir: str, options: DemoOptions, comm) -> dict[s
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Prepare, train, evaluate; returns the run's summary (every rank): the trainer's plus
     a ``demo`` section (preparation and total time, the goal). Collective over COMM_WORLD."""
-    import logging
-
     from mpi4py import MPI
 
     from hpcdl.debug import watch_region

@@ -15,9 +15,11 @@ different moments still checkpoint and stop at the same step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
+import random
 import signal
 import sys
 import time
@@ -101,8 +103,6 @@ def derive_seed(seed: int, *position: int) -> int:
 
 
 def seed_everything(seed: int) -> None:
-    import random
-
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
@@ -941,8 +941,6 @@ class Trainer:
         if self.rank != 0 or not self.options.write_files:
             return
         os.makedirs(self.run_dir, exist_ok=True)
-        import copy
-
         # The run as it ran: the per-rank batch, the compute and wire dtypes this job
         # resolved (--recipe RUN_DIR/config.yaml repeats them on any CPU).
         config = copy.deepcopy(self.config)
