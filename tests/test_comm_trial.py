@@ -148,6 +148,7 @@ def test_the_rules_choice_records_why_the_trial_did_not_decide():
     assert record["chosen"] == {"backend": "shm", "bucket_mb": 25.0, "first_bucket_mb": 1.0}
     assert (record["decided_by"], record["fallback"], record["candidates"]) == (
         "rule", "comm.trial_s: 0", [])
+    assert record["sample_mb"] is None  # nothing was sampled
     assert (result.layout.bucket_bytes, result.layout.last_bucket_bytes) == (
         25 * MIB, LAST_BUCKET_BYTES)
     assert "rule: comm.trial_s: 0" in result.line()

@@ -137,8 +137,8 @@ class TrialResult:
     measurements: list[Measurement] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)
     fallback: str | None = None   # why the rule decided instead (None: the trial did)
-    #: the large buckets' MiB each round reduced (fitted_sample_bytes)
-    sample_mb: float = TRIAL_SAMPLE_MB
+    #: the large buckets' MiB each round reduced (fitted_sample_bytes; None: nothing timed)
+    sample_mb: float | None = None
     #: after a resume: what the run resumed used (backend, bucket_mb, first_bucket_mb, steps)
     previous: dict[str, Any] | None = None
 
@@ -156,7 +156,7 @@ class TrialResult:
                 "decided_by": "rule" if self.fallback else "trial",
                 "fallback": self.fallback, "rule": self.rule,
                 "budget_s": self.budget_s, "spent_s": round(self.spent_s, 4),
-                "sample_mb": round(self.sample_mb, 3),
+                "sample_mb": None if self.sample_mb is None else round(self.sample_mb, 3),
                 "planned": self.planned, "rounds_run": self.rounds_run,
                 "candidates": [asdict(m) for m in self.measurements],
                 "excluded": dict(self.excluded), "previous": self.previous}
@@ -325,8 +325,9 @@ class _Trial:
         self.sample_bytes = int(TRIAL_SAMPLE_MB * MIB)
 
     def fit_sample(self, first: Layout, budget_s: float) -> None:
-        """Fit the sample to the budget from a probe of the link over ``world``: the slowest
-        rank's best of two, so every rank samples the same buckets."""
+        """Fit the sample to what is left of the budget from a probe of the link over
+        ``world``: the slowest rank's best of two and the time spent so far agreed in one
+        allreduce, so every rank samples the same buckets."""
         probe = np.ones(PROBE_BYTES // 4, dtype=np.float32)
         self.world.Allreduce(MPI.IN_PLACE, probe)  # untimed: connections, first touch
         times = []
@@ -335,10 +336,12 @@ class _Trial:
             began = time.perf_counter()
             self.world.Allreduce(MPI.IN_PLACE, probe)
             times.append(time.perf_counter() - began)
-        seconds_per_byte = self.world.allreduce(min(times), op=MPI.MAX) / PROBE_BYTES
+        agreed = np.array([min(times), time.perf_counter() - self.start], dtype=np.float64)
+        self.world.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
         last = bucket_numels(self.numels, 4, first)[-1:] or [0]
-        self.sample_bytes = fitted_sample_bytes(seconds_per_byte, 4 * last[0], len(self.wire),
-                                                self.rounds, budget_s)
+        self.sample_bytes = fitted_sample_bytes(agreed[0] / PROBE_BYTES, 4 * last[0],
+                                                len(self.wire), self.rounds,
+                                                budget_s - agreed[1])
 
     def within(self, budget_s: float, result: TrialResult) -> bool:
         """Whether another measurement fits (the same answer on every rank: agreed times);

@@ -894,9 +894,14 @@ def planner_held_out_bf16_attempts(root: Path) -> str:
     """Each quiet bf16 attempt's ratios side by side: how far the band holds from one
     calibration to the next."""
     reports = {name: load(root, p) for p, name in QUIET_BF16_ATTEMPTS.items()}
-    first = next(iter(reports.values()))["results"]
-    labels = [f"{MODEL_NAMES[r['model']]} {r['image_size']} px, np {r['ranks']}" for r in first]
-    rows = [[name, *(_ratio(plan_ratio(x)) for x in r["results"]),
+    by_row = {name: {(x["model"], x["image_size"], x["ranks"]): x for x in r["results"]}
+              for name, r in reports.items()}
+    keys = list(next(iter(by_row.values())))
+    if any(set(rows) != set(keys) for rows in by_row.values()):
+        raise ValueError(f"the bf16 attempts {list(QUIET_BF16_ATTEMPTS)} do not hold the same "
+                         "workloads")
+    labels = [f"{MODEL_NAMES[model]} {size} px, np {ranks}" for model, size, ranks in keys]
+    rows = [[name, *(_ratio(plan_ratio(by_row[name][k])) for k in keys),
              f"{sum(in_band(plan_ratio(x)) for x in r['results'])} of {len(r['results'])}",
              f"{r['machine']['load_average']['before'][0]:.1f} → "
              f"{r['machine']['load_average']['after'][0]:.1f}"]
