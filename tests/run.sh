@@ -73,12 +73,24 @@ for mpi in "${matrix[@]}"; do
         done
     done
 done
-stage slurm-mpi python3 -m pytest tests --ignore=tests/mpi --ignore=tests/cluster -m mpi_matrix -q -rs \
-    --junitxml="$results/slurm-mpi.xml"
+# The matrix's Slurm jobs (a single-node Slurm on 127.0.0.1, tests/slurm) mostly wait on Slurm's
+# scheduling, as the cluster stage mostly waits on its faults' limits: they run beside it (its
+# own Slurm, ports and munge in the hosts' namespaces), their output and cost kept apart and
+# printed after it.
+(
+    stage slurm-mpi python3 -m pytest tests --ignore=tests/mpi --ignore=tests/cluster \
+        -m mpi_matrix -q -rs --junitxml="$results/slurm-mpi.xml"
+    echo "$status" >"$results/slurm-mpi.status"; echo "${costs[-1]}" >"$results/slurm-mpi.cost"
+) >"$results/slurm-mpi.log" 2>&1 &
+slurm_mpi=$!
 
 # The test cluster (tests/cluster/cluster.sh): hosts made of namespaces, each with its own
 # hostname, eth0, /tmp and /dev/shm; every MPI across them, Slurm across them, and the faults.
 stage cluster python3 -m pytest tests/cluster -q -rs --junitxml="$results/cluster.xml"
+wait "$slurm_mpi"
+cat "$results/slurm-mpi.log"
+[ "$(cat "$results/slurm-mpi.status" 2>/dev/null)" = 0 ] || status=1
+costs+=("$(cat "$results/slurm-mpi.cost" 2>/dev/null || echo 'slurm-mpi        ? s') (beside cluster)")
 
 python3 tests/summarize.py "$results" || status=1
 printf 'stage costs (wall):\n'; printf '  %s\n' "${costs[@]}"
