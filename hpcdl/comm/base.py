@@ -15,6 +15,7 @@ import atexit
 import hashlib
 import itertools
 import os
+import statistics
 import threading
 import time
 import weakref
@@ -137,6 +138,21 @@ def sum_over(mpi_comm: Any, values: Sequence[float] | np.ndarray) -> np.ndarray:
     total = np.empty_like(mine)
     mpi_comm.Allreduce(mine, total, op=MPI.SUM)
     return total
+
+
+def timed_allreduce_s(mpi_comm: Any, nbytes: int, repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's seconds for one in-place MPI_Allreduce
+    of ``nbytes`` of float32 (one untimed call first); the same value on every rank.
+    Collective."""
+    buffer = np.ones(max(1, nbytes // 4), dtype=np.float32)
+    mpi_comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+    times = []
+    for _ in range(repeats):
+        mpi_comm.Barrier()
+        start = time.perf_counter()
+        mpi_comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+        times.append(mpi_comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return statistics.median(times)
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:

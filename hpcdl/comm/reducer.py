@@ -63,8 +63,7 @@ def layout_buckets(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: i
     """Group parameters (already in reverse registration order) into buckets by bytes on the
     wire: the boundaries of :func:`hpcdl.buckets.bucket_bounds` (its rule), which ``hpcdl plan``
     costs."""
-    sizes = [p.numel() * torch.empty(0, dtype=wire_dtype or p.dtype).element_size()
-             for _, p in named_params]
+    sizes = [p.numel() * (wire_dtype or p.dtype).itemsize for _, p in named_params]
     bounds = bucket_bounds(sizes, bucket_bytes, last_bucket_bytes,
                            kinds=[p.dtype for _, p in named_params])
     return [_bucket(index, named_params[start:end], wire_dtype)

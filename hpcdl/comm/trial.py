@@ -58,12 +58,12 @@ from hpcdl.buckets import (
     bucket_bounds,
     bucket_bytes,
 )
-from hpcdl.comm.base import yield_waits_in_this_thread
+from hpcdl.comm.base import timed_allreduce_s, yield_waits_in_this_thread
 
-__all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "PROBE_BYTES", "QUIET_LOAD_S",
-           "QUIET_LOOKS", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats", "bucket_numels",
-           "choose", "fitted_sample_bytes", "layout_score", "rule_result", "run_trial",
-           "sampled_buckets", "trial_budget", "trial_candidates", "trial_layouts",
+__all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "PROBE_BYTES", "PROBE_REPEATS",
+           "QUIET_LOAD_S", "QUIET_LOOKS", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats",
+           "bucket_numels", "choose", "fitted_sample_bytes", "layout_score", "rule_result",
+           "run_trial", "sampled_buckets", "trial_budget", "trial_candidates", "trial_layouts",
            "unavailable_backends"]
 
 #: how much faster a later measurement must be to replace the best so far: within it, two
@@ -81,8 +81,10 @@ LOAD_MATRIX = 256
 QUIET_LOOKS = 3
 QUIET_LOAD_S = 0.05
 #: the world allreduce that probes the link's rate before the first candidate, to fit the
-#: sample to the budget (large enough that its bytes, not its latency, set its time)
+#: sample to the budget (large enough that its bytes, not its latency, set its time), and
+#: how many times it is timed (the median of the slowest rank's)
 PROBE_BYTES = MIB
+PROBE_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -275,9 +277,8 @@ def run_trial(world: Any, numels: Sequence[int], candidates: Mapping[str, str], 
     on gradients of ``numels`` and return the agreed choice. ``started``: the
     ``time.perf_counter()`` the budget counts from (default now). Collective over
     ``world``."""
-    trial = _Trial(world, numels, candidates, open_candidate, rounds, started)
     first, sizes = trial_layouts(bucket_mb, vary_buckets)
-    trial.fit_sample(first, budget_s)
+    trial = _Trial(world, numels, candidates, open_candidate, rounds, started, first, budget_s)
     result = TrialResult(rule, bucket_mb, first.first_bucket_mb, rule, budget_s,
                          planned=len(candidates) + len(sizes) + (1 if vary_buckets else 0),
                          excluded=dict(excluded or {}), sample_mb=trial.sample_bytes / MIB)
@@ -311,7 +312,8 @@ class _Trial:
     clock agreed by every rank, and one measurement's rounds."""
 
     def __init__(self, world: Any, numels: Sequence[int], candidates: Mapping[str, str],
-                 open_candidate: Opener, rounds: int, started: float | None) -> None:
+                 open_candidate: Opener, rounds: int, started: float | None, first: Layout,
+                 budget_s: float) -> None:
         self.world, self.numels, self.wire = world, list(numels), dict(candidates)
         self.open_candidate, self.rounds = open_candidate, rounds
         self.start = time.perf_counter() if started is None else started
@@ -322,26 +324,18 @@ class _Trial:
         self.load = ComputeLoad()
         world.Barrier()  # every rank's load runs beside every other's, as during the rounds
         self.quiet_rate = self.load.quiet_rate()  # with no rounds beside it
-        self.sample_bytes = int(TRIAL_SAMPLE_MB * MIB)
+        self.sample_bytes = self._fitted_sample(first, budget_s)
 
-    def fit_sample(self, first: Layout, budget_s: float) -> None:
-        """Fit the sample to what is left of the budget from a probe of the link over
-        ``world``: the slowest rank's best of two and the time spent so far agreed in one
-        allreduce, so every rank samples the same buckets."""
-        probe = np.ones(PROBE_BYTES // 4, dtype=np.float32)
-        self.world.Allreduce(MPI.IN_PLACE, probe)  # untimed: connections, first touch
-        times = []
-        for _ in range(2):
-            self.world.Barrier()
-            began = time.perf_counter()
-            self.world.Allreduce(MPI.IN_PLACE, probe)
-            times.append(time.perf_counter() - began)
-        agreed = np.array([min(times), time.perf_counter() - self.start], dtype=np.float64)
-        self.world.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
-        last = bucket_numels(self.numels, 4, first)[-1:] or [0]
-        self.sample_bytes = fitted_sample_bytes(agreed[0] / PROBE_BYTES, 4 * last[0],
-                                                len(self.wire), self.rounds,
-                                                budget_s - agreed[1])
+    def _fitted_sample(self, first: Layout, budget_s: float) -> int:
+        """The sample fitted to what is left of the budget from a probe of the link over
+        ``world`` and the time spent so far, both agreed (the slowest rank's), so every rank
+        samples the same buckets."""
+        seconds = timed_allreduce_s(self.world, PROBE_BYTES, PROBE_REPEATS)
+        spent = self.world.allreduce(time.perf_counter() - self.start, op=MPI.MAX)
+        fp32 = torch.float32.itemsize  # the widest wire: a bf16 first bucket is smaller
+        last = bucket_numels(self.numels, fp32, first)[-1:] or [0]
+        return fitted_sample_bytes(seconds / PROBE_BYTES, fp32 * last[0], len(self.wire),
+                                   self.rounds, budget_s - spent)
 
     def within(self, budget_s: float, result: TrialResult) -> bool:
         """Whether another measurement fits (the same answer on every rank: agreed times);
@@ -351,7 +345,7 @@ class _Trial:
     def measure_and_keep_best(self, name: str, layout: Layout, best: Measurement | None,
                               result: TrialResult) -> Measurement | None:
         dtype = torch.bfloat16 if self.wire[name] == "bfloat16" else torch.float32
-        buckets = bucket_numels(self.numels, torch.empty(0, dtype=dtype).element_size(), layout)
+        buckets = bucket_numels(self.numels, dtype.itemsize, layout)
         if buckets in self.seen.get(name, []):
             return best  # the same buckets as a layout already timed on this backend
         self.seen.setdefault(name, []).append(buckets)
@@ -380,7 +374,7 @@ class _Trial:
         layout's elements a round reduced, that compute share, and what raised instead."""
         try:
             comm, buffer = self._communicator(name, layout, dtype)
-            timed, scale = sampled_buckets(buckets, torch.empty(0, dtype=dtype).element_size(),
+            timed, scale = sampled_buckets(buckets, dtype.itemsize,
                                            self.sample_bytes)
             views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []

@@ -845,19 +845,20 @@ def held_out_table(records: Sequence[Mapping[str, Any]]) -> str:
     return f"{table}\n\nInside {BAND}: {inside} of {len(records)}."
 
 
-#: The bf16 held-out runs: (validation JSON, its calibration), loaded and quiet
-HELD_OUT_BF16 = {
-    "planner-held-out-bf16": ("plan-held-out-bf16-2026-12-02/plan-validate-2026-12-02.json",
-                              "plan-held-out-bf16-2026-12-02/plan-calibrate-2026-12-02.yaml"),
-    "planner-held-out-bf16-quiet": (
-        "plan-held-out-bf16-2026-12-03/attempt2/plan-validate-2026-12-03.json",
-        "plan-held-out-bf16-2026-12-03/attempt2/plan-calibrate-2026-12-03.yaml")}
 #: Every quiet bf16 attempt on the same CPU, oldest first (a calibration and a validation
 #: each), with its name in the table
 QUIET_BF16_ATTEMPTS = {
     "plan-held-out-bf16-quiet-2026-12-02/plan-validate-2026-12-02.json": "2026-12-02",
     "plan-held-out-bf16-2026-12-03/attempt1/plan-validate-2026-12-03.json": "2026-12-03, 1st",
     "plan-held-out-bf16-2026-12-03/attempt2/plan-validate-2026-12-03.json": "2026-12-03, 2nd"}
+_LATEST_BF16 = list(QUIET_BF16_ATTEMPTS)[-1]
+#: The bf16 held-out runs: (validation JSON, its calibration), loaded and the latest quiet one
+HELD_OUT_BF16 = {
+    "planner-held-out-bf16": ("plan-held-out-bf16-2026-12-02/plan-validate-2026-12-02.json",
+                              "plan-held-out-bf16-2026-12-02/plan-calibrate-2026-12-02.yaml"),
+    "planner-held-out-bf16-quiet": (
+        _LATEST_BF16,
+        _LATEST_BF16.replace("plan-validate-", "plan-calibrate-").replace(".json", ".yaml"))}
 HELD_OUT_BF16_HOW = (
     "ratio = predicted (the calibration's bfloat16 rates) ÷ median measured step of the "
     "repeats, `hpcdl bench train --precision bfloat16` (float32 gradients on the wire, as its "

@@ -157,23 +157,6 @@ def sleeping_barrier(comm, poll_s: float = 0.05) -> None:
         time.sleep(poll_s)
 
 
-def timed_allreduce_s(comm, nbytes: int, repeats: int) -> float:
-    """Median over ``repeats`` of the slowest rank's seconds for one in-place MPI_Allreduce
-    of ``nbytes`` of float32 (one untimed call first)."""
-    import numpy as np
-    from mpi4py import MPI
-
-    buffer = np.ones(max(1, nbytes // 4), dtype=np.float32)
-    comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
-    times = []
-    for _ in range(repeats):
-        comm.Barrier()
-        start = time.perf_counter()
-        comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
-        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return statistics.median(times)
-
-
 def ping_pong_s(comm, nbytes: int, repeats: int) -> float | None:
     """Median one-way seconds of ``nbytes`` between ranks 0 and 1 of ``comm`` (half the round
     trip); None on ranks other than 0."""
@@ -252,6 +235,7 @@ def network_calibration(gamma: float, sizes: Sequence[int] = NETWORK_SIZES,
     COMM_WORLD; returns the measurements on world rank 0, None elsewhere."""
     from mpi4py import MPI
 
+    from hpcdl.comm.base import timed_allreduce_s
     from hpcdl.topology import split_nodes
 
     world = MPI.COMM_WORLD
