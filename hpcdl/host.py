@@ -5,6 +5,7 @@ read before and after a measured piece of work. The CPU itself: hpcdl/cpus.py.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 NET = "/sys/class/net"
 
@@ -26,7 +27,15 @@ def interface_bytes() -> dict[str, tuple[int, int]]:
             if nic != "lo" and (sent_received := nic_bytes(nic)) is not None}
 
 
-def thread_cpu_s(native_ids: list[int]) -> float:
+def thread_ids() -> set[int]:
+    """The native ids of this process's threads now (``/proc/self/task``; empty without it)."""
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def thread_cpu_s(native_ids: Iterable[int]) -> float:
     """CPU seconds (user + system) the threads ``native_ids`` of this process have used:
     fields 14 and 15 of ``/proc/self/task/TID/stat``, in clock ticks (proc(5))."""
     tick = os.sysconf("SC_CLK_TCK")

@@ -17,7 +17,6 @@ from hpcdl.comm.reducer import layout_buckets
 from hpcdl.comm.trial import (
     TRIAL_MARGIN,
     TRIAL_ROUNDS,
-    ComputeLoad,
     Layout,
     Measurement,
     bucket_numels,
@@ -26,6 +25,7 @@ from hpcdl.comm.trial import (
     layout_score,
     rule_result,
     sampled_buckets,
+    transport_cpu_per_step,
     trial_budget,
     trial_candidates,
     trial_layouts,
@@ -112,18 +112,15 @@ def test_the_fastest_wins_only_by_the_margin_so_equals_keep_the_earlier():
     assert choose([rule, just_inside, clearly]) is clearly
 
 
-def test_the_quiet_rate_is_the_fastest_of_its_looks():
-    """A look that another process slowed reads a lower rate; the quiet rate is the fastest
-    look, wherever it falls among them."""
-    class Looks(ComputeLoad):
-        def __init__(self, rates):
-            self.rates = list(rates)
-
-        def rate_for(self, seconds):
-            return self.rates.pop(0)
-
-    for rates in ([900.0, 1000.0, 950.0], [1000.0, 400.0, 800.0], [300.0, 500.0, 1000.0]):
-        assert Looks(rates).quiet_rate(looks=3, seconds=0.01) == 1000.0
+def test_a_transports_cpu_is_per_round_and_scaled_from_the_sample_to_the_step():
+    """4 rounds of a sample holding a quarter of the layout's bytes burnt 2 s: 0.5 s a round,
+    2 s over the whole layout; nothing measured counts nothing, and a clock read that went
+    backwards counts zero, never a credit."""
+    assert transport_cpu_per_step(2.0, 4, 0.25) == pytest.approx(2.0)
+    assert transport_cpu_per_step(2.0, 4, 1.0) == pytest.approx(0.5)
+    assert transport_cpu_per_step(2.0, 0, 0.25) == 0.0
+    assert transport_cpu_per_step(2.0, 4, 0.0) == 0.0
+    assert transport_cpu_per_step(-0.01, 4, 1.0) == 0.0
 
 
 def test_the_budget_is_trial_s_and_at_most_one_percent_of_a_known_run():

@@ -16,11 +16,13 @@ its reason (docs/comm.md, "The start-up trial"):
   bucket whole. A layout's score is the
   sum of its bucket times (what a step waits for when it is communication-bound) plus its
   last bucket's time (what nothing hides when backward covers the rest; the reason for the
-  small last bucket, Li et al., VLDB 2020, §3.2.3), **plus the compute it takes**: while the
-  rounds run, the main thread multiplies matrices on torch's intra-op threads as backward
-  would, and the share of that rate the transport took (its progress engine polling on the
-  same cores) times the rounds' wall time is added -- overlapped with backward, a transport
-  that spins costs the step compute even when its allreduce is as fast.
+  small last bucket, Li et al., VLDB 2020, §3.2.3), **plus the CPU its threads burn**: the
+  rounds run beside backward's stand-in (matrix products on torch's intra-op threads, so
+  they are timed under the contention a step has), and the CPU seconds of the threads the
+  transport runs on (the rounds' own and any it started, ``/proc/self/task``) are scaled
+  from the round's bytes to the step's and added -- one rank per socket computes on every
+  core, so a progress engine polling beside backward costs the step compute even when its
+  allreduce is as fast.
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
   ranks (a collective is as slow as its slowest rank), in one allreduce; rank 0 picks the
   fastest (a later measurement must beat the earlier by :data:`TRIAL_MARGIN`, so noise
@@ -59,11 +61,12 @@ from hpcdl.buckets import (
     bucket_bytes,
 )
 from hpcdl.comm.base import timed_allreduce_s, yield_waits_in_this_thread
+from hpcdl.host import thread_cpu_s, thread_ids
 
 __all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "PROBE_BYTES", "PROBE_REPEATS",
-           "QUIET_LOAD_S", "QUIET_LOOKS", "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats",
-           "bucket_numels", "choose", "fitted_sample_bytes", "layout_score", "rule_result",
-           "run_trial", "sampled_buckets", "trial_budget", "trial_candidates", "trial_layouts",
+           "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats", "bucket_numels", "choose",
+           "fitted_sample_bytes", "layout_score", "rule_result", "run_trial", "sampled_buckets",
+           "transport_cpu_per_step", "trial_budget", "trial_candidates", "trial_layouts",
            "unavailable_backends"]
 
 #: how much faster a later measurement must be to replace the best so far: within it, two
@@ -76,10 +79,6 @@ TRIAL_ROUNDS = 3
 #: the compute load's matrix side: a product takes about a millisecond on one core, short
 #: beside a round and long beside Python's loop around it
 LOAD_MATRIX = 256
-#: looks at the load running alone, each of ``QUIET_LOAD_S`` seconds, for the rate the
-#: rounds' share is taken from: the fastest is kept, as a shared core only slows a look
-QUIET_LOOKS = 3
-QUIET_LOAD_S = 0.05
 #: the world allreduce that probes the link's rate before the first candidate, to fit the
 #: sample to the budget (large enough that its bytes, not its latency, set its time), and
 #: how many times it is timed (the median of the slowest rank's)
@@ -116,9 +115,10 @@ class Measurement:
     seconds: float
     #: the share of the layout's bytes each round reduced (sampled_buckets)
     timed_share: float = 1.0
-    #: the share of the compute rate beside the rounds that the transport took (agreed: the
-    #: largest over ranks); ``seconds`` includes it (module docstring)
-    compute_taken: float = 0.0
+    #: CPU seconds the transport's threads burn on one step's gradients
+    #: (:func:`transport_cpu_per_step`; agreed: the largest over ranks); ``seconds``
+    #: includes it (module docstring)
+    transport_cpu_s: float = 0.0
 
     @property
     def layout(self) -> Layout:
@@ -238,6 +238,15 @@ def fitted_sample_bytes(seconds_per_byte: float, first_bucket_bytes: int, candid
     return int(min(TRIAL_SAMPLE_MB * MIB, max(MIB, fitted)))
 
 
+def transport_cpu_per_step(cpu_s: float, rounds: int, timed_share: float) -> float:
+    """CPU seconds a transport's threads spend on one step's gradients, from ``cpu_s`` spent
+    over ``rounds`` rounds that each reduced ``timed_share`` of the layout's bytes: per round,
+    scaled to all of them (a polling progress engine spins for as long as its bytes take)."""
+    if rounds <= 0 or timed_share <= 0:
+        return 0.0
+    return max(0.0, cpu_s) / rounds / timed_share
+
+
 def layout_score(bucket_seconds: Sequence[float], scale: float = 1.0) -> float:
     """A step's communication for one round of bucket times (module docstring), the large
     buckets' (all but the last) scaled by ``scale``."""
@@ -322,8 +331,9 @@ class _Trial:
         self.open: dict[str, tuple[Any, torch.Tensor]] = {}
         self.seen: dict[str, list[list[int]]] = {}
         self.load = ComputeLoad()
-        world.Barrier()  # every rank's load runs beside every other's, as during the rounds
-        self.quiet_rate = self.load.quiet_rate()  # with no rounds beside it
+        self.load.run_while(lambda: False)  # torch's intra-op pool starts before the count
+        #: threads that are not the transport's: this rank's own (main, torch's pool, MPI's)
+        self.not_transport = thread_ids()
         self.sample_bytes = self._fitted_sample(first, budget_s)
 
     def _fitted_sample(self, first: Layout, budget_s: float) -> int:
@@ -350,15 +360,15 @@ class _Trial:
             return best  # the same buckets as a layout already timed on this backend
         self.seen.setdefault(name, []).append(buckets)
         began = time.perf_counter()
-        seconds, timed_share, taken, error = self._time(name, layout, dtype, buckets)
-        agreed, taken = self._agree(seconds if error is None else float("inf"), began, taken)
+        seconds, timed_share, cpu_s, error = self._time(name, layout, dtype, buckets)
+        agreed, cpu_s = self._agree(seconds if error is None else float("inf"), began, cpu_s)
         reason = self._agreed_error(error)
         if reason is not None:
             result.excluded[name] = reason
             self._drop(name)
             return best
         m = Measurement(name, layout.bucket_mb, layout.first_bucket_mb, len(buckets),
-                        self.rounds, agreed, timed_share, round(taken, 4))
+                        self.rounds, agreed, timed_share, round(cpu_s, 4))
         result.measurements.append(m)
         if best is None or beats(m, best):
             if best is not None and best.backend != name:
@@ -370,21 +380,22 @@ class _Trial:
 
     def _time(self, name: str, layout: Layout, dtype: torch.dtype, buckets: list[int]
               ) -> tuple[float, float, float, BaseException | None]:
-        """The median score over rounds with the compute the rounds took, the share of the
-        layout's elements a round reduced, that compute share, and what raised instead."""
+        """The median score over rounds with the CPU the transport burns per step, the share
+        of the layout's elements a round reduced, that CPU, and what raised instead."""
         try:
             comm, buffer = self._communicator(name, layout, dtype)
             timed, scale = sampled_buckets(buckets, dtype.itemsize,
                                            self.sample_bytes)
             views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []
-            began = time.perf_counter()
-            rate = _on_yielding_thread(lambda: self._rounds(comm, views, scale, scores),
-                                       beside=self.load.rate_while)
-            taken = max(0.0, 1.0 - rate / self.quiet_rate)
-            wall = (time.perf_counter() - began) / (1 + self.rounds)
-            return (statistics.median(scores) + taken * wall,
-                    sum(timed) / max(1, sum(buckets)), taken, None)
+            started = thread_ids() - self.not_transport  # what opening it started (gloo's)
+            before = thread_cpu_s(started)
+            own_cpu = _on_yielding_thread(lambda: self._rounds(comm, views, scale, scores),
+                                          beside=self.load.run_while)
+            timed_share = sum(timed) / max(1, sum(buckets))
+            cpu_s = transport_cpu_per_step(own_cpu + thread_cpu_s(started) - before,
+                                           1 + self.rounds, timed_share)
+            return statistics.median(scores) + cpu_s, timed_share, cpu_s, None
         except Exception as exc:  # noqa: BLE001 - any failure excludes the candidate
             return 0.0, 0.0, 0.0, exc
 
@@ -411,11 +422,11 @@ class _Trial:
             if r:
                 scores.append(layout_score(times, scale))
 
-    def _agree(self, seconds: float, began: float, taken: float) -> tuple[float, float]:
-        """The largest score, compute share, time spent and measurement time over ranks, in
+    def _agree(self, seconds: float, began: float, cpu_s: float) -> tuple[float, float]:
+        """The largest score, transport CPU, time spent and measurement time over ranks, in
         one allreduce."""
         now = time.perf_counter()
-        values = np.array([seconds, taken, now - self.start, now - began], dtype=np.float64)
+        values = np.array([seconds, cpu_s, now - self.start, now - began], dtype=np.float64)
         self.world.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)
         self.spent_s, self.last_s = float(values[2]), float(values[3])
         return float(values[0]), float(values[1])
@@ -442,52 +453,45 @@ class _Trial:
 
 class ComputeLoad:
     """Backward's stand-in beside the trial's rounds: square fp32 matrix products on torch's
-    intra-op threads, as many as fit while the rounds run, counted."""
+    intra-op threads, for as long as the rounds run."""
 
     def __init__(self, size: int = LOAD_MATRIX) -> None:
         self.a = torch.rand(size, size)
         self.out = torch.empty_like(self.a)
 
-    def rate_while(self, busy: Callable[[], bool]) -> float:
-        """Products per second while ``busy()`` (at least one)."""
-        began, count = time.perf_counter(), 0
-        while busy() or not count:
+    def run_while(self, busy: Callable[[], bool]) -> None:
+        """Products while ``busy()`` (at least one)."""
+        torch.mm(self.a, self.a, out=self.out)
+        while busy():
             torch.mm(self.a, self.a, out=self.out)
-            count += 1
-        return count / (time.perf_counter() - began)
-
-    def rate_for(self, seconds: float) -> float:
-        """Products per second over ``seconds`` with nothing beside them."""
-        end = time.perf_counter() + seconds
-        return self.rate_while(lambda: time.perf_counter() < end)
-
-    def quiet_rate(self, looks: int = QUIET_LOOKS, seconds: float = QUIET_LOAD_S) -> float:
-        """The fastest of ``looks`` rates over ``seconds`` each: one look can land on a
-        moment another process holds the core and read a share taken that no round took."""
-        return max(self.rate_for(seconds) for _ in range(looks))
 
 
 def _on_yielding_thread(work: Callable[[], None],
-                        beside: Callable[[Callable[[], bool]], float]) -> float:
+                        beside: Callable[[Callable[[], bool]], None]) -> float:
     """Run ``work`` on a thread whose waits yield, as the reducer's communication thread
-    does, and ``beside(still_running)`` on this one meanwhile (its value is returned);
-    re-raise what ``work`` raised."""
+    does, and ``beside(still_running)`` on this one meanwhile; return the CPU seconds the
+    thread used (read before it ends, when ``/proc`` forgets it); re-raise what ``work``
+    raised."""
     raised: list[BaseException] = []
+    cpu_s: list[float] = []
 
     def body() -> None:
         yield_waits_in_this_thread()
+        began = time.thread_time()
         try:
             work()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             raised.append(exc)
+        finally:
+            cpu_s.append(time.thread_time() - began)
 
     thread = threading.Thread(target=body, name="hpcdl-comm-trial", daemon=True)
     thread.start()
-    value = beside(thread.is_alive)
+    beside(thread.is_alive)
     thread.join()
     if raised:
         raise raised[0]
-    return value
+    return cpu_s[0]
 
 
 def unavailable_backends(world: Any, most_ranks_on_a_node: int) -> dict[str, str]:

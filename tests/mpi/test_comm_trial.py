@@ -5,6 +5,7 @@ measurements run, a candidate that raises is excluded, summary.json keeps the re
 checked is what ran and what was agreed, never how fast."""
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -95,63 +96,88 @@ def test_an_ample_budget_runs_every_distinct_measurement_a_tiny_one_only_the_fir
     assert world.allgather(tiny.record()["sample_mb"]) == [1.0] * world.size
 
 
-class Marked:
-    """A real ``mpi`` communicator that says, while it reduces, how much of the compute
-    beside it this rank's transport takes: the trial's load reads that instead of the
-    clock, so what is checked is how the share is agreed and kept, never how fast."""
+def burn_cpu(seconds: float) -> None:
+    """Spin until this thread has used ``seconds`` of CPU (its own clock, not the wall's)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
-    taking = 0.0
 
-    def __init__(self, inner, share: float) -> None:
-        self.inner, self.share = inner, share
+class Spinning:
+    """A real ``mpi`` communicator whose every reduction also burns ``seconds`` of CPU, on
+    the calling thread (``where="here"``, as a polling progress engine does) or on a worker
+    it started when opened (``"beside"``, as gloo's threads do)."""
+
+    def __init__(self, inner, seconds: float, where: str) -> None:
+        self.inner, self.seconds, self.where = inner, seconds, where
+        self.calls = 0
+        if where == "beside":
+            self.asked, self.done = threading.Event(), threading.Event()
+            self.worker = threading.Thread(target=self._serve, daemon=True)
+            self.worker.start()
+
+    def _serve(self) -> None:
+        while True:
+            self.asked.wait()
+            self.asked.clear()
+            if self.seconds is None:
+                return
+            burn_cpu(self.seconds)
+            self.done.set()
 
     def allreduce_flat_(self, buffer, average=False):
-        Marked.taking = max(Marked.taking, self.share)
+        self.calls += 1
+        if self.where == "here":
+            burn_cpu(self.seconds)
+        else:
+            self.done.clear()
+            self.asked.set()
+            self.done.wait()
         return self.inner.allreduce_flat_(buffer, average=average)
 
     def empty(self, numel, dtype):
         return self.inner.empty(numel, dtype)
 
     def close(self):
+        if self.where == "beside":
+            self.seconds = None
+            self.asked.set()
+            self.worker.join()
         self.inner.close()
 
 
-class MarkedLoad:
-    """The trial's compute load with the rate it sees taken from :class:`Marked`."""
-
-    QUIET = 1000.0
-
-    def quiet_rate(self):
-        return self.QUIET
-
-    def rate_while(self, busy):
-        Marked.taking = 0.0
-        while busy():
-            time.sleep(0.001)
-        return self.QUIET * (1.0 - Marked.taking)
-
-
-def test_the_compute_a_transport_takes_is_agreed_as_the_largest_share_and_kept(
-        world, monkeypatch):
-    """Rank r's "spinning" transport takes (r+1)/(2·size) of the compute beside its rounds,
-    "sleeping" none: every rank records the largest share, 1/2, for spinning and 0 for
-    sleeping, and summary.json's record carries both."""
-    monkeypatch.setattr("hpcdl.comm.trial.ComputeLoad", MarkedLoad)
+def test_the_cpu_a_transports_threads_burn_is_counted_scaled_and_agreed(world):
+    """Rank r's transports burn 0.02·(r+1) s of CPU per reduction, on the reducing thread or
+    on a thread of their own; plain ``mpi`` burns only what MPI does. Every rank records the
+    same per-step CPU for each, at least the slowest rank's burn over a step's bytes, and
+    summary.json's record carries it."""
+    burn = 0.02 * (world.rank + 1)
+    opened = {}
 
     def open_(name, layout, wire_dtype):
         inner = hpcdl.comm.init("mpi", world, bucket_bytes=layout.bucket_bytes,
                                 last_bucket_bytes=layout.last_bucket_bytes)
-        share = (world.rank + 1) / (2 * world.size) if name == "spinning" else 0.0
-        return Marked(inner, share)
+        opened[name] = inner if name == "mpi" else Spinning(inner, burn, name)
+        return opened[name]
 
-    trial = run_trial(world, NUMELS, {"sleeping": "float32", "spinning": "float32"},
-                      "sleeping", 0.5, 600.0, open_, vary_buckets=False)
-    taken = {m.backend: m.compute_taken for m in trial.measurements}
-    assert taken == {"sleeping": 0.0, "spinning": 0.5}
-    gathered = world.allgather(taken)
-    assert all(other == taken for other in gathered)
-    recorded = {c["backend"]: c["compute_taken"] for c in trial.record()["candidates"]}
-    assert recorded == taken
+    trial = run_trial(world, NUMELS, {"mpi": "float32", "here": "float32",
+                                      "beside": "float32"},
+                      "mpi", 0.5, 600.0, open_, vary_buckets=False)
+    assert [m.backend for m in trial.measurements] == ["mpi", "here", "beside"]
+    cpu = {m.backend: m.transport_cpu_s for m in trial.measurements}
+    assert world.allgather(cpu) == [cpu] * world.size
+    slowest = 0.02 * world.size
+    # a thread the transport started is read from /proc in clock ticks: two reads, each up
+    # to a tick short; the record rounds to 1e-4 s
+    ticks = 2 / os.sysconf("SC_CLK_TCK")
+    for m in trial.measurements[1:]:
+        # the burn of every reduction of the rounds, per round, scaled to the layout's bytes
+        calls = opened[m.backend].calls
+        burnt = slowest * calls - (ticks if m.backend == "beside" else 0.0)
+        assert m.transport_cpu_s >= burnt / (1 + TRIAL_ROUNDS) / m.timed_share - 1e-4, m
+        assert m.seconds >= m.transport_cpu_s  # the score includes it
+    recorded = {c["backend"]: c["transport_cpu_s"] for c in trial.record()["candidates"]}
+    assert recorded == cpu
 
 
 def test_a_candidate_that_raises_is_excluded_with_its_reason(world):
