@@ -25,8 +25,9 @@ its reason (docs/comm.md, "The start-up trial"):
   allreduce is as fast.
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
   ranks (a collective is as slow as its slowest rank), in one allreduce; rank 0 picks the
-  fastest (a later measurement must beat the earlier by :data:`TRIAL_MARGIN`, so noise
-  does not flip a restart between equals) and broadcasts it, and every branch of the trial
+  fastest (a later measurement must beat the earlier by more than either one's own spread
+  over its rounds, and by at least :data:`TRIAL_MARGIN`, so noise does not flip a restart
+  between equals) and broadcasts it, and every branch of the trial
   (stop, skip, exclude) follows values all ranks hold, so every rank opens the same backend.
 - **Bounded**: coordinate descent instead of the full product -- first every candidate at
   the recipe's layout (the rule's candidate first), then the winner at the other bucket
@@ -69,10 +70,12 @@ __all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "PROBE_BYTES",
            "transport_cpu_per_step", "trial_budget", "trial_candidates", "trial_layouts",
            "unavailable_backends"]
 
-#: how much faster a later measurement must be to replace the best so far: within it, two
-#: choices are the same to a few rounds on a shared node, and the earlier (the rule's pick,
-#: the recipe's layout) is kept, so a restart does not flip between equals
-TRIAL_MARGIN = 0.10
+#: how much faster a later measurement must at least be to replace the best so far (more
+#: when either one's rounds spread wider, :func:`beats`): the same candidate's score moved by
+#: up to 4% between runs on the test cluster's shaped links, and within the margin the
+#: earlier (the rule's pick, the recipe's layout) is kept, so a restart does not flip
+#: between equals
+TRIAL_MARGIN = 0.05
 #: timed rounds per measurement, after one untimed round (the first call of a layout also
 #: pays the mismatch check and first-touch page faults)
 TRIAL_ROUNDS = 3
@@ -119,6 +122,9 @@ class Measurement:
     #: (:func:`transport_cpu_per_step`; agreed: the largest over ranks); ``seconds``
     #: includes it (module docstring)
     transport_cpu_s: float = 0.0
+    #: (slowest − fastest) ÷ median of a rank's round scores (agreed: the largest over ranks):
+    #: how far apart the same measurement's rounds fell, the noise :func:`beats` allows for
+    spread: float = 0.0
 
     @property
     def layout(self) -> Layout:
@@ -257,8 +263,10 @@ def layout_score(bucket_seconds: Sequence[float], scale: float = 1.0) -> float:
 
 
 def beats(new: Measurement, best: Measurement) -> bool:
-    """Whether ``new`` is faster than ``best`` by more than :data:`TRIAL_MARGIN`."""
-    return new.seconds < best.seconds * (1.0 - TRIAL_MARGIN)
+    """Whether ``new`` is faster than ``best`` by more than the noise: the wider of their
+    rounds' spreads, and at least :data:`TRIAL_MARGIN`."""
+    margin = max(TRIAL_MARGIN, new.spread, best.spread)
+    return new.seconds < best.seconds * (1.0 - margin)
 
 
 def choose(measurements: Sequence[Measurement]) -> Measurement:
@@ -340,7 +348,11 @@ class _Trial:
         """The sample fitted to what is left of the budget from a probe of the link over
         ``world`` and the time spent so far, both agreed (the slowest rank's), so every rank
         samples the same buckets."""
-        seconds = timed_allreduce_s(self.world, PROBE_BYTES, PROBE_REPEATS)
+        probed: list[float] = []  # beside the load, as the rounds will run
+        _on_yielding_thread(
+            lambda: probed.append(timed_allreduce_s(self.world, PROBE_BYTES, PROBE_REPEATS)),
+            beside=self.load.run_while)
+        seconds = probed[0]
         spent = self.world.allreduce(time.perf_counter() - self.start, op=MPI.MAX)
         fp32 = torch.float32.itemsize  # the widest wire: a bf16 first bucket is smaller
         last = bucket_numels(self.numels, fp32, first)[-1:] or [0]
@@ -360,15 +372,16 @@ class _Trial:
             return best  # the same buckets as a layout already timed on this backend
         self.seen.setdefault(name, []).append(buckets)
         began = time.perf_counter()
-        seconds, timed_share, cpu_s, error = self._time(name, layout, dtype, buckets)
-        agreed, cpu_s = self._agree(seconds if error is None else float("inf"), began, cpu_s)
+        seconds, timed_share, cpu_s, spread, error = self._time(name, layout, dtype, buckets)
+        agreed, cpu_s, spread = self._agree(seconds if error is None else float("inf"), began,
+                                            cpu_s, spread)
         reason = self._agreed_error(error)
         if reason is not None:
             result.excluded[name] = reason
             self._drop(name)
             return best
         m = Measurement(name, layout.bucket_mb, layout.first_bucket_mb, len(buckets),
-                        self.rounds, agreed, timed_share, round(cpu_s, 4))
+                        self.rounds, agreed, timed_share, round(cpu_s, 4), round(spread, 4))
         result.measurements.append(m)
         if best is None or beats(m, best):
             if best is not None and best.backend != name:
@@ -379,13 +392,13 @@ class _Trial:
         return best
 
     def _time(self, name: str, layout: Layout, dtype: torch.dtype, buckets: list[int]
-              ) -> tuple[float, float, float, BaseException | None]:
+              ) -> tuple[float, float, float, float, BaseException | None]:
         """The median score over rounds with the CPU the transport burns per step, the share
-        of the layout's elements a round reduced, that CPU, and what raised instead."""
+        of the layout's elements a round reduced, that CPU, the rounds' spread, and what
+        raised instead."""
         try:
-            comm, buffer = self._communicator(name, layout, dtype)
-            timed, scale = sampled_buckets(buckets, dtype.itemsize,
-                                           self.sample_bytes)
+            timed, scale = sampled_buckets(buckets, dtype.itemsize, self.sample_bytes)
+            comm, buffer = self._communicator(name, layout, dtype, sum(timed))
             views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []
             started = thread_ids() - self.not_transport  # what opening it started (gloo's)
@@ -395,20 +408,27 @@ class _Trial:
             timed_share = sum(timed) / max(1, sum(buckets))
             cpu_s = transport_cpu_per_step(own_cpu + thread_cpu_s(started) - before,
                                            1 + self.rounds, timed_share)
-            return statistics.median(scores) + cpu_s, timed_share, cpu_s, None
+            median = statistics.median(scores)
+            spread = (max(scores) - min(scores)) / median if median > 0 else 0.0
+            return median + cpu_s, timed_share, cpu_s, spread, None
         except Exception as exc:  # noqa: BLE001 - any failure excludes the candidate
-            return 0.0, 0.0, 0.0, exc
+            return 0.0, 0.0, 0.0, 0.0, exc
 
-    def _communicator(self, name: str, layout: Layout, dtype: torch.dtype):
+    def _communicator(self, name: str, layout: Layout, dtype: torch.dtype, numel: int):
+        """The candidate's communicator, opened once, and a flat buffer of at least ``numel``
+        elements that each layout's sampled buckets are slices of (shm: one window, reduced
+        where it lies, as the reducer's buckets are). The buffer holds a sample, not the
+        model: filling a 245 MB one took 0.1--0.5 s of a 3 s budget per candidate."""
         if name not in self.open:
-            comm = self.open_candidate(name, layout, self.wire[name])
-            self.open[name] = (comm, None)
-            # one buffer as large as the whole model; every layout's buckets are its slices
-            # (shm: one window, reduced where it lies, as the reducer's buckets are)
-            buffer = comm.empty(sum(self.numels), dtype)
+            self.open[name] = (self.open_candidate(name, layout, self.wire[name]), None)
+        comm, buffer = self.open[name]
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            # the same size on every rank (agreed sample, same layouts): shm's collective
+            # window opens in step
+            buffer = comm.empty(numel, dtype)
             buffer.fill_(1.0)
             self.open[name] = (comm, buffer)
-        return self.open[name]
+        return comm, buffer
 
     def _rounds(self, comm: Any, views: list[torch.Tensor], scale: float,
                 scores: list[float]) -> None:
@@ -422,14 +442,16 @@ class _Trial:
             if r:
                 scores.append(layout_score(times, scale))
 
-    def _agree(self, seconds: float, began: float, cpu_s: float) -> tuple[float, float]:
-        """The largest score, transport CPU, time spent and measurement time over ranks, in
-        one allreduce."""
+    def _agree(self, seconds: float, began: float, cpu_s: float, spread: float
+               ) -> tuple[float, float, float]:
+        """The largest score, transport CPU, spread, time spent and measurement time over
+        ranks, in one allreduce."""
         now = time.perf_counter()
-        values = np.array([seconds, cpu_s, now - self.start, now - began], dtype=np.float64)
+        values = np.array([seconds, cpu_s, spread, now - self.start, now - began],
+                          dtype=np.float64)
         self.world.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)
-        self.spent_s, self.last_s = float(values[2]), float(values[3])
-        return float(values[0]), float(values[1])
+        self.spent_s, self.last_s = float(values[3]), float(values[4])
+        return float(values[0]), float(values[1]), float(values[2])
 
     def _agreed_error(self, error: BaseException | None) -> str | None:
         """None when no rank failed, else the lowest failing rank's reason, on every rank."""
