@@ -25,10 +25,10 @@ its reason (docs/comm.md, "The start-up trial"):
   allreduce is as fast.
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
   ranks (a collective is as slow as its slowest rank), in one allreduce; rank 0 picks the
-  fastest (a later measurement must beat the earlier by more than either one's own spread
-  over its rounds, and by at least :data:`TRIAL_MARGIN`, so noise does not flip a restart
-  between equals) and broadcasts it, and every branch of the trial
-  (stop, skip, exclude) follows values all ranks hold, so every rank opens the same backend.
+  fastest (a later measurement must beat the earlier by more than either one's typical
+  round lies above its fastest, and by at least :data:`TRIAL_MARGIN`, so noise does not
+  flip a restart between equals) and broadcasts it, and every branch of the trial (stop,
+  skip, exclude) follows values all ranks hold, so every rank opens the same backend.
 - **Bounded**: coordinate descent instead of the full product -- first every candidate at
   the recipe's layout (the rule's candidate first), then the winner at the other bucket
   sizes (:data:`TRIAL_BUCKET_MB`), then the best of those without a first-layers bucket --
@@ -122,8 +122,10 @@ class Measurement:
     #: (:func:`transport_cpu_per_step`; agreed: the largest over ranks); ``seconds``
     #: includes it (module docstring)
     transport_cpu_s: float = 0.0
-    #: (slowest − fastest) ÷ median of a rank's round scores (agreed: the largest over ranks):
-    #: how far apart the same measurement's rounds fell, the noise :func:`beats` allows for
+    #: (median − fastest) ÷ median of a rank's round scores (agreed: the largest over ranks):
+    #: how far the typical round fell from the best, the noise :func:`beats` allows for. One
+    #: side only, as interference only ever slows a round: a single slow round moves neither
+    #: the median nor this, where the range would make every later candidate unbeatable
     spread: float = 0.0
 
     @property
@@ -409,7 +411,7 @@ class _Trial:
             cpu_s = transport_cpu_per_step(own_cpu + thread_cpu_s(started) - before,
                                            1 + self.rounds, timed_share)
             median = statistics.median(scores)
-            spread = (max(scores) - min(scores)) / median if median > 0 else 0.0
+            spread = (median - min(scores)) / median if median > 0 else 0.0
             return median + cpu_s, timed_share, cpu_s, spread, None
         except Exception as exc:  # noqa: BLE001 - any failure excludes the candidate
             return 0.0, 0.0, 0.0, 0.0, exc
