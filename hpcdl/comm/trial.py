@@ -25,9 +25,8 @@ its reason (docs/comm.md, "The start-up trial"):
   allreduce is as fast.
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
   ranks (a collective is as slow as its slowest rank), in one allreduce; rank 0 picks the
-  fastest (a later measurement must beat the earlier by more than either one's typical
-  round lies above its fastest, and by at least :data:`TRIAL_MARGIN`, so noise does not
-  flip a restart between equals) and broadcasts it, and every branch of the trial (stop,
+  fastest (a later measurement must beat the earlier by :data:`TRIAL_MARGIN`, so noise
+  does not flip a restart between equals) and broadcasts it, and every branch of the trial (stop,
   skip, exclude) follows values all ranks hold, so every rank opens the same backend.
 - **Bounded**: coordinate descent instead of the full product -- first every candidate at
   the recipe's layout (the rule's candidate first), then the winner at the other bucket
@@ -70,11 +69,11 @@ __all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "PROBE_BYTES",
            "transport_cpu_per_step", "trial_budget", "trial_candidates", "trial_layouts",
            "unavailable_backends"]
 
-#: how much faster a later measurement must at least be to replace the best so far (more
-#: when either one's rounds spread wider, :func:`beats`): the same candidate's score moved by
-#: up to 4% between runs on the test cluster's shaped links, and within the margin the
-#: earlier (the rule's pick, the recipe's layout) is kept, so a restart does not flip
-#: between equals
+#: how much faster a later measurement must be to replace the best so far: the same
+#: candidate's score moved by up to 4% between runs on the test cluster's shaped links, and
+#: within the margin the earlier (the rule's pick, the recipe's layout) is kept, so a restart
+#: does not flip between equals. Not each measurement's own spread: three rounds on a shared
+#: node estimate it too loosely, and a noisy first measurement then outlasted every later one
 TRIAL_MARGIN = 0.05
 #: timed rounds per measurement, after one untimed round (the first call of a layout also
 #: pays the mismatch check and first-touch page faults)
@@ -123,9 +122,8 @@ class Measurement:
     #: includes it (module docstring)
     transport_cpu_s: float = 0.0
     #: (median − fastest) ÷ median of a rank's round scores (agreed: the largest over ranks):
-    #: how far the typical round fell from the best, the noise :func:`beats` allows for. One
-    #: side only, as interference only ever slows a round: a single slow round moves neither
-    #: the median nor this, where the range would make every later candidate unbeatable
+    #: how far the typical round fell from the best, for the reader of the record to judge
+    #: a choice by (interference only ever slows a round)
     spread: float = 0.0
 
     @property
@@ -265,10 +263,8 @@ def layout_score(bucket_seconds: Sequence[float], scale: float = 1.0) -> float:
 
 
 def beats(new: Measurement, best: Measurement) -> bool:
-    """Whether ``new`` is faster than ``best`` by more than the noise: the wider of their
-    rounds' spreads, and at least :data:`TRIAL_MARGIN`."""
-    margin = max(TRIAL_MARGIN, new.spread, best.spread)
-    return new.seconds < best.seconds * (1.0 - margin)
+    """Whether ``new`` is faster than ``best`` by more than :data:`TRIAL_MARGIN`."""
+    return new.seconds < best.seconds * (1.0 - TRIAL_MARGIN)
 
 
 def choose(measurements: Sequence[Measurement]) -> Measurement:
