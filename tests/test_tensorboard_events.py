@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,12 @@ def test_a_resumed_run_purges_the_events_after_its_resume_step(tmp_path):
         for step, loss in ((10, 2.0), (20, 1.5), (30, 1.2)):
             writer.write({**TRAIN, "step": step, "loss": loss})
     truncate_metrics(path, 20)  # what a resume from step 20 does first
+    # A resume is a later process: its event file's name (which starts with the second it was
+    # made) sorts after the first session's. In one process within one second the names
+    # differ only by a counter that TensorBoard sorts as text (``...9`` after ``...10``).
+    next_second = int(time.time()) + 1
+    while time.time() < next_second:
+        time.sleep(next_second - time.time())
     with MetricsWriter(path) as writer:
         writer.write({**TRAIN, "step": 30, "loss": 1.1})
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
