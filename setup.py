@@ -46,7 +46,7 @@ setup(
         # One MPI implementation from PyPI each, with its own mpiexec in the environment's
         # bin (docs/mpi.md). Install at most one: their libmpi and mpiexec collide.
         **MPI_EXTRAS,
-        "test": ["pytest", "ruff", "webdataset", "tensorboard", "fusepy"],
+        "test": ["pytest", "pytest-xdist", "ruff", "webdataset", "tensorboard", "fusepy"],
         # TensorBoard event files beside metrics.jsonl (hpcdl/train/metrics.py); off without it.
         "tensorboard": ["tensorboard"],
         # Baselines a bench compares against (hpcdl bench loader: WebDataset).

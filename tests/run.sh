@@ -25,6 +25,7 @@ stage() {  # stage NAME COMMAND...: run one pytest stage, remember a failure and
 }
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+SERIAL_WORKERS=${SERIAL_WORKERS:-3} CLUSTER_WORKERS=${CLUSTER_WORKERS:-3}
 # A hung collective ends the run instead of CI's clock (MPICH's hydra honours this).
 export MPIEXEC_TIMEOUT=${MPIEXEC_TIMEOUT:-900}
 
@@ -36,8 +37,12 @@ for mpi in "${matrix[@]}"; do
 done &
 venv_builds=$!
 
+# Most serial tests wait (on mpiexec jobs, Slurm, a stall limit) more than they compute: three
+# pytest-xdist workers on 2 cores, each test file on one worker (a file's module fixtures, e.g.
+# the Slurm tests' single-node cluster, are built once). Every worker builds its own session
+# fixtures in its own temporary directory.
 stage serial python3 -m pytest tests --ignore=tests/mpi --ignore=tests/cluster -m "not mpi_matrix" -q -rs \
-    --junitxml="$results/serial.xml"
+    -n "$SERIAL_WORKERS" --dist loadfile --junitxml="$results/serial.xml"
 for n in 2 3 4; do
     stage "mpi-n$n" mpiexec -n "$n" python3 -m pytest tests/mpi -q -rs \
         --junitxml="$results/mpi-n$n.xml"
@@ -86,7 +91,11 @@ slurm_mpi=$!
 
 # The test cluster (tests/cluster/cluster.sh): hosts made of namespaces, each with its own
 # hostname, eth0, /tmp and /dev/shm; every MPI across them, Slurm across them, and the faults.
-stage cluster python3 -m pytest tests/cluster -q -rs --junitxml="$results/cluster.xml"
+# Three pytest-xdist workers, each with its own cluster of three hosts (its own namespaces,
+# addresses, Slurm and directory: the fixture names it by the worker's pid), tests handed out
+# one by one: the faults' file alone waits on its limits for most of the stage.
+stage cluster python3 -m pytest tests/cluster -q -rs -n "$CLUSTER_WORKERS" --dist load \
+    --junitxml="$results/cluster.xml"
 wait "$slurm_mpi"
 cat "$results/slurm-mpi.log"
 [ "$(cat "$results/slurm-mpi.status" 2>/dev/null)" = 0 ] || status=1

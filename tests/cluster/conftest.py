@@ -15,11 +15,12 @@ HOSTS = 3
 def cluster() -> Cluster:
     """Hosts h1..h3, up for the session. Each pytest session makes its own cluster (its own
     namespaces and directory) unless HPCDL_CLUSTER_DIR names one, so two sessions on one
-    machine never tear down each other's hosts."""
+    machine never tear down each other's hosts. Each pytest-xdist worker is a session of its
+    own and ignores HPCDL_CLUSTER_DIR: workers sharing hosts would cut each other's links."""
     reason = cannot_make_hosts()
     if reason:
         pytest.skip(reason)
-    given = os.environ.get("HPCDL_CLUSTER_DIR")
+    given = None if os.environ.get("PYTEST_XDIST_WORKER") else os.environ.get("HPCDL_CLUSTER_DIR")
     directory = Path(given or f"/var/tmp/hpcdl-test-cluster-{os.getpid()}")
     handle = Cluster(directory)
     handle.script("up", str(HOSTS))
