@@ -113,14 +113,17 @@ def test_the_fastest_wins_only_by_the_margin_so_equals_keep_the_earlier():
 
 
 def test_a_transports_cpu_is_per_round_and_scaled_from_the_sample_to_the_step():
-    """4 rounds of a sample holding a quarter of the layout's bytes burnt 2 s: 0.5 s a round,
-    2 s over the whole layout; nothing measured counts nothing, and a clock read that went
-    backwards counts zero, never a credit."""
-    assert transport_cpu_per_step(2.0, 4, 0.25) == pytest.approx(2.0)
-    assert transport_cpu_per_step(2.0, 4, 1.0) == pytest.approx(0.5)
-    assert transport_cpu_per_step(2.0, 0, 0.25) == 0.0
-    assert transport_cpu_per_step(2.0, 4, 0.0) == 0.0
-    assert transport_cpu_per_step(-0.01, 4, 1.0) == 0.0
+    """The reducing thread's rounds (already scaled as their time is) are averaged; what the
+    transport's own threads burnt over 4 rounds of a sample holding a quarter of the layout's
+    bytes (2 s) is 0.5 s a round, 2 s over the whole layout. Nothing measured counts nothing,
+    and a clock read that went backwards counts zero, never a credit."""
+    own = [0.1, 0.2, 0.3, 0.2]
+    assert transport_cpu_per_step(own, 0.0, 0.25) == pytest.approx(0.2)
+    assert transport_cpu_per_step(own, 2.0, 0.25) == pytest.approx(0.2 + 2.0)
+    assert transport_cpu_per_step(own, 2.0, 1.0) == pytest.approx(0.2 + 0.5)
+    assert transport_cpu_per_step([], 2.0, 0.25) == 0.0
+    assert transport_cpu_per_step(own, 2.0, 0.0) == 0.0
+    assert transport_cpu_per_step([-0.01] * 4, -0.01, 1.0) == 0.0
 
 
 def test_the_budget_is_trial_s_and_at_most_one_percent_of_a_known_run():

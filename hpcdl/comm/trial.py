@@ -19,8 +19,9 @@ its reason (docs/comm.md, "The start-up trial"):
   small last bucket, Li et al., VLDB 2020, §3.2.3), **plus the CPU its threads burn**: the
   rounds run beside backward's stand-in (matrix products on torch's intra-op threads, so
   they are timed under the contention a step has), and the CPU seconds of the threads the
-  transport runs on (the rounds' own and any it started, ``/proc/self/task``) are scaled
-  from the round's bytes to the step's and added -- one rank per socket computes on every
+  transport runs on (the rounds' own inside its calls, and any it started,
+  ``/proc/self/task``; the timed rounds only) are scaled from the round's bytes to the
+  step's and added -- one rank per socket computes on every
   core, so a progress engine polling beside backward costs the step compute even when its
   allreduce is as fast.
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
@@ -244,13 +245,18 @@ def fitted_sample_bytes(seconds_per_byte: float, first_bucket_bytes: int, candid
     return int(min(TRIAL_SAMPLE_MB * MIB, max(MIB, fitted)))
 
 
-def transport_cpu_per_step(cpu_s: float, rounds: int, timed_share: float) -> float:
-    """CPU seconds a transport's threads spend on one step's gradients, from ``cpu_s`` spent
-    over ``rounds`` rounds that each reduced ``timed_share`` of the layout's bytes: per round,
-    scaled to all of them (a polling progress engine spins for as long as its bytes take)."""
-    if rounds <= 0 or timed_share <= 0:
+def transport_cpu_per_step(own_s: Sequence[float], others_s: float, timed_share: float
+                           ) -> float:
+    """CPU seconds a transport's threads spend on one step's gradients (a polling progress
+    engine spins for as long as its bytes take): ``own_s``, each timed round's CPU of the
+    reducing thread inside its calls, already scaled as the round's time is
+    (:func:`layout_score`'s ``scale``, without its doubled last bucket), averaged; plus
+    ``others_s``, what the threads the transport started burnt over those rounds, per round,
+    scaled from the ``timed_share`` of the layout's bytes each round reduced to all of them."""
+    if not own_s or timed_share <= 0:
         return 0.0
-    return max(0.0, cpu_s) / rounds / timed_share
+    own = max(0.0, statistics.fmean(own_s))
+    return own + max(0.0, others_s) / len(own_s) / timed_share
 
 
 def layout_score(bucket_seconds: Sequence[float], scale: float = 1.0) -> float:
@@ -399,13 +405,16 @@ class _Trial:
             comm, buffer = self._communicator(name, layout, dtype, sum(timed))
             views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []
+            own: list[float] = []
             started = thread_ids() - self.not_transport  # what opening it started (gloo's)
-            before = thread_cpu_s(started)
-            own_cpu = _on_yielding_thread(lambda: self._rounds(comm, views, scale, scores),
-                                          beside=self.load.run_while)
+            before: list[float] = []  # theirs, read once the untimed round is done
+            _on_yielding_thread(
+                lambda: self._rounds(comm, views, scale, scores, own,
+                                     lambda: before.append(thread_cpu_s(started))),
+                beside=self.load.run_while)
             timed_share = sum(timed) / max(1, sum(buckets))
-            cpu_s = transport_cpu_per_step(own_cpu + thread_cpu_s(started) - before,
-                                           1 + self.rounds, timed_share)
+            cpu_s = transport_cpu_per_step(own, thread_cpu_s(started) - before[0],
+                                           timed_share)
             median = statistics.median(scores)
             spread = (median - min(scores)) / median if median > 0 else 0.0
             return median + cpu_s, timed_share, cpu_s, spread, None
@@ -429,16 +438,25 @@ class _Trial:
         return comm, buffer
 
     def _rounds(self, comm: Any, views: list[torch.Tensor], scale: float,
-                scores: list[float]) -> None:
+                scores: list[float], own_cpu: list[float], warmed: Callable[[], None]) -> None:
+        """One untimed round, ``warmed()``, then the timed rounds: each one's score and the
+        CPU this thread spent inside the transport's calls, scaled as their time is. The
+        barrier before a round and the untimed round's one-off costs (first touch,
+        connections) are no step's, and scaled by the bytes the sample left out they would
+        weigh as much as a step's transfers."""
         for r in range(1 + self.rounds):
+            if r == 1:
+                warmed()
             self.world.Barrier()  # every rank starts the round together
-            times = []
+            times, cpu = [], []
             for view in views:
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 comm.allreduce_flat_(view, average=True)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
             if r:
                 scores.append(layout_score(times, scale))
+                own_cpu.append(scale * sum(cpu[:-1]) + cpu[-1])
 
     def _agree(self, seconds: float, began: float, cpu_s: float, spread: float
                ) -> tuple[float, float, float]:
@@ -487,23 +505,18 @@ class ComputeLoad:
 
 
 def _on_yielding_thread(work: Callable[[], None],
-                        beside: Callable[[Callable[[], bool]], None]) -> float:
+                        beside: Callable[[Callable[[], bool]], None]) -> None:
     """Run ``work`` on a thread whose waits yield, as the reducer's communication thread
-    does, and ``beside(still_running)`` on this one meanwhile; return the CPU seconds the
-    thread used (read before it ends, when ``/proc`` forgets it); re-raise what ``work``
+    does, and ``beside(still_running)`` on this one meanwhile; re-raise what ``work``
     raised."""
     raised: list[BaseException] = []
-    cpu_s: list[float] = []
 
     def body() -> None:
         yield_waits_in_this_thread()
-        began = time.thread_time()
         try:
             work()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             raised.append(exc)
-        finally:
-            cpu_s.append(time.thread_time() - began)
 
     thread = threading.Thread(target=body, name="hpcdl-comm-trial", daemon=True)
     thread.start()
@@ -511,7 +524,6 @@ def _on_yielding_thread(work: Callable[[], None],
     thread.join()
     if raised:
         raise raised[0]
-    return cpu_s[0]
 
 
 def unavailable_backends(world: Any, most_ranks_on_a_node: int) -> dict[str, str]:
