@@ -3,6 +3,7 @@
 Under a real mpiexec: tests/test_stall_mpi.py. Here: the pure verdict ("rank gone" vs "slow
 link" vs "not heard from") over heartbeat dicts, the rank that ends itself when MPI_Abort has
 not ended it, its dump on disk, and the children it takes with it."""
+import gc
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -19,6 +21,7 @@ from hpcdl.debug.stall import (
     StallThresholds,
     StallWatchdog,
     classify_peers,
+    current_frames,
     kill_child_processes,
     read_heartbeats,
     stall_dump_path,
@@ -386,6 +389,41 @@ for _ in range(30):
     gc.set_threshold(700)
 print("looked 30 times")
 """
+
+
+class Held:
+    """Something a thread's frame holds in a local (a step's tensor, in a run)."""
+
+
+def test_the_watchdogs_look_at_the_threads_keeps_no_frame_alive_after_it():
+    """The look puts no frame into a reference cycle: what a thread's frame held is freed as
+    soon as that thread's function returns, without the cyclic collector. (It once kept the
+    main thread's frames, and the step's gradients in them, alive until a collection.)"""
+    ready, go, held = threading.Event(), threading.Event(), []
+
+    def holder():
+        local = Held()
+        held.append(weakref.ref(local))
+        ready.set()
+        go.wait()
+
+    def look():  # as the watchdog does: the frames in a local, then return
+        frames = current_frames()
+        return set(frames)
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    ready.wait()
+    gc.disable()
+    try:
+        seen = look()
+        go.set()
+        thread.join()
+        assert held[0]() is None
+    finally:
+        go.set()
+        gc.enable()
+    assert thread.ident in seen and threading.get_ident() not in seen
 
 
 def test_the_watchdogs_look_at_the_threads_survives_a_collection_inside_it():

@@ -424,9 +424,16 @@ _FRAMES_LOCK = threading.Lock()
 
 
 def current_frames() -> dict[int, Any]:
-    """``sys._current_frames()`` with the cyclic garbage collector held off while it runs.
+    """Every other thread's newest frame: ``sys._current_frames()`` less the calling thread's
+    own, with the cyclic garbage collector held off while it runs.
 
-    Up to CPython 3.11 that call holds the interpreter's thread-list lock while it creates
+    The caller's own frame is left out because it would close a cycle (its frame holds the
+    dict in a local, the dict holds its frame): every frame in the dict, and the tensors
+    their locals hold (a step's activations and gradients), would then outlive the step
+    until the cyclic collector ran -- up to hundreds of MB per look, on a watchdog that looks
+    every second.
+
+    Up to CPython 3.11 the call holds the interpreter's thread-list lock while it creates
     frame objects; an allocation there can start a collection whose finalizers (a
     ``threading.local`` in a cycle) take the same lock again: the calling thread deadlocks
     holding the GIL and every thread of the rank stops (python/cpython#106883, fixed in 3.12
@@ -436,7 +443,9 @@ def current_frames() -> dict[int, Any]:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return sys._current_frames()
+            frames = sys._current_frames()
+            del frames[threading.get_ident()]
+            return frames
         finally:
             if enabled:
                 gc.enable()
