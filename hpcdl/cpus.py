@@ -160,21 +160,24 @@ def bf16_native(flags: set[str] | None = None, capability: str | None = None) ->
 
 
 def memory_format_name(channels_last: bool | str, threads: int,
-                       precision: str = "float32") -> str:
+                       precision: str = "float32", unsafe_layer: str | None = None) -> str:
     """The activation layout a step really uses, from ``train.channels_last`` (true, false or
-    ``auto``), the rank's threads and the resolved compute dtype.
+    ``auto``), the rank's threads, the resolved compute dtype and the model's layer that
+    oneDNN cannot train in channels_last (:func:`hpcdl.models.channels_last_unsafe_layer`).
 
-    ``channels_last`` only with two or more threads. Measured with torch 2.13 CPU: the
-    input-gradient of a strided 1x1 convolution (ResNet's downsample) in channels_last on one
-    thread corrupts the heap ("double free or corruption"); with two or more threads it is
-    correct. ``auto`` is channels_last for a bfloat16 step (where that rule allows it) and
-    contiguous for float32: oneDNN's bf16 convolutions ran 1.33x (ResNet-50) and 1.14x
-    (AlexNet-BN) faster per step in channels_last on 2 threads
+    ``channels_last`` only for a model without such a layer (it corrupts memory: a crash, a
+    hang or wrong gradients), and with two or more threads. The thread rule came first, from a
+    crash on one thread that was that layer's (``resnet_small`` at width 4); one thread was
+    exact above it (docs/results/channels-last-strided-1x1-2026-12-07/), but ``auto``'s
+    one-thread bench runs were measured and are labelled under the thread rule, so it stays
+    until they are measured again. ``auto`` is channels_last for a bfloat16 step and contiguous
+    for float32: oneDNN's bf16 convolutions ran 1.33x (ResNet-50) and 1.14x (AlexNet-BN)
+    faster per step in channels_last on 2 threads
     (docs/results/bf16-step-vs-plain-torch-2026-12-02/, docs/performance.md "bf16"), and a
     float32 step keeps the layout it always had. The trainer and the bench's baselines all
     follow this rule, so they train the same layout."""
     wanted = precision == "bfloat16" if channels_last == "auto" else bool(channels_last)
-    return "channels_last" if wanted and threads > 1 else "contiguous"
+    return "channels_last" if wanted and threads > 1 and unsafe_layer is None else "contiguous"
 
 
 def retain_freed_memory() -> bool:

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from hpcdl.models import create_model, flops, list_models
+from hpcdl.cpus import memory_format_name
+from hpcdl.models import channels_last_unsafe_layer, create_model, flops, list_models
 from hpcdl.models.resnet import PreActBottleneck, ResNet
 from hpcdl.optim import LARS, param_groups
 
@@ -126,6 +127,34 @@ def test_channels_last_matches_contiguous(name):
         model = model.to(memory_format=torch.channels_last)
         got = model(x.to(memory_format=torch.channels_last))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", FULL_SIZE + SMALL + ["preact_small"])
+def test_the_zoo_at_its_widths_trains_in_channels_last(name):
+    model = meta_model(name) if name in FULL_SIZE else build(name)
+    assert channels_last_unsafe_layer(model) is None
+
+
+def test_a_strided_1x1_below_avx512s_channel_block_rules_out_channels_last():
+    """oneDNN blocks a 1x1's input channels by 8 (AVX2) or 16 (AVX-512) and writes past its
+    workspace below that in channels_last (hpcdl.models.channels_last): 4 and 8 channels are
+    named on every CPU, 16 are not, and so are grouped layers by their channels per group."""
+    assert channels_last_unsafe_layer(create_model("resnet_small", width=4)) == (
+        "layer2.0.downsample.0 (1x1 convolution, stride 2, 4 input channels)")
+    assert "8 input channels" in channels_last_unsafe_layer(create_model("resnet_small", width=8))
+    assert channels_last_unsafe_layer(create_model("resnet_small", width=16)) is None
+    grouped = torch.nn.Sequential(torch.nn.Conv2d(32, 32, 1, stride=(2, 1), groups=4))
+    assert channels_last_unsafe_layer(grouped) == (
+        "0 (1x1 convolution, stride 2x1, 8 input channels)")
+    unstrided = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 1), torch.nn.Conv2d(8, 8, 3, stride=2))
+    assert channels_last_unsafe_layer(unstrided) is None
+
+
+def test_such_a_layer_keeps_every_request_contiguous():
+    layer = "layer2.0.downsample.0 (1x1 convolution, stride 2, 4 input channels)"
+    for channels_last, precision in ((True, "float32"), ("auto", "bfloat16")):
+        assert memory_format_name(channels_last, 8, precision) == "channels_last"
+        assert memory_format_name(channels_last, 8, precision, layer) == "contiguous"
 
 
 # Full size: ResNet-50 v1.5 and AlexNet-BN, the papers' two networks; v1, v2 and AlexNet share

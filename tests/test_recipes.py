@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from hpcdl.models import create_model
+from hpcdl.models import channels_last_unsafe_layer, create_model
 from hpcdl.optim import LARS, create_optimizer, create_schedule, scaled_lr
 from hpcdl.train.config import load_recipe, resolve_batch
 
@@ -56,6 +56,9 @@ def test_recipe_loads_and_builds(path):
     if cfg.schedule.get("decay_over") == "all_steps":   # Caffe: poly from step 0 over all steps
         peak *= (1 - schedule.warmup_steps / schedule.total_steps) ** cfg.schedule["power"]
     assert schedule(schedule.warmup_steps) == pytest.approx(peak)
+    # train.channels_last: auto gives a bf16 run channels_last only for a model oneDNN can
+    # train in it (hpcdl.models.channels_last)
+    assert channels_last_unsafe_layer(model) is None, path
 
 
 @pytest.mark.parametrize("name, global_batch", sorted(PAPER_RECIPES.items()))

@@ -52,13 +52,16 @@ def plain_step(forward: Callable, optimizer, schedule, bf16: bool,
     return step
 
 
-def recipe_memory_format(config, threads: int):
+def recipe_memory_format(config, threads: int, model):
     """The torch memory format of ``config``'s ``train.channels_last`` on ``threads`` threads
-    for its (resolved) ``train.precision``: hpcdl.cpus.memory_format_name's rule, which the
-    Trainer follows too."""
+    for its (resolved) ``train.precision`` and ``model``: hpcdl.cpus.memory_format_name's
+    rule, which the Trainer follows too."""
     import torch
 
-    name = memory_format_name(config.train.channels_last, threads, config.train.precision)
+    from hpcdl.models import channels_last_unsafe_layer
+
+    name = memory_format_name(config.train.channels_last, threads, config.train.precision,
+                              channels_last_unsafe_layer(model))
     return torch.channels_last if name == "channels_last" else torch.contiguous_format
 
 
@@ -71,8 +74,9 @@ def torch_stepper(config, total_steps: int) -> Iterator[Stepper]:
 
     from hpcdl.train.trainer import recipe_model, recipe_optimizer, recipe_schedule
 
-    memory_format = recipe_memory_format(config, torch.get_num_threads())
-    model = recipe_model(config).to(memory_format=memory_format)
+    model = recipe_model(config)
+    memory_format = recipe_memory_format(config, torch.get_num_threads(), model)
+    model = model.to(memory_format=memory_format)
     schedule = recipe_schedule(config, total_steps, total_steps)
     optimizer = recipe_optimizer(config, model, schedule)
     yield plain_step(model, optimizer, schedule, config.train.precision == "bfloat16",
@@ -95,8 +99,9 @@ def ddp_stepper(mpi_comm, config, total_steps: int,
     # Both DDP modes share torch's one default group: the first to open it closes it last.
     store = None if dist.is_initialized() else init_process_group_over_mpi(mpi_comm)
     try:
-        memory_format = recipe_memory_format(config, torch.get_num_threads())
-        model = recipe_model(config).to(memory_format=memory_format)
+        model = recipe_model(config)
+        memory_format = recipe_memory_format(config, torch.get_num_threads(), model)
+        model = model.to(memory_format=memory_format)
         # Held in a dict so it can be dropped before its process group is destroyed.
         held = {"ddp": DistributedDataParallel(model, bucket_cap_mb=config.comm.bucket_mb)}
         if fp16_wire:

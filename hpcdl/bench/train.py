@@ -101,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation layout of every mode, as the recipes' "
                              "train.channels_last: auto (default) = channels_last for a "
                              "bfloat16 step, contiguous for float32; channels_last only with "
-                             ">= 2 threads (hpcdl.cpus.memory_format_name)")
+                             ">= 2 threads and a model oneDNN can train in it "
+                             "(hpcdl.cpus.memory_format_name)")
     parser.add_argument("--malloc", choices=("retain", "default"), default="retain",
                         help="retain: glibc keeps freed activation memory (no page faults per "
                              "step); default: glibc's own thresholds")
@@ -636,7 +637,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"hpcdl bench train: mode horovod absent: {reason}", file=sys.stderr,
                   flush=True)
 
-    from hpcdl.models import create_model, flops
+    from hpcdl.models import channels_last_unsafe_layer, create_model, flops
     from hpcdl.results import bench_report, emit
     from hpcdl.train.session import RunSession, recipe_gradients
 
@@ -650,7 +651,10 @@ def run(args: argparse.Namespace) -> int:
                     gradients=recipe_gradients(config)) as session:
         comm = session.comm
         config = with_trial_buckets(config, comm)
-        macs = flops(create_model(args.model, num_classes=args.num_classes), args.image_size)
+        model = create_model(args.model, num_classes=args.num_classes)
+        macs = flops(model, args.image_size)
+        unsafe_layer = channels_last_unsafe_layer(model)  # the records' layout, as ours runs
+        del model
         train_flops_per_image = 6.0 * macs  # 2 FLOPs per multiply-add; backward ≈ 2× forward
         loader = make_loader(args, comm, args.warmup + args.steps)
         if comm.rank == 0:
@@ -699,7 +703,8 @@ def run(args: argparse.Namespace) -> int:
         matmul_per_cpu_s = statistics.fmean(cpu for _, cpu in rates)
         hosts = world.allgather((MPI.Get_processor_name(), link_shaping(args.nic)))
         if comm.rank == 0:
-            layout = memory_format_name(config.train.channels_last, args.threads, precision)
+            layout = memory_format_name(config.train.channels_last, args.threads, precision,
+                                        unsafe_layer)
             compare_with_peak_and_torch(records, matmul, matmul_per_cpu_s,
                                         train_flops_per_image)
             for mode, record in records.items():

@@ -96,7 +96,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every_steps: int = 10
     # true | false | auto (hpcdl.cpus.memory_format_name: auto is channels_last for a
-    # bfloat16 step on >= 2 threads); a recipe that omits the key trains contiguous.
+    # bfloat16 step on >= 2 threads, for a model oneDNN can train in it); a recipe that
+    # omits the key trains contiguous.
     channels_last: bool | str = False
     # The compute dtype, float32 | auto | bfloat16 (resolve_precision; docs/training.md,
     # "Precision"): a recipe that omits the key trains in float32, the shipped ones say auto.

@@ -35,6 +35,7 @@ from hpcdl.comm.policy import create_policy
 from hpcdl.cpus import memory_format_name
 from hpcdl.debug.inject import injected_pause
 from hpcdl.errors import BadInputError, agreed, mark_agreed
+from hpcdl.models import channels_last_unsafe_layer
 from hpcdl.optim.factory import set_learning_rate
 from hpcdl.topology import node_path
 from hpcdl.train import checkpoint as ckpt
@@ -278,16 +279,21 @@ class Trainer:
                 num_classes=self.config.model.get("num_classes"))
 
     def _memory_format(self) -> torch.memory_format:
-        """hpcdl.cpus.memory_format_name's rule (channels_last only with >= 2 threads;
-        ``auto``: for a bfloat16 step)."""
+        """hpcdl.cpus.memory_format_name's rule (channels_last only with >= 2 threads and a
+        model oneDNN can train in it; ``auto``: for a bfloat16 step), said when it overrules
+        ``train.channels_last: true``."""
         threads = torch.get_num_threads()
-        layout = memory_format_name(self.config.train.channels_last, threads, self.precision)
+        unsafe = channels_last_unsafe_layer(self.model)
+        layout = memory_format_name(self.config.train.channels_last, threads, self.precision,
+                                    unsafe)
         if layout == "channels_last":
             return torch.channels_last
         if self.config.train.channels_last is True:
-            log.warning("train.channels_last: torch %s crashes in channels_last convolution "
-                        "backward with one thread per rank; training in contiguous format "
-                        "(give each rank >= 2 cores to use channels_last)", torch.__version__)
+            why = (f"oneDNN's channels_last backward of {unsafe} writes past its workspace "
+                   f"(a crash, a hang or wrong gradients; hpcdl.models.channels_last)"
+                   if unsafe is not None else
+                   "channels_last needs >= 2 threads per rank (hpcdl.cpus.memory_format_name)")
+            log.warning("train.channels_last: %s; training in contiguous format", why)
         return torch.contiguous_format
 
     def _precision(self) -> str:

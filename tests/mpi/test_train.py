@@ -17,10 +17,10 @@ from hpcdl.train.trainer import NonFiniteLossError, Trainer, TrainOptions
 PER_RANK = 2
 
 
-def recipe(size, **train):
+def recipe(size, width=4, **train):
     return config_from_dict({
         "name": "tiny",
-        "model": {"name": "resnet_small", "num_classes": 3, "width": 4, "layers": [1, 1, 1]},
+        "model": {"name": "resnet_small", "num_classes": 3, "width": width, "layers": [1, 1, 1]},
         "data": {"image_size": 16, "workers": 1},
         "batch": {"global": PER_RANK * size, "per_rank": PER_RANK},
         "epochs": 2,
@@ -155,15 +155,9 @@ def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, c
                                               threads):
     from hpcdl.cpus import bf16_native
 
-    if world.size * threads > (os.cpu_count() or 1):
-        # Seen twice on 2 cores (2026-12-01, MPICH and Intel MPI): with 2 ranks x 2 threads,
-        # one rank never left torch's channels_last conv backward (C++ frames only; its
-        # reducer idle, the peer waiting in the allreduce). Not reproduced when the threads
-        # fit the cores; the one-thread path is refused for a torch heap bug already.
-        pytest.skip(f"{world.size} ranks x {threads} threads oversubscribe "
-                    f"{os.cpu_count()} cores: torch's channels_last backward can hang there")
     caplog.set_level(logging.INFO, logger="hpcdl.train")   # the precision line
-    config = recipe(world.size, channels_last=True, precision="auto")
+    # width 16: no strided 1x1 below 16 input channels (hpcdl.models.channels_last)
+    config = recipe(world.size, width=16, channels_last=True, precision="auto")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -175,7 +169,7 @@ def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, c
     conv = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d))
     if threads > 1:
         assert conv.weight.is_contiguous(memory_format=torch.channels_last)
-    else:  # torch's one-thread channels_last backward crashes: refused with a warning
+    else:  # channels_last only with >= 2 threads (hpcdl.cpus.memory_format_name): said so
         assert trainer.memory_format == torch.contiguous_format
         assert "channels_last" in caplog.text
     expected = "bfloat16" if world.allreduce(int(bf16_native()), op=MPI.MIN) else "float32"
@@ -193,10 +187,10 @@ def test_channels_last_and_bf16_request_train(shards, comm, world, shared_tmp, c
 @pytest.mark.parametrize("channels_last", [True, "auto"])
 def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog,
                                                channels_last):
-    """The variant of the test above that runs where CI runs, on 2 cores: rank 0 alone trains
-    with 2 threads (channels_last needs >= 2 threads per rank, see Trainer._memory_format)
-    while the other ranks sleep, so the threads fit the cores instead of oversubscribing them.
-    ``auto`` (the shipped recipes) is channels_last where the run computes in bf16.
+    """The test above on one rank whose 2 threads have the cores to themselves: rank 0 alone
+    trains (channels_last needs >= 2 threads per rank, see Trainer._memory_format) while the
+    other ranks sleep. ``auto`` (the shipped recipes) is channels_last where the run computes
+    in bf16.
     """
     import time
 
@@ -214,7 +208,7 @@ def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog
         torch.set_num_threads(threads)
         try:
             trainer, summary = run_trainer(
-                recipe(1, channels_last=channels_last, precision="auto"), shards,
+                recipe(1, width=16, channels_last=channels_last, precision="auto"), shards,
                 os.path.join(shared_tmp, f"cl2-{channels_last}"), alone, max_steps=2,
                 evaluate=False)
             conv = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Conv2d))
@@ -246,6 +240,30 @@ def test_channels_last_is_applied_on_two_cores(shards, world, shared_tmp, caplog
         assert outcome["autocast"] == str(torch.bfloat16)
     else:
         assert outcome["autocast"] == "None" and outcome["said_no_bf16"]
+
+
+def test_a_narrow_strided_1x1_trains_contiguous_naming_the_layer(shards, comm, world,
+                                                                  shared_tmp, caplog):
+    """resnet_small at width 4 down-samples through a 1x1 stride-2 convolution of 4 input
+    channels, which oneDNN's channels_last backward cannot compute (hpcdl.models.channels_last:
+    it crashed, hung or returned wrong gradients): asked for channels_last on 2 threads, the
+    run trains contiguous and says which layer, and every mode of the bench would too."""
+    from hpcdl.bench.baselines import recipe_memory_format
+
+    caplog.set_level(logging.WARNING, logger="hpcdl.train")
+    config = recipe(world.size, channels_last=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        trainer, summary = run_trainer(config, shards, os.path.join(shared_tmp, "narrow"),
+                                       comm, max_steps=2, evaluate=False)
+        baseline = recipe_memory_format(config, 2, trainer.model)
+    finally:
+        torch.set_num_threads(before)
+    assert summary["steps"] == 2
+    assert trainer.memory_format == baseline == torch.contiguous_format
+    assert ("layer2.0.downsample.0 (1x1 convolution, stride 2, 4 input channels)"
+            in caplog.text)
 
 
 def test_fractional_epochs_complete_at_total_steps(shards, comm, world, shared_tmp):
