@@ -12,7 +12,7 @@ results=test-results
 rm -rf "$results" && mkdir -p "$results"
 status=0
 
-costs=()
+costs=() failed=()
 stage() {  # stage NAME COMMAND...: run one pytest stage, remember a failure and its cost
     local name=$1; shift
     echo "=== $name: $*"
@@ -22,6 +22,7 @@ stage() {  # stage NAME COMMAND...: run one pytest stage, remember a failure and
     costs+=("$(printf '%-16s %5d s' "$name" $((SECONDS - start)))")
     if [ $rc -eq 5 ]; then echo "!!! $name collected no tests (pytest exit 5)"; status=1
     elif [ $rc -ne 0 ]; then echo "!!! $name failed (exit $rc)"; status=1; fi
+    if [ $rc -ne 0 ]; then failed+=("$name (exit $rc)"); fi
 }
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -102,6 +103,12 @@ cat "$results/slurm-mpi.log"
 costs+=("$(cat "$results/slurm-mpi.cost" 2>/dev/null || echo 'slurm-mpi        ? s') (beside cluster)")
 
 python3 tests/summarize.py "$results" || status=1
+# Again at the end, where a CI log cut to its tail still shows them: the stages that failed,
+# and the test each MPI watchdog stopped (its stacks are printed after the stage, above).
+for stage_failed in "${failed[@]}"; do echo "!!! failed: $stage_failed"; done
+for hang in "$results"/*.hang.txt; do
+    [ -s "$hang" ] && echo "!!! $(basename "$hang"): $(head -1 "$hang")"
+done
 printf 'stage costs (wall):\n'; printf '  %s\n' "${costs[@]}"
 printf '  %-16s %5d s\n' "all of run.sh" "$SECONDS"
 exit $status
