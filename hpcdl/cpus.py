@@ -181,16 +181,20 @@ def memory_format_name(channels_last: bool | str, threads: int,
 
 
 def retain_freed_memory() -> bool:
-    """Ask glibc to keep freed blocks up to 32 MiB (its maximum mmap threshold on 64-bit) in the
-    heap and never trim it, so each step's activations reuse memory instead of mmap/munmap and
-    page faults (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_). False without mallopt."""
+    """Ask glibc to keep every freed block in the heap and never trim it, so each step's
+    activations and gradients reuse memory instead of mmap/munmap and first-touch page faults:
+    blocks up to 32 MiB (its largest mmap threshold on 64-bit) by the threshold, larger ones
+    only with mmap off for heap blocks (``M_MMAP_MAX`` 0; AlexNet-BN's fc6 weight gradient,
+    151 MB, was otherwise a fresh mapping and about 37k page faults every step). The
+    environment's ``MALLOC_*_`` variables do the same. False without mallopt."""
     import ctypes
     import ctypes.util
 
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4  # <malloc.h>
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.mallopt(m_mmap_threshold, 32 << 20)
-                    and libc.mallopt(m_trim_threshold, 2 ** 31 - 1))
+                    and libc.mallopt(m_trim_threshold, 2 ** 31 - 1)
+                    and libc.mallopt(m_mmap_max, 0))
     except (OSError, AttributeError):
         return False

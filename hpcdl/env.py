@@ -71,6 +71,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "testing aid: every k consecutive ranks act as one node", "hpcdl.topology"),
     EnvVar("HPCDL_COMM_YIELD", "flag", "auto (on when ranks outnumber cores)",
            "ring/shm wait with Test+sleep instead of MPI's busy-polling Wait", "hpcdl.comm"),
+    EnvVar("HPCDL_MALLOC_RETAIN", "flag", "on",
+           "a training process keeps freed memory in glibc's heap (no page faults per step; "
+           "hpcdl.cpus.retain_freed_memory); off: glibc's own thresholds",
+           "hpcdl.train.session"),
     EnvVar("HPCDL_MACHINES_DIR", "path", "unset",
            "searched for planner machine files before ~/.config/hpcdl/machines",
            "hpcdl.plan.machine"),

@@ -1,5 +1,5 @@
 """What the operating system counts for this host and process: each network interface's bytes
-(``/sys/class/net/NIC/statistics``) and given threads' CPU seconds (``/proc/self/task/TID/stat``),
+(``/sys/class/net/NIC/statistics``) and given threads' CPU seconds (``/proc/self/task/TID``),
 read before and after a measured piece of work. The CPU itself: hpcdl/cpus.py.
 """
 from __future__ import annotations
@@ -36,16 +36,27 @@ def thread_ids() -> set[int]:
 
 
 def thread_cpu_s(native_ids: Iterable[int]) -> float:
-    """CPU seconds (user + system) the threads ``native_ids`` of this process have used:
-    fields 14 and 15 of ``/proc/self/task/TID/stat``, in clock ticks (proc(5))."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    """CPU seconds the threads ``native_ids`` of this process have run: the first field of
+    ``/proc/self/task/TID/schedstat`` (nanoseconds on a CPU, proc(5)), else user + system
+    time from ``stat`` (fields 14 and 15, in clock ticks). Ticks are 10 ms: a start-up trial
+    that times a few milliseconds of another thread's work and scales it to a step's bytes
+    would read whole ticks, multiplied by that scale."""
+    total = 0.0
     for tid in native_ids:
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                # the name (field 2) may hold spaces: fields are counted after its ')'
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
+            total += _thread_cpu_s(tid)
         except (OSError, IndexError, ValueError):
             continue
-    return total / tick
+    return total
+
+
+def _thread_cpu_s(tid: int) -> float:
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except FileNotFoundError:  # a kernel without CONFIG_SCHED_INFO: only whole ticks
+        pass
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        # the name (field 2) may hold spaces: fields are counted after its ')'
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

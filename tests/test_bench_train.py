@@ -375,6 +375,50 @@ def test_counters_of_a_step_are_differences_and_none_without_a_nic():
     assert bench.thread_cpu_s([threading.get_native_id()]) > 0
 
 
+def test_comm_thread_cpu_counts_every_thread_started_after_the_compute_ones_but_the_loaders():
+    """DDP's gloo threads and hpcdl's reducer are counted alike: every thread that was not
+    there when the compute threads were taken, except the loader's decode threads."""
+    from hpcdl.data.loader import LOADER_THREAD_NAME
+
+    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        pytest.skip("this kernel has no /proc/TID/schedstat: thread CPU only in 10-ms ticks")
+    compute = bench.compute_thread_ids(1)
+    assert threading.get_native_id() in compute
+    read = bench.step_counters(None, compute)
+    burnt: dict[str, float] = {}
+    go, stop = threading.Event(), threading.Event()
+
+    def burn(name: str) -> None:
+        go.wait()
+        started = time.thread_time()
+        sum(i * i for i in range(100_000))
+        burnt[name] = time.thread_time() - started
+        stop.wait()
+
+    workers = [threading.Thread(target=burn, args=(name,), name=name)
+               for name in ("transport", f"{LOADER_THREAD_NAME}_0")]
+    for worker in workers:
+        worker.start()
+    before = read()
+    go.set()
+    while len(burnt) < 2 or any(_state(w.native_id) != "S" for w in workers):
+        time.sleep(0.001)  # both asleep in stop.wait(): their clocks have stopped
+    counted = bench.counter_deltas(before, read())["comm_thread_cpu_s"]
+    ids = bench.comm_thread_ids(compute)
+    stop.set()
+    for worker in workers:
+        worker.join()
+    assert workers[0].native_id in ids and workers[1].native_id not in ids
+    assert threading.get_native_id() not in ids
+    # the transport's thread burnt its loop after ``before`` (it waited for ``go``)
+    assert counted >= burnt["transport"]
+
+
+def _state(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_step_shorter_than_a_clock_tick_still_costs_cpu_seconds():
     # a small model's step takes a few ms: the process clock must not round it to nothing
     # (os.times() counts 10-ms ticks), or the per-CPU-second FLOP fraction goes missing

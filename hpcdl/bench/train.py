@@ -48,7 +48,7 @@ from hpcdl.cpus import (
     memory_format_name,
     retain_freed_memory,
 )
-from hpcdl.host import nic_bytes, thread_cpu_s
+from hpcdl.host import nic_bytes, thread_cpu_s, thread_ids
 from hpcdl.train.config import PRECISIONS
 from hpcdl.train.precision import agreed_precision
 
@@ -288,15 +288,36 @@ def own_comm_stepper(world, config, loader, backend: str,
 
 
 # -- what a step costs the host, read from the operating system --------------------------------
-def comm_thread_ids() -> list[int]:
-    """The reducers' communication threads (GradientReducer names them ``hpcdl-reducer``)."""
-    return [t.native_id for t in threading.enumerate()
-            if t.name == "hpcdl-reducer" and t.native_id is not None]
+def comm_thread_ids(compute: set[int]) -> set[int]:
+    """The threads that move gradients, for every mode alike: all of this process's but the
+    ``compute`` ones (main and torch's intra-op pool, taken before any communicator opened)
+    and the loader's decode threads -- the reducer's, the transports' own (gloo's loop and
+    workers, DDP's among them), the stall watchdog."""
+    from hpcdl.data.loader import LOADER_THREAD_NAME
+
+    loader = {t.native_id for t in threading.enumerate()
+              if t.name.startswith(LOADER_THREAD_NAME)}
+    return thread_ids() - compute - loader
 
 
-def step_counters(nic: str | None) -> Callable[[], dict[str, float | None]]:
+def compute_thread_ids(threads: int) -> set[int]:
+    """This process's threads once torch's intra-op pool of ``threads`` has started: call it
+    before any communicator opens (:func:`comm_thread_ids` counts every thread after)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    square = torch.ones(256, 256)
+    torch.mm(square, square)  # a parallel region: the pool's threads exist from here on
+    return thread_ids()
+
+
+def step_counters(nic: str | None, compute: set[int] | None = None
+                  ) -> Callable[[], dict[str, float | None]]:
     """A reader of the counters a step's sample records (COUNTERS): the NIC's bytes, the
-    process's CPU seconds (all threads), the communication threads' CPU seconds."""
+    process's CPU seconds (all threads), the communication threads' CPU seconds
+    (:func:`comm_thread_ids`; ``compute`` None: the threads there are now)."""
+    compute = thread_ids() if compute is None else compute
+
     def read() -> dict[str, float | None]:
         sent_received = nic_bytes(nic) if nic else None
         return {"nic_tx_bytes": sent_received[0] if sent_received else None,
@@ -304,7 +325,7 @@ def step_counters(nic: str | None) -> Callable[[], dict[str, float | None]]:
                 # the process clock (every thread) in ns: os.times() counts 10-ms ticks,
                 # which a few-ms step of a small model rounds to nothing
                 "cpu_s": time.process_time(),
-                "comm_thread_cpu_s": thread_cpu_s(comm_thread_ids())}
+                "comm_thread_cpu_s": thread_cpu_s(comm_thread_ids(compute))}
     return read
 
 
@@ -646,6 +667,7 @@ def run(args: argparse.Namespace) -> int:
     malloc = "retain" if args.malloc == "retain" and retain_freed_memory() else "default"
     precision = agreed_precision(args.precision, world)
     config = bench_config(args, world.size, precision)
+    compute_threads = compute_thread_ids(args.threads)
     # no rank logs: the bench prints its own lines; fail-fast comes with the communicator
     with RunSession(world, config.comm, log_level=None, threads=args.threads,
                     gradients=recipe_gradients(config)) as session:
@@ -684,7 +706,7 @@ def run(args: argparse.Namespace) -> int:
                     built[mode] = stack.enter_context(stepper(config, args.warmup + args.steps))
             steppers = {mode: built[mode] for mode in modes}
             samples = time_rounds(world, steppers, loader, args.steps, args.warmup,
-                                  args.rounds, counters=step_counters(args.nic))
+                                  args.rounds, counters=step_counters(args.nic, compute_threads))
             breakdown = None
             profiled = next((m for m in ("no_comm", "ours", "ddp_gloo", "torch")
                              if m in steppers), None)

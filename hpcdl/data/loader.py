@@ -68,6 +68,9 @@ def input_normalization(kind: str = "imagenet", input_scale: float = 1.0
                 (1.0 / (255.0 * input_scale),) * 3)
     raise ValueError(f"data.normalize={kind!r}: choose one of {NORMALIZATIONS}")
 PREFETCH_PER_WORKER = 2
+#: the decode threads' name prefix (``hpcdl bench train`` leaves them out of the transport's
+#: CPU)
+LOADER_THREAD_NAME = "hpcdl-loader"
 
 
 def normalize(images_uint8, mean=IMAGENET_MEAN, std=IMAGENET_STD):
@@ -281,7 +284,7 @@ class ShardedImageNet:
                 self.data_wait_s += time.perf_counter() - start
                 yield result
             return
-        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="hpcdl-loader")
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix=LOADER_THREAD_NAME)
         pending: deque = deque()
         todo = iter(batches)
         try:

@@ -74,10 +74,16 @@ def run_directory(world: Any, out: str | None, prefix: str) -> Iterator[str]:
 
 def setup_run_process(run_dir: str | None, rank: int, size: int, level: str,
                       mpi_comm: Any) -> None:
-    """Rank logs under ``run_dir``, SIGUSR2 stack dumps, fail-fast (hpcdl/debug), and
-    file-size limits reported as errors rather than as a killing signal."""
+    """Rank logs under ``run_dir``, SIGUSR2 stack dumps, fail-fast (hpcdl/debug), file-size
+    limits reported as errors rather than as a killing signal, and freed memory kept for the
+    next step (``HPCDL_MALLOC_RETAIN``, the allocator policy ``hpcdl bench train`` and the
+    planner's calibration time the step under)."""
+    from hpcdl.cpus import retain_freed_memory
     from hpcdl.debug import install_fail_fast, install_stack_dump, setup_rank_logging
+    from hpcdl.env import env_tristate
 
+    if env_tristate("HPCDL_MALLOC_RETAIN") is not False:
+        retain_freed_memory()
     setup_rank_logging(run_dir, rank, size, level)
     install_stack_dump()
     if size > 1:
