@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from thread_state import wait_until_asleep  # tests/thread_state.py
 
 from hpcdl.bench import train as bench
 
@@ -401,8 +402,9 @@ def test_comm_thread_cpu_counts_every_thread_started_after_the_compute_ones_but_
         worker.start()
     before = read()
     go.set()
-    while len(burnt) < 2 or any(_state(w.native_id) != "S" for w in workers):
-        time.sleep(0.001)  # both asleep in stop.wait(): their clocks have stopped
+    while len(burnt) < 2:
+        time.sleep(0.001)
+    wait_until_asleep(*(w.native_id for w in workers))  # in stop.wait(): clocks stopped
     counted = bench.counter_deltas(before, read())["comm_thread_cpu_s"]
     ids = bench.comm_thread_ids(compute)
     stop.set()
@@ -412,11 +414,6 @@ def test_comm_thread_cpu_counts_every_thread_started_after_the_compute_ones_but_
     assert threading.get_native_id() not in ids
     # the transport's thread burnt its loop after ``before`` (it waited for ``go``)
     assert counted >= burnt["transport"]
-
-
-def _state(tid: int) -> str:
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_a_step_shorter_than_a_clock_tick_still_costs_cpu_seconds():

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from thread_state import wait_until_asleep  # tests/thread_state.py
 
 from hpcdl import cpus, host
 
@@ -54,19 +55,13 @@ def test_thread_cpu_s_reads_another_threads_clock_finer_than_a_tick():
     worker = threading.Thread(target=burn)
     worker.start()
     done.wait()
-    while _state(worker.native_id) != "S":  # asleep in wait(): its clock has stopped
-        time.sleep(0.001)
+    wait_until_asleep(worker.native_id)  # in release.wait(): its clock has stopped
     seen = host.thread_cpu_s([worker.native_id])
     release.set()
     worker.join()
     # after its own reading the thread only sets an event and goes to sleep: far less than
     # the 10 ms tick that /proc/TID/stat counts in
     assert own[0] <= seen < own[0] + 1 / os.sysconf("SC_CLK_TCK")
-
-
-def _state(tid: int) -> str:
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 FAULTS_OF_REPEATED_64_MIB = """
