@@ -23,6 +23,7 @@ from hpcdl.comm.trial import (
     choose,
     fitted_sample_bytes,
     layout_score,
+    round_cpu,
     rule_result,
     sampled_buckets,
     transport_cpu_per_step,
@@ -112,18 +113,18 @@ def test_the_fastest_wins_only_by_the_margin_so_equals_keep_the_earlier():
     assert choose([rule, just_inside, clearly]) is clearly
 
 
-def test_a_transports_cpu_is_per_round_and_scaled_from_the_sample_to_the_step():
-    """The reducing thread's rounds (already scaled as their time is) are averaged; what the
-    transport's own threads burnt over 4 rounds of a sample holding a quarter of the layout's
-    bytes (2 s) is 0.5 s a round, 2 s over the whole layout. Nothing measured counts nothing,
-    and a clock read that went backwards counts zero, never a credit."""
-    own = [0.1, 0.2, 0.3, 0.2]
-    assert transport_cpu_per_step(own, 0.0, 0.25) == pytest.approx(0.2)
-    assert transport_cpu_per_step(own, 2.0, 0.25) == pytest.approx(0.2 + 2.0)
-    assert transport_cpu_per_step(own, 2.0, 1.0) == pytest.approx(0.2 + 0.5)
-    assert transport_cpu_per_step([], 2.0, 0.25) == 0.0
-    assert transport_cpu_per_step(own, 2.0, 0.0) == 0.0
-    assert transport_cpu_per_step([-0.01] * 4, -0.01, 1.0) == 0.0
+def test_a_transports_cpu_is_scaled_bucket_by_bucket_and_averaged_over_rounds():
+    """Each call's CPU (the reducing thread's plus the transport's own threads') is scaled as
+    its bucket's time is: the large buckets' by the bytes the sample left out, the first
+    layers' bucket, timed whole, once -- so its fixed cost is not multiplied by the sample's
+    scale. Rounds are averaged; nothing measured counts nothing, and a clock read that went
+    backwards counts zero, never a credit."""
+    assert round_cpu([0.01, 0.02, 0.005], scale=10.0) == pytest.approx(0.3 + 0.005)
+    assert round_cpu([0.005]) == pytest.approx(0.005)
+    assert round_cpu([]) == 0.0
+    assert transport_cpu_per_step([0.1, 0.2, 0.3, 0.2]) == pytest.approx(0.2)
+    assert transport_cpu_per_step([]) == 0.0
+    assert transport_cpu_per_step([-0.01] * 4) == 0.0
 
 
 def test_the_budget_is_trial_s_and_at_most_one_percent_of_a_known_run():

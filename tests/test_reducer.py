@@ -111,6 +111,51 @@ def test_only_the_marked_thread_waits_yielding():
     assert not waits_yield_in_this_thread()  # the main thread still spins
 
 
+class UnusedFirst(torch.nn.Module):
+    """A layer registered first that forward never uses: its bucket is launched last, by
+    ``synchronize`` itself (zeros), after the used layer's went out during backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(4, 4)
+        self.used = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_the_threads_waits_are_patient_beside_backward_and_urgent_once_the_step_waits(comm):
+    from hpcdl.comm.base import PATIENT_WAIT_S, URGENT_WAIT_S, wait_ceiling_s
+
+    model = UnusedFirst()
+    seen = []   # (bucket's first parameter, the thread's sleep ceiling inside its allreduce)
+    original = comm.allreduce_flat_
+
+    def recording(buf, average=True):
+        seen.append((int(buf.numel()), wait_ceiling_s()))
+        return original(buf, average=average)
+
+    comm.allreduce_flat_ = recording
+    try:
+        with GradientReducer(comm, model.named_parameters(), bucket_bytes=64,
+                             last_bucket_bytes=None) as reducer:
+            used = [b for b in reducer.buckets if b.params[0] is model.used.bias
+                    or b.params[0] is model.used.weight]
+            reducer.arm(last=True)
+            model(torch.ones(2, 4)).sum().backward()
+            for bucket in used:   # reduced beside "compute": synchronize has not begun
+                bucket.done.wait()
+            beside = list(seen)
+            reducer.synchronize()
+    finally:
+        del comm.allreduce_flat_
+    assert beside and all(ceiling == PATIENT_WAIT_S for _, ceiling in beside)
+    drained = seen[len(beside):]
+    assert drained and all(ceiling == URGENT_WAIT_S for _, ceiling in drained)
+    assert URGENT_WAIT_S < PATIENT_WAIT_S
+    assert wait_ceiling_s() == URGENT_WAIT_S  # a thread nobody marked: always urgent
+
+
 def test_wire_dtype_sets_the_bucket_dtype():
     buckets = layout_buckets([("w", torch.zeros(4))], 64, wire_dtype=torch.bfloat16)
     assert buckets[0].dtype == torch.bfloat16

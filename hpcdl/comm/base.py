@@ -81,6 +81,16 @@ def oversubscribed(local_size: int) -> bool:
 
 
 _thread_waits = threading.local()
+#: The longest sleep between two tests of a yielding wait while the step waits for it (a
+#: collective on the main thread, or the reducer's once ``synchronize`` waits): the wait ends
+#: at most this late.
+URGENT_WAIT_S = 2e-4
+#: The longest sleep while the step's compute runs beside the wait (the reducer's thread
+#: during forward and backward). Each wake-up is a test and a sleep, ~37 us of CPU on the
+#: development VM, and with one rank per socket that CPU is backward's; the later answer is
+#: hidden behind backward. Across two hosts at 2 Gbit/s `ring`'s reducer thread burnt 0.24-0.34
+#: s per AlexNet-BN step at 1 ms against 0.34-0.44 s at 200 us (docs/comm.md, "Threads").
+PATIENT_WAIT_S = 1e-3
 
 #: Communicators not yet closed, by creation number (weak: one the program dropped is not kept
 #: alive).
@@ -104,21 +114,32 @@ def release_open_communicators() -> None:
 atexit.register(release_open_communicators)
 
 
-def yield_waits_in_this_thread() -> None:
+def yield_waits_in_this_thread(urgent: Callable[[], bool] | None = None) -> None:
     """Mark the calling thread as one whose collectives overlap compute (the gradient
     reducer's communication thread): its waits test and sleep instead of busy-polling, which
-    would take a core from compute (docs/comm.md, "Threads")."""
+    would take a core from compute (docs/comm.md, "Threads"). ``urgent()``, asked at each
+    sleep, says whether the step now waits for this thread (sleeps up to
+    :data:`URGENT_WAIT_S`) or still computes beside it (up to :data:`PATIENT_WAIT_S`); None:
+    always urgent."""
     _thread_waits.yielding = True
+    _thread_waits.urgent = urgent
 
 
 def waits_yield_in_this_thread() -> bool:
     return getattr(_thread_waits, "yielding", False)
 
 
+def wait_ceiling_s() -> float:
+    """The calling thread's longest sleep between tests now (:func:`yield_waits_in_this_thread`)."""
+    urgent = getattr(_thread_waits, "urgent", None)
+    return URGENT_WAIT_S if urgent is None or urgent() else PATIENT_WAIT_S
+
+
 def wait_yielding(request: MPI.Request) -> None:
     """Wait for ``request`` without holding the core: ``Test`` (which drives MPI progress)
-    for 50 us, then sleep between tests, backing off from ~50 us to 200 us; MPICH's own
-    ``Wait`` busy-polls, spinning while the peer it waits for is descheduled."""
+    for 50 us, then sleep between tests, backing off from ~50 us to :func:`wait_ceiling_s`
+    (asked at each sleep); MPICH's own ``Wait`` busy-polls, spinning while the peer it waits
+    for is descheduled."""
     spin_until = time.perf_counter() + 5e-5  # a peer that is running answers within ~50 us
     while not request.Test():
         if time.perf_counter() > spin_until:
@@ -128,7 +149,7 @@ def wait_yielding(request: MPI.Request) -> None:
     delay = 2e-5
     while not request.Test():
         time.sleep(delay)
-        delay = min(2 * delay, 2e-4)
+        delay = min(2 * delay, wait_ceiling_s())
 
 
 def sum_over(mpi_comm: Any, values: Sequence[float] | np.ndarray) -> np.ndarray:

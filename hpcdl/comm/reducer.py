@@ -155,6 +155,8 @@ class GradientReducer(Closing):
         self._next_launch = 0
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        #: set while the main thread waits for the communication thread (see _wait_for)
+        self._draining = threading.Event()
         self.comm_wait_s = 0.0
         self.total_comm_wait_s = 0.0
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -184,8 +186,7 @@ class GradientReducer(Closing):
             for bucket in self.buckets[self._next_launch:]:
                 self._fill_missing(bucket)
             self._launch_ready(force=True)
-        for bucket in self.buckets:
-            bucket.done.wait()
+        self._wait_for(self.buckets)
         self.comm_wait_s = time.perf_counter() - start
         self.total_comm_wait_s += self.comm_wait_s
         self._armed = False
@@ -216,8 +217,8 @@ class GradientReducer(Closing):
                 pack_gradient(bucket, position, p.detach())
             self._queue.put((bucket, comm, "parameters"))
             nbytes += bucket.buffer.numel() * bucket.buffer.element_size()
+        self._wait_for(same)
         for bucket in same:
-            bucket.done.wait()
             bucket.done.clear()
         self._raise_failure("model average")
         with torch.no_grad():
@@ -251,9 +252,20 @@ class GradientReducer(Closing):
         bucket.sources = None
 
     def _wait_done(self, bucket: Bucket, what: str) -> None:
-        bucket.done.wait()
+        self._wait_for([bucket])
         bucket.done.clear()
         self._raise_failure(what)
+
+    def _wait_for(self, buckets: Iterable[Bucket]) -> None:
+        """Wait on this (the main) thread until ``buckets`` are done; meanwhile the
+        communication thread's waits answer as soon as they can (``URGENT_WAIT_S``): nothing
+        computes beside them any more."""
+        self._draining.set()
+        try:
+            for bucket in buckets:
+                bucket.done.wait()
+        finally:
+            self._draining.clear()
 
     def _raise_failure(self, what: str) -> None:
         """Raise here what the communication thread caught (once), naming ``what`` failed."""
@@ -319,7 +331,7 @@ class GradientReducer(Closing):
             self._next_launch += 1
 
     def _communicate(self) -> None:
-        yield_waits_in_this_thread()
+        yield_waits_in_this_thread(urgent=self._draining.is_set)
         while True:
             item = self._queue.get()
             if item is None:

@@ -23,9 +23,11 @@ from hpcdl.comm.base import Communicator, numpy_view, scale_, segment_bounds
 
 TAG_REDUCE_SCATTER = 71
 TAG_ALLGATHER = 72
-#: Chunk of the pipeline: a 16 MB bucket at p=4 has 4 chunks per step to overlap, and
-#: per-message Python/MPI overhead stays small.
-DEFAULT_CHUNK_BYTES = 2**20
+#: Chunk of the pipeline. Each chunk is one rendezvous message whose every handshake waits
+#: for the next test of a sleeping wait: across two hosts at 2 Gbit/s, 4 MiB chunks burnt
+#: less of the reducer thread's CPU per step than 1 MiB and the step ran 1-6% closer to
+#: DDP's; on one host at p=4, 256 KiB to 4 MiB timed alike (docs/comm.md, "Threads").
+DEFAULT_CHUNK_BYTES = 4 * 2**20
 
 
 def split_chunks(array: np.ndarray, chunk: int) -> list[np.ndarray]:

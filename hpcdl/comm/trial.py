@@ -19,9 +19,9 @@ its reason (docs/comm.md, "The start-up trial"):
   small last bucket, Li et al., VLDB 2020, §3.2.3), **plus the CPU its threads burn**: the
   rounds run beside backward's stand-in (matrix products on torch's intra-op threads, so
   they are timed under the contention a step has), and the CPU seconds of the threads the
-  transport runs on (the rounds' own inside its calls, and any it started,
-  ``/proc/self/task``; the timed rounds only) are scaled from the round's bytes to the
-  step's and added -- one rank per socket computes on every
+  transport runs on (the rounds' own inside each call, and any it started,
+  ``/proc/self/task``, read between calls; the timed rounds only) are scaled bucket by
+  bucket as their times are and added -- one rank per socket computes on every
   core, so a progress engine polling beside backward costs the step compute even when its
   allreduce is as fast.
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
@@ -66,9 +66,9 @@ from hpcdl.host import thread_cpu_s, thread_ids
 
 __all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "PROBE_BYTES", "PROBE_REPEATS",
            "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats", "bucket_numels", "choose",
-           "fitted_sample_bytes", "layout_score", "rule_result", "run_trial", "sampled_buckets",
-           "transport_cpu_per_step", "trial_budget", "trial_candidates", "trial_layouts",
-           "unavailable_backends"]
+           "fitted_sample_bytes", "layout_score", "round_cpu", "rule_result", "run_trial",
+           "sampled_buckets", "transport_cpu_per_step", "trial_budget", "trial_candidates",
+           "trial_layouts", "unavailable_backends"]
 
 #: how much faster a later measurement must be to replace the best so far: the same
 #: candidate's score moved by up to 4% between runs on the test cluster's shaped links, and
@@ -245,18 +245,25 @@ def fitted_sample_bytes(seconds_per_byte: float, first_bucket_bytes: int, candid
     return int(min(TRIAL_SAMPLE_MB * MIB, max(MIB, fitted)))
 
 
-def transport_cpu_per_step(own_s: Sequence[float], others_s: float, timed_share: float
-                           ) -> float:
-    """CPU seconds a transport's threads spend on one step's gradients (a polling progress
-    engine spins for as long as its bytes take): ``own_s``, each timed round's CPU of the
-    reducing thread inside its calls, already scaled as the round's time is
-    (:func:`layout_score`'s ``scale``, without its doubled last bucket), averaged; plus
-    ``others_s``, what the threads the transport started burnt over those rounds, per round,
-    scaled from the ``timed_share`` of the layout's bytes each round reduced to all of them."""
-    if not own_s or timed_share <= 0:
+def round_cpu(bucket_cpu_s: Sequence[float], scale: float = 1.0) -> float:
+    """The CPU one step's gradients cost a transport, from one round's per-bucket CPU (the
+    reducing thread's inside each call plus what the threads the transport started burnt
+    during it): the large buckets' scaled by ``scale`` as their time is
+    (:func:`layout_score`), the first layers' bucket, timed whole, once. Scaling the whole
+    round's CPU by its share of the bytes instead would multiply the small bucket's and every
+    call's fixed cost along with the sample's bytes (x50 for a 4 MiB sample of AlexNet's
+    245 MB)."""
+    if not bucket_cpu_s:
         return 0.0
-    own = max(0.0, statistics.fmean(own_s))
-    return own + max(0.0, others_s) / len(own_s) / timed_share
+    *large, last = bucket_cpu_s
+    return scale * sum(large) + last
+
+
+def transport_cpu_per_step(rounds_cpu_s: Sequence[float]) -> float:
+    """CPU seconds a transport's threads spend on one step's gradients (a polling progress
+    engine spins for as long as its bytes take): the timed rounds' :func:`round_cpu`,
+    averaged; never a credit (a clock read that went backwards counts zero)."""
+    return max(0.0, statistics.fmean(rounds_cpu_s)) if rounds_cpu_s else 0.0
 
 
 def layout_score(bucket_seconds: Sequence[float], scale: float = 1.0) -> float:
@@ -405,16 +412,14 @@ class _Trial:
             comm, buffer = self._communicator(name, layout, dtype, sum(timed))
             views = list(buffer[:sum(timed)].split(timed))
             scores: list[float] = []
-            own: list[float] = []
+            cpu: list[float] = []
             started = thread_ids() - self.not_transport  # what opening it started (gloo's)
-            before: list[float] = []  # theirs, read once the untimed round is done
             _on_yielding_thread(
-                lambda: self._rounds(comm, views, scale, scores, own,
-                                     lambda: before.append(thread_cpu_s(started))),
+                lambda: self._rounds(comm, views, scale, scores, cpu,
+                                     lambda: thread_cpu_s(started)),
                 beside=self.load.run_while)
             timed_share = sum(timed) / max(1, sum(buckets))
-            cpu_s = transport_cpu_per_step(own, thread_cpu_s(started) - before[0],
-                                           timed_share)
+            cpu_s = transport_cpu_per_step(cpu)
             median = statistics.median(scores)
             spread = (median - min(scores)) / median if median > 0 else 0.0
             return median + cpu_s, timed_share, cpu_s, spread, None
@@ -438,25 +443,29 @@ class _Trial:
         return comm, buffer
 
     def _rounds(self, comm: Any, views: list[torch.Tensor], scale: float,
-                scores: list[float], own_cpu: list[float], warmed: Callable[[], None]) -> None:
-        """One untimed round, ``warmed()``, then the timed rounds: each one's score and the
-        CPU this thread spent inside the transport's calls, scaled as their time is. The
+                scores: list[float], rounds_cpu: list[float], others: Callable[[], float]
+                ) -> None:
+        """One untimed round, then the timed rounds: each one's score and :func:`round_cpu`
+        of each call's CPU, this thread's inside it plus ``others()``' (the transport's own
+        threads, read between calls: a call returns once they have moved its bytes). The
         barrier before a round and the untimed round's one-off costs (first touch,
         connections) are no step's, and scaled by the bytes the sample left out they would
         weigh as much as a step's transfers."""
         for r in range(1 + self.rounds):
-            if r == 1:
-                warmed()
             self.world.Barrier()  # every rank starts the round together
             times, cpu = [], []
+            theirs = others()
             for view in views:
                 c0, t0 = time.thread_time(), time.perf_counter()
                 comm.allreduce_flat_(view, average=True)
                 times.append(time.perf_counter() - t0)
-                cpu.append(time.thread_time() - c0)
+                # one read between two calls: a thread still running when read shows up to a
+                # scheduler tick late, in the next call's share instead of lost
+                before, theirs = theirs, others()
+                cpu.append(time.thread_time() - c0 + theirs - before)
             if r:
                 scores.append(layout_score(times, scale))
-                own_cpu.append(scale * sum(cpu[:-1]) + cpu[-1])
+                rounds_cpu.append(round_cpu(cpu, scale))
 
     def _agree(self, seconds: float, began: float, cpu_s: float, spread: float
                ) -> tuple[float, float, float]:
@@ -507,8 +516,9 @@ class ComputeLoad:
 def _on_yielding_thread(work: Callable[[], None],
                         beside: Callable[[Callable[[], bool]], None]) -> None:
     """Run ``work`` on a thread whose waits yield, as the reducer's communication thread
-    does, and ``beside(still_running)`` on this one meanwhile; re-raise what ``work``
-    raised."""
+    does once the step waits for it (:data:`~hpcdl.comm.base.URGENT_WAIT_S` between tests:
+    a round's time stands for communication a step waits for), and ``beside(still_running)``
+    on this one meanwhile; re-raise what ``work`` raised."""
     raised: list[BaseException] = []
 
     def body() -> None:
