@@ -172,8 +172,6 @@ NOT_IN_A_BLOCK = {
             "across hosts)",
     "0.34": "ring's reducer-thread CPU per step, patient and urgent waits' range ends "
             "(ring-patient-waits-across-hosts-2026-12-07)",
-    "1.002": "`ours@gloo` ÷ DDP at 2gbit, the morning's best run (the superseded "
-             "step-across-hosts-every-block-kept-2026-12-07)",
     "0.02": "η (a setting); the window-1 rows' distance outside the band (its column)",
     "0.004": "η tried before the study (a setting)",
     "0.01": "η tried before the study (a setting)",

@@ -5,7 +5,6 @@ writes OUT.json.
 
     mpiexec -n 2 python3 gloo_cpu_by_call_size.py OUT.json
 """
-import json
 import sys
 import time
 
@@ -13,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl.comm
-from hpcdl.cpus import cpu_capability, cpu_model_name
+from hpcdl.results import bench_report, write_json
 
 SIZES_MIB = ((1, 40), (4, 20), (8, 10), (25, 4), (64, 2), (150, 1))  # (MiB, calls)
 
@@ -36,14 +35,7 @@ def main(out: str) -> None:
                      "process_cpu_ms_per_mib_max_over_ranks": 1e3 * worst})
     comm.close()
     if world.rank == 0:
-        with open(out, "w") as f:
-            json.dump({"bench": "gloo-cpu-by-call-size", "command": " ".join(sys.argv),
-                       "ranks": world.size,
-                       "machine": {"cpu_model_name": cpu_model_name(),
-                                   "cpu_capability": cpu_capability(),
-                                   "torch": torch.__version__},
-                       "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "results": rows}, f, indent=1)
+        write_json(out, bench_report("gloo-cpu-by-call-size", rows, {}, ranks=world.size))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ forward/backward and hpcdl's LARS; 2 untimed steps, then 5 timed.
 import json
 import subprocess
 import sys
-import time
 
 STEP = r"""
 import ctypes, ctypes.util, json, resource, sys, time
@@ -47,9 +46,7 @@ print(json.dumps({"policy": policy,
 
 
 def main(out: str) -> None:
-    import torch
-
-    from hpcdl.cpus import cpu_capability, cpu_model_name
+    from hpcdl.results import bench_report, write_json
 
     rows = []
     for policy in ("glibc_default", "threshold_32_mib", "every_size_kept"):
@@ -58,13 +55,7 @@ def main(out: str) -> None:
                                                                     "PATH": "/usr/bin:/bin"})
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
-    with open(out, "w") as f:
-        json.dump({"bench": "malloc-policy", "command": " ".join(sys.argv),
-                   "machine": {"cpu_model_name": cpu_model_name(),
-                               "cpu_capability": cpu_capability(),
-                               "torch": torch.__version__},
-                   "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "results": rows}, f, indent=1)
+    write_json(out, bench_report("malloc-policy", rows, {}))
 
 
 if __name__ == "__main__":
