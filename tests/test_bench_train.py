@@ -312,6 +312,8 @@ def test_ddp_with_its_fp16_hook_is_the_16_bit_baseline(tmp_path):
     assert by_mode["ddp_gloo_fp16"]["backend"] == "gloo"
     assert by_mode["ours_bf16"]["wire_dtype"] == "bfloat16"
     assert by_mode["ddp_gloo"]["wire_dtype"] == "float32"
+    assert by_mode["ours_bf16"]["overlap_update"] is True   # the default
+    assert by_mode["ddp_gloo"]["overlap_update"] is False
     ratios = report["ratios"]
     assert ratios["bf16_wire_vs_ddp_gloo_fp16"] == pytest.approx(
         by_mode["ours_bf16"]["images_per_s_per_rank"]
@@ -328,6 +330,7 @@ def test_shard_update_flag_shards_ours_and_leaves_the_ceiling_whole(tmp_path):
     assert by_mode["ours"]["shard_update"] is True
     assert by_mode["no_comm"]["shard_update"] is False
     assert by_mode["ours_allreduce"]["shard_update"] is False
+    assert not any(r["overlap_update"] for r in report["results"])  # a sharded optimizer
     ratios = report["ratios"]
     assert ratios["sharded_vs_allreduce"] == pytest.approx(
         by_mode["ours"]["images_per_s_per_rank"]
@@ -425,3 +428,16 @@ def test_a_step_shorter_than_a_clock_tick_still_costs_cpu_seconds():
     while time.process_time() - started < 0.001:
         pass
     assert bench.counter_deltas(before, read())["cpu_s"] >= 0.001
+
+
+def test_no_overlap_update_makes_ours_step_once_as_ddp_does():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    default = parser.parse_args(["--synthetic"])
+    off = parser.parse_args(["--synthetic", "--no-overlap-update"])
+    assert bench.overlaps_update("ours", default) and bench.overlaps_update("ours@gloo", default)
+    assert not bench.overlaps_update("ddp_gloo", default)
+    assert not bench.overlaps_update("no_comm", default)
+    assert not bench.overlaps_update("ours", off)
+    assert bench.bench_config(off, 2).comm.overlap_update is False
+    assert bench.bench_config(default, 2).comm.overlap_update is True

@@ -113,6 +113,21 @@ def test_the_fastest_wins_only_by_the_margin_so_equals_keep_the_earlier():
     assert choose([rule, just_inside, clearly]) is clearly
 
 
+def test_between_equals_a_transport_that_waits_in_the_kernel_replaces_one_that_polls():
+    """Within the margin either way, gloo (its waits block in C++ threads) replaces mpi or
+    ring (tests and sleeps on a Python thread beside backward); clearly slower, it does not;
+    a polling transport needs the margin to replace gloo; shm is never replaced by a tie."""
+    polls = Measurement("mpi", 25.0, 1.0, 3, 3, 0.200)
+    tie = Measurement("gloo", 25.0, 1.0, 3, 3, 0.200 / (1 - TRIAL_MARGIN) * 0.99)
+    slower = Measurement("gloo", 25.0, 1.0, 3, 3, 0.200 / (1 - TRIAL_MARGIN) * 1.01)
+    assert choose([polls, tie]) is tie
+    assert choose([polls, slower]) is polls
+    ring = Measurement("ring", 25.0, 1.0, 3, 3, tie.seconds * (1 - TRIAL_MARGIN) * 1.01)
+    assert choose([polls, tie, ring]) is tie
+    shm = Measurement("shm", 25.0, 1.0, 3, 3, 0.200)
+    assert choose([shm, Measurement("gloo", 25.0, 1.0, 3, 3, 0.199)]) is shm
+
+
 def test_a_transports_cpu_is_scaled_bucket_by_bucket_and_averaged_over_rounds():
     """Each call's CPU (the reducing thread's plus the transport's own threads') is scaled as
     its bucket's time is: the large buckets' by the bytes the sample left out, the first

@@ -20,6 +20,8 @@ from hpcdl.optim import (
     list_optimizers,
     param_groups,
     set_learning_rate,
+    step_parameters,
+    steps_tensor_by_tensor,
 )
 
 
@@ -389,3 +391,45 @@ def test_sgd_without_bn_weight_decay_leaves_gamma_and_beta_undecayed():
     assert torch.equal(model.bn1.weight.detach(), before)
     torch.testing.assert_close(model.conv1.weight.detach().double(),
                                conv_before - 0.1 * 1e-4 * conv_before, rtol=1e-6, atol=1e-9)
+
+
+def _with_gradients(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+
+
+@pytest.mark.parametrize("build", [
+    lambda m: LARS(param_groups(m, 5e-5), lr=0.5, momentum=0.9, weight_decay=5e-5),
+    lambda m: LARS(param_groups(m, 5e-5), lr=0.5, momentum=0.9, nesterov=True),
+    lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4),
+], ids=["lars", "lars_nesterov", "sgd"])
+def test_a_step_taken_in_parts_is_one_step(build):
+    """The Trainer's overlapped update steps one gradient bucket after another: for an
+    optimizer whose step is per tensor that is the very same step, bit for bit."""
+    torch.manual_seed(0)
+    whole = create_model("resnet_small", num_classes=3, width=4, layers=[1, 1, 1])
+    parts = copy.deepcopy(whole)
+    one, pieces = build(whole), build(parts)
+    assert steps_tensor_by_tensor(one)
+    params = list(parts.parameters())
+    split = [params[0::3], params[1::3], params[2::3]]  # each part spans the groups
+    for step in range(3):
+        _with_gradients(whole, step)
+        _with_gradients(parts, step)
+        one.step()
+        for part in split:
+            step_parameters(pieces, part)
+    for a, b in zip(whole.parameters(), parts.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert [len(g["params"]) for g in pieces.param_groups] == \
+        [len(g["params"]) for g in one.param_groups]
+
+
+def test_only_an_optimizer_whose_step_is_per_tensor_is_stepped_in_parts():
+    class Coupled(LARS):   # a subclass may add a norm across tensors
+        pass
+
+    model = torch.nn.Linear(2, 2)
+    assert not steps_tensor_by_tensor(Coupled(model.parameters()))
+    assert not steps_tensor_by_tensor(torch.optim.Adam(model.parameters()))

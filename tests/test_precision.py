@@ -155,8 +155,8 @@ def test_the_start_line_says_what_was_asked_what_it_is_and_why():
 @pytest.mark.parametrize("precision,backend,comm,wire", [
     ("bfloat16", "shm", {}, "bfloat16"),
     ("bfloat16", "ring", {}, "bfloat16"),
-    ("bfloat16", "mpi", {}, "float32"),          # mpi and gloo sum float32 only
-    ("bfloat16", "gloo", {}, "float32"),
+    ("bfloat16", "mpi", {}, "float32"),          # mpi sums float32 only
+    ("bfloat16", "gloo", {}, "bfloat16"),        # all-to-all of bf16 slices, summed in fp32
     ("bfloat16", "ccl", {}, "float32"),          # carries bf16 but sums in bf16: asked only
     ("float32", "shm", {}, "float32"),
     ("bfloat16", "shm", {"wire_dtype": "float32"}, "float32"),   # explicit wins

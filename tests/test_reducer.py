@@ -1,4 +1,6 @@
 """GradientReducer on one rank: bucket layout, hooks, unused parameters, accumulation, off."""
+import threading
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -154,6 +156,64 @@ def test_the_threads_waits_are_patient_beside_backward_and_urgent_once_the_step_
     assert drained and all(ceiling == URGENT_WAIT_S for _, ceiling in drained)
     assert URGENT_WAIT_S < PATIENT_WAIT_S
     assert wait_ceiling_s() == URGENT_WAIT_S  # a thread nobody marked: always urgent
+
+
+def test_buckets_come_back_one_at_a_time_in_order_while_later_ones_travel(comm):
+    """reduced_buckets: the caller holds bucket k (to update it) while bucket k+1 is still on
+    the wire, and each bucket's gradients are final when it comes back."""
+    torch.manual_seed(2)
+    model = TwoHeads()
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    expected = {p: p.grad.clone() for p in model.parameters()}
+    model.zero_grad(set_to_none=True)
+    gate = threading.Event()   # the second bucket's allreduce waits for the caller's first
+    calls = []
+    original = comm.allreduce_flat_
+
+    def held(buf, average=True):
+        calls.append(buf.numel())
+        if len(calls) == 2:
+            assert gate.wait(30)
+        return original(buf, average=average)
+
+    comm.allreduce_flat_ = held
+    try:
+        with GradientReducer(comm, model.named_parameters(), bucket_bytes=64,
+                             last_bucket_bytes=None) as reducer:
+            assert len(reducer.buckets) >= 2
+            reducer.arm(last=True)
+            model(x).sum().backward()
+            came = []
+            for params in reducer.reduced_buckets():
+                if not came:
+                    assert not reducer.buckets[1].done.is_set()  # still travelling
+                    gate.set()
+                came.append(params)
+                for p in params:
+                    assert torch.equal(p.grad, expected[p])
+            assert came == [bucket.params for bucket in reducer.buckets]
+    finally:
+        del comm.allreduce_flat_
+
+
+def test_a_caller_that_stops_early_leaves_no_bucket_in_flight(comm):
+    torch.manual_seed(3)
+    model = TwoHeads()
+    x = torch.randn(5, 4)
+    with GradientReducer(comm, model.named_parameters(), bucket_bytes=64,
+                         last_bucket_bytes=None) as reducer:
+        reducer.arm(last=True)
+        model(x).sum().backward()
+        buckets = reducer.reduced_buckets()
+        next(buckets)
+        buckets.close()   # e.g. the update of the first bucket raised
+        assert all(not b.done.is_set() and not b.filled for b in reducer.buckets)
+        model.zero_grad(set_to_none=True)
+        reducer.arm(last=True)
+        model(x).sum().backward()
+        reducer.synchronize()   # the next step reduces every bucket again
+        assert all(p.grad is not None for p in model.parameters())
 
 
 def test_wire_dtype_sets_the_bucket_dtype():

@@ -5,9 +5,9 @@ Trainer's step: overlapped GradientReducer, then LARS), ``no_comm`` (the same Tr
 reducer suspended: the ceiling, ``vs_no_comm``), ``ddp_gloo`` (PyTorch DDP on gloo,
 ``vs_ddp_gloo``), ``horovod`` (by name; absent, with the reason in ``absent_modes``, where
 ``horovod.torch`` does not import), ``ours@BACKEND``, ``ours_bf16`` (bf16 on the wire, on a
-communicator of its own: ``ring`` or ``shm``), ``torch`` (plain torch on the same model, LARS,
-schedule, precision and memory format, no hpcdl wrapper: each mode's ``vs_torch``) and, with
-``--shard-update``, ``ours_allreduce``.
+communicator of its own: ``ours``'s backend, ``ring`` in place of ``mpi``), ``torch`` (plain
+torch on the same model, LARS, schedule, precision and memory format, no hpcdl wrapper: each
+mode's ``vs_torch``) and, with ``--shard-update``, ``ours_allreduce``.
 Each step also records the NIC bytes of ``--nic``, the rank's CPU seconds and the reducer
 thread's; the JSON names the hosts, their link shaping (``tc qdisc``) and the load average.
 ``flops_fraction_of_matmul`` (per mode and in ``ratios``): the step's training FLOP rate (6 ×
@@ -114,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-update", action="store_true",
                         help="ours shards the weight update (comm.shard_update; Xu et al. "
                              "2020); no_comm still runs the whole optimizer on every rank")
+    parser.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
+                        help="ours waits for every bucket, then takes one optimizer step "
+                             "(comm.overlap_update: false), as DDP does; default: each "
+                             "bucket's parameters step as soon as its average arrives")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="every mode's compute dtype, as the recipes' train.precision: "
                              "auto (default, as every shipped recipe) = bfloat16 autocast "
@@ -199,6 +203,7 @@ def bench_config(args: argparse.Namespace, ranks: int, precision: str = "float32
         "comm": {"backend": args.backend, "trial_buckets": args.bucket_mb is None,
                  "bucket_mb": DEFAULT_BUCKET_MB if args.bucket_mb is None else args.bucket_mb,
                  "wire_dtype": "float32",
+                 "overlap_update": bool(getattr(args, "overlap_update", True)),
                  "shard_update": bool(getattr(args, "shard_update", False))},
     }, origin="hpcdl bench train")
 
@@ -259,11 +264,17 @@ def trainer_steppers(comm, config, loader, modes: list[str]) -> Iterator[dict[st
             trainer.close()
 
 
-def bf16_wire_backend(comm) -> str:
-    """The backend of ``ours_bf16``: bf16 on the wire is a communicator's property, and only
-    ``ring`` and ``shm`` send bf16 and sum in fp32 (hpcdl.comm.init); ``shm`` (hierarchical)
-    where ranks share a node, as ``auto`` would pick, else ``ring`` in place of ``mpi``."""
-    return "shm" if comm.backend == "shm" else "ring"
+def bf16_wire_backend(requested: str, comm) -> str:
+    """The backend of ``ours_bf16``, bf16 on the wire being a communicator's property:
+    ``auto`` (``--backend``'s default) runs a trial of its own among the backends that send
+    bf16 (one that cannot, ``mpi``, drops out of it), as a bf16 run's ``auto`` would; otherwise
+    ``ours``'s backend where it sends bf16 (hpcdl.train.precision), else ``ring`` in place of
+    ``mpi``."""
+    from hpcdl.train.precision import BF16_WIRE_BACKENDS
+
+    if requested == "auto":
+        return "auto"
+    return comm.backend if comm.backend in BF16_WIRE_BACKENDS else "ring"
 
 
 def own_backend(mode: str) -> str | None:
@@ -276,14 +287,17 @@ def own_comm_stepper(world, config, loader, backend: str,
                      wire_dtype: str = "float32") -> Iterator[Stepper]:
     """``ours`` on a Trainer and a communicator of its own: ``ours@BACKEND`` (the same
     overlapped reducer on another backend) and ``ours_bf16`` (bf16 on the wire, which is
-    fixed when a communicator is built). Its stepper carries ``.backend``."""
-    from hpcdl.train.session import RunSession
+    fixed when a communicator is built). Its stepper carries ``.backend`` and ``.trial``
+    (``backend="auto"``: the trial of this communicator's own, on the model's gradients)."""
+    from hpcdl.train.session import RunSession, recipe_gradients
 
     section = dataclasses.replace(config.comm, backend=backend, wire_dtype=wire_dtype)
-    with RunSession(world, section, log_level=None, threads=None) as session, \
+    with RunSession(world, section, log_level=None, threads=None,
+                    gradients=recipe_gradients(config)) as session, \
             trainer_steppers(session.comm, config, loader, ["ours"]) as steppers:
         step = steppers["ours"]
         step.backend = session.comm.backend
+        step.trial = session.comm.trial
         yield step
 
 
@@ -604,6 +618,15 @@ def record_backend(mode: str, comm, steppers: dict[str, Stepper]) -> str:
     return getattr(steppers[mode], "backend", comm.backend)
 
 
+def overlaps_update(mode: str, args: argparse.Namespace) -> bool:
+    """Whether ``mode`` steps each bucket as its average arrives (the Trainer's overlapped
+    update, LARS being per tensor): hpcdl's communicating modes unless ``--no-overlap-update``
+    or a sharded optimizer (``--shard-update``'s Trainer, ``ours_allreduce`` too); the ceiling
+    and the baselines take one step after backward."""
+    sharded = args.shard_update and mode in ("ours", "ours_allreduce")
+    return args.overlap_update and mode.startswith("ours") and not sharded
+
+
 def link_shaping(nic: str) -> str | None:
     """This host's queueing discipline on ``nic`` (``tc qdisc show``: a ``tbf rate`` line on
     a shaped link), or None where tc or the NIC is missing."""
@@ -696,7 +719,8 @@ def run(args: argparse.Namespace) -> int:
                         world, config, loader, own_backend(mode)))
             if "ours_bf16" in modes:
                 built["ours_bf16"] = stack.enter_context(own_comm_stepper(
-                    world, config, loader, bf16_wire_backend(comm), wire_dtype="bfloat16"))
+                    world, config, loader, bf16_wire_backend(args.backend, comm),
+                    wire_dtype="bfloat16"))
             for mode in ("ddp_gloo", "ddp_gloo_fp16"):
                 if mode in modes:
                     built[mode] = stack.enter_context(ddp_stepper(
@@ -734,6 +758,7 @@ def run(args: argparse.Namespace) -> int:
                               memory_format=layout, malloc=malloc, precision=precision,
                               wire_dtype=WIRE_DTYPES.get(mode, "float32"),
                               shard_update=bool(args.shard_update and mode == "ours"),
+                              overlap_update=overlaps_update(mode, args),
                               backend=record_backend(mode, comm, steppers),
                               bucket_mb=config.comm.bucket_mb,
                               input="synthetic" if args.synthetic else args.data)
@@ -756,5 +781,8 @@ def run(args: argparse.Namespace) -> int:
                 report["absent_modes"] = absent
             if comm.trial is not None:
                 report["comm_trial"] = comm.trial.record()
+            bf16_trial = getattr(steppers.get("ours_bf16"), "trial", None)
+            if bf16_trial is not None:
+                report["comm_trial_bf16_wire"] = bf16_trial.record()
             emit(report, COLUMNS, args.json)
     return 0

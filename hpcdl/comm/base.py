@@ -161,6 +161,21 @@ def sum_over(mpi_comm: Any, values: Sequence[float] | np.ndarray) -> np.ndarray:
     return total
 
 
+class SumInFlight:
+    """:func:`sum_over` started now and read later (``MPI_Iallreduce``): the training step's
+    agreement leaves after forward and travels while backward runs. Collective at start, in
+    the same order on every rank; ``result()`` waits without holding the core."""
+
+    def __init__(self, mpi_comm: Any, values: Sequence[float] | np.ndarray) -> None:
+        self._mine = np.asarray(values, dtype=np.float64)   # MPI reads it until completion
+        self._total = np.empty_like(self._mine)
+        self._request = mpi_comm.Iallreduce(self._mine, self._total, op=MPI.SUM)
+
+    def result(self) -> np.ndarray:
+        wait_yielding(self._request)
+        return self._total
+
+
 def timed_allreduce_s(mpi_comm: Any, nbytes: int, repeats: int) -> float:
     """Median over ``repeats`` of the slowest rank's seconds for one in-place MPI_Allreduce
     of ``nbytes`` of float32 (one untimed call first); the same value on every rank.
@@ -212,8 +227,8 @@ class Communicator(Closing):
     object's traffic never matches a user's messages on ``mpi_comm``."""
 
     backend = "base"
-    #: whether ``wire_dtype=torch.bfloat16`` is this backend's (ring, shm, ccl): bf16 sent,
-    #: summed in fp32
+    #: whether ``wire_dtype=torch.bfloat16`` is this backend's (ring, shm, gloo, ccl): bf16
+    #: sent, summed in fp32 (ccl: by oneCCL, in bf16)
     sends_bf16 = False
     #: hpcdl.debug.watch_collectives(comm, run_dir) installs a live monitor; default no-op.
     _monitor = NULL_MONITOR
@@ -494,7 +509,8 @@ class Communicator(Closing):
             raise ValueError(f"{self.backend}: wire_dtype must be float32 or bfloat16, not "
                              f"{wire_dtype}")
         raise ValueError(f"backend {self.backend!r} does not support wire_dtype={wire_dtype}; "
-                         f"bf16 on the wire is implemented by backends 'ring' and 'shm'")
+                         f"bf16 on the wire is implemented by backends 'ring', 'shm', 'gloo' "
+                         f"and 'ccl'")
 
     # -- helpers -------------------------------------------------------------------------
     def _reduce_native(self, buffer: torch.Tensor, average: bool) -> None:

@@ -177,29 +177,57 @@ class GradientReducer(Closing):
     def synchronize(self) -> None:
         """Launch buckets not yet launched (unused parameters: zeros), wait for every
         bucket, and copy the averaged gradients back into ``p.grad``."""
+        self._draining.set()   # nothing computes between the buckets' waits here
+        try:
+            for _ in self.reduced_buckets():
+                pass
+        finally:
+            self._draining.clear()
+
+    def reduced_buckets(self) -> Iterator[list[torch.Tensor]]:
+        """:meth:`synchronize` one bucket at a time: yields each bucket's parameters, in
+        bucket order (the last layers' first), as soon as their ``p.grad`` holds the world's
+        average, while later buckets are still on the wire, so the caller can update them
+        meanwhile (the Trainer's overlapped update). Disabled: every parameter at once.
+        ``comm_wait_s`` sums the waits; a caller that stops early still waits for the rest
+        when the generator closes, so the next backward never packs into a bucket in flight."""
         if not self.enabled:
             self.comm_wait_s = 0.0
             self._armed = False
+            yield [p for bucket in self.buckets for p in bucket.params]
             return
         start = time.perf_counter()
         with self._lock:
             for bucket in self.buckets[self._next_launch:]:
                 self._fill_missing(bucket)
             self._launch_ready(force=True)
-        self._wait_for(self.buckets)
-        self.comm_wait_s = time.perf_counter() - start
-        self.total_comm_wait_s += self.comm_wait_s
         self._armed = False
-        self._raise_failure("gradient allreduce")
-        for bucket in self.buckets:
-            if not self.reduce_scatter:
-                # Every rank sets p.grad, even for a parameter it did not use, so the optimizer
-                # takes the same step on every rank.
-                for position in range(len(bucket.params)):
-                    unpack_gradient(bucket, position)
-            bucket.filled.clear()
-            bucket.done.clear()
         self._next_launch = 0
+        waited = time.perf_counter() - start
+        pending = list(self.buckets)
+        try:
+            while pending:
+                bucket = pending[0]
+                began = time.perf_counter()
+                self._wait_for([bucket])
+                waited += time.perf_counter() - began
+                pending.pop(0)
+                self._raise_failure("gradient allreduce")
+                if not self.reduce_scatter:
+                    # Every rank sets p.grad, even for a parameter it did not use, so the
+                    # optimizer takes the same step on every rank.
+                    for position in range(len(bucket.params)):
+                        unpack_gradient(bucket, position)
+                bucket.filled.clear()
+                bucket.done.clear()
+                yield bucket.params
+        finally:
+            self._wait_for(pending)
+            for bucket in pending:
+                bucket.filled.clear()
+                bucket.done.clear()
+            self.comm_wait_s = waited
+            self.total_comm_wait_s += waited
 
     def average_parameters(self, comm=None) -> int:
         """Replace every parameter by its average over ``comm`` (default the reducer's):
@@ -260,12 +288,14 @@ class GradientReducer(Closing):
         """Wait on this (the main) thread until ``buckets`` are done; meanwhile the
         communication thread's waits answer as soon as they can (``URGENT_WAIT_S``): nothing
         computes beside them any more."""
+        draining = self._draining.is_set()
         self._draining.set()
         try:
             for bucket in buckets:
                 bucket.done.wait()
         finally:
-            self._draining.clear()
+            if not draining:
+                self._draining.clear()
 
     def _raise_failure(self, what: str) -> None:
         """Raise here what the communication thread caught (once), naming ``what`` failed."""

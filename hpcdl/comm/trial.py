@@ -27,8 +27,10 @@ its reason (docs/comm.md, "The start-up trial"):
 - **Agreed**: each score is the median over rounds of a rank's own, then the maximum over
   ranks (a collective is as slow as its slowest rank), in one allreduce; rank 0 picks the
   fastest (a later measurement must beat the earlier by :data:`TRIAL_MARGIN`, so noise
-  does not flip a restart between equals) and broadcasts it, and every branch of the trial (stop,
-  skip, exclude) follows values all ranks hold, so every rank opens the same backend.
+  does not flip a restart between equals; between equals, gloo, whose waits sleep in the
+  kernel, replaces a transport that polls from Python: :func:`beats`) and broadcasts it, and
+  every branch of the trial (stop, skip, exclude) follows values all ranks hold, so every
+  rank opens the same backend.
 - **Bounded**: coordinate descent instead of the full product -- first every candidate at
   the recipe's layout (the rule's candidate first), then the winner at the other bucket
   sizes (:data:`TRIAL_BUCKET_MB`), then the best of those without a first-layers bucket --
@@ -65,17 +67,24 @@ from hpcdl.comm.base import timed_allreduce_s, yield_waits_in_this_thread
 from hpcdl.host import thread_cpu_s, thread_ids
 
 __all__ = ["ComputeLoad", "LOAD_MATRIX", "Layout", "Measurement", "PROBE_BYTES", "PROBE_REPEATS",
-           "TRIAL_MARGIN", "TRIAL_ROUNDS", "TrialResult", "beats", "bucket_numels", "choose",
+           "POLLS_FROM_PYTHON", "TRIAL_MARGIN", "TRIAL_ROUNDS", "WAITS_IN_THE_KERNEL",
+           "TrialResult", "beats", "bucket_numels", "choose",
            "fitted_sample_bytes", "layout_score", "round_cpu", "rule_result", "run_trial",
            "sampled_buckets", "transport_cpu_per_step", "trial_budget", "trial_candidates",
            "trial_layouts", "unavailable_backends"]
 
 #: how much faster a later measurement must be to replace the best so far: the same
 #: candidate's score moved by up to 4% between runs on the test cluster's shaped links, and
-#: within the margin the earlier (the rule's pick, the recipe's layout) is kept, so a restart
+#: within the margin the earlier (the rule's pick, the recipe's layout) is kept -- unless a
+#: transport that waits in the kernel ties with one that polls (:func:`beats`) -- so a restart
 #: does not flip between equals. Not each measurement's own spread: three rounds on a shared
 #: node estimate it too loosely, and a noisy first measurement then outlasted every later one
 TRIAL_MARGIN = 0.05
+#: transports whose waits test and sleep on a Python thread (hpcdl.comm.base.wait_yielding)
+#: and those whose waits block in their own C++ threads; within the margin the second wins
+#: (:func:`beats`). ``shm`` is in neither: within a node it has no equal to tie with.
+POLLS_FROM_PYTHON = ("mpi", "ring")
+WAITS_IN_THE_KERNEL = ("gloo",)
 #: timed rounds per measurement, after one untimed round (the first call of a layout also
 #: pays the mismatch check and first-touch page faults)
 TRIAL_ROUNDS = 3
@@ -276,8 +285,17 @@ def layout_score(bucket_seconds: Sequence[float], scale: float = 1.0) -> float:
 
 
 def beats(new: Measurement, best: Measurement) -> bool:
-    """Whether ``new`` is faster than ``best`` by more than :data:`TRIAL_MARGIN`."""
-    return new.seconds < best.seconds * (1.0 - TRIAL_MARGIN)
+    """Whether ``new`` replaces ``best``: faster by more than :data:`TRIAL_MARGIN`; or,
+    within the margin either way, a transport whose waits sleep in the kernel
+    (:data:`WAITS_IN_THE_KERNEL`) replacing one that polls from Python
+    (:data:`POLLS_FROM_PYTHON`). The trial's rounds wait urgently; a step's waits sit beside
+    backward, where every test-and-sleep of a polling transport is CPU taken from compute, so
+    between equals the quiet one is the faster step (docs/comm.md, "The start-up trial")."""
+    if new.seconds < best.seconds * (1.0 - TRIAL_MARGIN):
+        return True
+    best_clearly_faster = best.seconds < new.seconds * (1.0 - TRIAL_MARGIN)
+    return (best.backend in POLLS_FROM_PYTHON and new.backend in WAITS_IN_THE_KERNEL
+            and not best_clearly_faster)
 
 
 def choose(measurements: Sequence[Measurement]) -> Measurement:

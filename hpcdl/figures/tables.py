@@ -276,7 +276,7 @@ def bucket_size(root: Path) -> str:
     return md(["bucket", "img/s per rank, run 1 / 2", "÷ no_comm, run 1 / 2"], rows)
 
 
-ACROSS_DIR = "step-across-hosts-patient-waits-2026-12-07"
+ACROSS_DIR = "step-across-hosts-gloo-bf16-wire-2026-12-07"
 ACROSS_RATES = ("2Gbit", "250Mbit")   # tc's spelling, as each JSON records it
 ACROSS_MODES = (("no_comm", "`no_comm` (ceiling)"), ("ours", "`ours` (fp32, {backend})"),
                 ("ours@gloo", "`ours@gloo` (fp32)"), ("ddp_gloo", "`ddp_gloo` (fp32)"),

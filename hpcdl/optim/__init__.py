@@ -6,6 +6,8 @@ from hpcdl.optim.factory import (
     create_optimizer,
     list_optimizers,
     set_learning_rate,
+    step_parameters,
+    steps_tensor_by_tensor,
 )
 from hpcdl.optim.lars import LARS, param_groups, trust_ratios
 from hpcdl.optim.schedule import (
@@ -23,5 +25,5 @@ __all__ = [
     "LARS", "param_groups", "trust_ratios", "create_optimizer", "list_optimizers",
     "apply_momentum_correction", "set_learning_rate", "OPTIMIZERS", "Schedule", "PolySchedule",
     "StepSchedule", "CosineSchedule", "create_schedule", "scaled_lr", "SCHEDULES",
-    "ShardedOptimizer",
+    "ShardedOptimizer", "step_parameters", "steps_tensor_by_tensor",
 ]

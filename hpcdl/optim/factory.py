@@ -15,7 +15,12 @@ import torch
 from hpcdl.optim.lars import LARS, norm_layer_params, param_groups
 
 __all__ = ["create_optimizer", "list_optimizers", "apply_momentum_correction",
-           "set_learning_rate", "OPTIMIZERS"]
+           "set_learning_rate", "OPTIMIZERS", "steps_tensor_by_tensor", "step_parameters"]
+
+#: Optimizers whose step treats every tensor on its own -- LARS's trust ratio is per tensor
+#: (arXiv:1708.03888, eq. 6), momentum SGD has no term across tensors -- so a step taken in
+#: parts, one gradient bucket after another, is the same step.
+TENSOR_BY_TENSOR = (LARS, torch.optim.SGD)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -123,3 +128,26 @@ def apply_momentum_correction(optimizer: torch.optim.Optimizer, factor: float) -
     # (a wrapper -- hpcdl.DistributedOptimizer, the sharded update -- holds it as .optimizer)
     if isinstance(getattr(optimizer, "optimizer", optimizer), LARS):
         optimizer.scale_momentum_(factor)
+
+
+def steps_tensor_by_tensor(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`step_parameters` over disjoint parts equals one ``optimizer.step()``:
+    LARS and torch's SGD themselves, not a wrapper or a subclass that may couple tensors."""
+    return type(optimizer) in TENSOR_BY_TENSOR
+
+
+def step_parameters(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """``optimizer.step()`` for ``params`` only, in their groups (rates, decay, LARS or not):
+    each group's list narrowed for the call, so per-parameter state and the groups' keys are
+    the optimizer's own. Stepping disjoint parts that cover every parameter equals one step
+    where :func:`steps_tensor_by_tensor` says so."""
+    chosen = {id(p) for p in params}
+    groups = optimizer.param_groups
+    full = [group["params"] for group in groups]
+    try:
+        for group, members in zip(groups, full, strict=True):
+            group["params"] = [p for p in members if id(p) in chosen]
+        optimizer.step()
+    finally:
+        for group, members in zip(groups, full, strict=True):
+            group["params"] = members

@@ -132,6 +132,10 @@ class CommConfig:
     # Weight-update sharding (hpcdl/optim/sharded.py, Xu et al. 2020): reduce-scatter the
     # gradients, each rank steps its slice, allgather the parameters. sync only.
     shard_update: bool = False
+    # Update each bucket's parameters as soon as its average arrives, while the later
+    # buckets (the first layers') are still on the wire: LARS and sgd, whose step is per
+    # tensor (docs/comm.md, "The overlapped update"); false: every bucket, then one step.
+    overlap_update: bool = True
     # backend: auto's start-up trial: at most this many seconds (0: the rule decides), and
     # whether it also tries other bucket sizes and no first-layers bucket
     trial_s: float = DEFAULT_TRIAL_S

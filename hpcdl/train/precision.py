@@ -14,7 +14,7 @@ __all__ = ["BF16_WIRE_BACKENDS", "agreed_precision", "describe", "planned_wire_d
            "run_wire_dtype", "wire_dtype_for"]
 
 #: backends that send bf16 and sum in float32 (docs/comm.md)
-BF16_WIRE_BACKENDS = ("ring", "shm")
+BF16_WIRE_BACKENDS = ("ring", "shm", "gloo")
 
 
 def agreed_precision(requested: str, mpi_comm: Any = None,

@@ -3,10 +3,11 @@
 Slurm's SIGUSR1/SIGTERM reach each task at a slightly different moment, anywhere in a step; a
 rank acting on its own copy (checkpointing, a collective, while the others began the next step)
 would hold every rank until the stall abort. So the handler only records the signal; each
-step's agreement (``Trainer._agree``; LTFB's stop check) sums "any rank signalled?" and every
-rank acts at the same step. ``hpcdl train`` installs it at process start (:func:`until_exit`)
-so set-up and resume are covered; once the outcome is decided signals are ignored. Python runs
-handlers on the main thread between bytecodes: a rank in an MPI call records it on return.
+step's agreement (``Trainer._start_agreement``; LTFB's stop check) sums "any rank
+signalled?" and every rank acts at the same step. ``hpcdl train`` installs it at process
+start (:func:`until_exit`) so set-up and resume are covered; once the outcome is decided
+signals are ignored. Python runs handlers on the main thread between bytecodes: a rank in an
+MPI call records it on return.
 The whole story and its tests: docs/training.md, "Checkpoints and resume" (**Signals**).
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The distributed data-parallel training loop (You et al., "ImageNet Training in Minutes",
-ICPP'18): one rank per socket, gradients averaged by the overlapped reducer, LARS after the
-allreduce, a schedule that is a pure function of the step.
+ICPP'18): one rank per socket, gradients averaged by the overlapped reducer, LARS on each
+bucket's layers as soon as their allreduce lands, a schedule that is a pure function of the
+step.
 
 Read top to bottom like torchvision's reference: build (model, data, optimizer, schedule,
 reducer), ``train()`` = ``train_one_epoch()`` per epoch + ``evaluate()``, checkpoints at step
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcdl.comm.base import sum_over
+from hpcdl.comm.base import SumInFlight, sum_over
 from hpcdl.comm.policy import create_policy
 from hpcdl.cpus import memory_format_name
 from hpcdl.debug.inject import injected_pause
@@ -235,7 +236,7 @@ class Trainer:
         self._line: str | None = None
         self._seq: int | None = None
         #: the signal every rank agreed to stop on (None: no agreed stop): only an agreement
-        #: (_agree, or request_stop called on every rank at the same step) sets it
+        #: (_start_agreement, or request_stop called on every rank at the same step) sets it
         self._stop_agreed: int | None = None
         self._metrics: MetricsWriter | None = None
         self._images_this_run = 0
@@ -246,6 +247,9 @@ class Trainer:
         #: callables ``hook(trainer)`` run after every optimizer step, before the checkpoint
         #: and stop decisions of that step (LTFB's tournaments, hpcdl/train/ltfb.py)
         self.after_step_hooks: list = []
+        #: whether the optimizer steps only parameters the reducer's buckets hold (the
+        #: overlapped update's precondition; checked at the first step)
+        self._bucketed_params: bool | None = None
 
     def _bucket_bytes(self) -> int:
         """The recipe's ``comm.bucket_mb``, unless a start-up trial chose the communicator's
@@ -433,13 +437,14 @@ class Trainer:
             self.reducer.arm(last=(i == n - 1))
             with self._span("forward", "compute"), self._autocast():
                 loss = self.criterion(self.model(self._prepare(images)), labels) / n
+            local_loss += float(loss.detach())
+            if i == n - 1:  # the agreement travels while the last backward runs
+                agreement = self._start_agreement(local_loss)
             with self._span("backward", "compute"):
                 loss.backward()
-            local_loss += float(loss.detach())
-        with self._span("allreduce wait", "comm"):
+        stop, nonfinite, loss_sum = self._agreed(agreement)
+        if nonfinite:  # every rank raises here, at the same step, nothing left on the wire
             self.reducer.synchronize()
-        stop, nonfinite, loss_sum = self._agree(local_loss)
-        if nonfinite:  # every rank raises here, at the same step
             raise NonFiniteLossError(self.step + 1, local_loss if not math.isfinite(local_loss)
                                      else math.nan)
         if stop and self._stop_agreed is None:  # this rank's signal or another's
@@ -448,26 +453,72 @@ class Trainer:
             from hpcdl.optim import apply_momentum_correction
 
             apply_momentum_correction(self.optimizer, self.schedule.momentum_correction(self.step))
-        with self._span("optimizer", "compute"):
-            self.optimizer.step()
+        if self._overlap_update():
+            self._update_bucket_by_bucket()
+        else:
+            with self._span("allreduce wait", "comm"):
+                self.reducer.synchronize()
+            with self._span("optimizer", "compute"):
+                self.optimizer.step()
         self.step += 1
         with self._span("model average", "comm"):
             self.policy.after_step(self.step, last=self.step >= self._last_step())
         self._images_this_run += self.global_batch
         return loss_sum / self.size
 
-    def _agree(self, local_loss: float) -> tuple[bool, bool, float]:
-        """One tiny allreduce per step: any rank signalled, any rank's loss non-finite, and
-        the sum of losses. A signal reaching one rank only, or ranks at different moments,
-        is acted on at the same step everywhere; one landing after this call waits for the
-        next step's. (``handle_signals=False``: this trainer's stop is decided elsewhere --
-        LTFB's check across trainers -- or not at all, the benches.)"""
+    def _start_agreement(self, local_loss: float) -> SumInFlight:
+        """One tiny allreduce per step, started once the loss is known: any rank signalled,
+        any rank's loss non-finite, and the sum of losses. A signal reaching one rank only,
+        or ranks at different moments, is acted on at the same step everywhere; one landing
+        after this call waits for the next step's. (``handle_signals=False``: this trainer's
+        stop is decided elsewhere -- LTFB's check across trainers -- or not at all, the
+        benches.)"""
         nonfinite = not math.isfinite(local_loss)
         signalled = self.options.handle_signals and signals.pending() is not None
-        total = sum_over(self.comm.mpi_comm, [1.0 if signalled else 0.0,
-                                              1.0 if nonfinite else 0.0,
-                                              0.0 if nonfinite else local_loss])
+        return SumInFlight(self.comm.mpi_comm, [1.0 if signalled else 0.0,
+                                                1.0 if nonfinite else 0.0,
+                                                0.0 if nonfinite else local_loss])
+
+    @staticmethod
+    def _agreed(agreement: SumInFlight) -> tuple[bool, bool, float]:
+        """(stop, non-finite, loss sum) of :meth:`_start_agreement`, the same on every rank."""
+        total = agreement.result()
         return bool(total[0] > 0), bool(total[1] > 0), float(total[2])
+
+    def _overlap_update(self) -> bool:
+        """Whether this step updates bucket by bucket (``comm.overlap_update``): an optimizer
+        whose step is per tensor, every parameter it steps in a bucket of the reducer that
+        averages them whole (not the sharded update's, not PowerSGD's compressor)."""
+        from hpcdl.comm.reducer import GradientReducer
+        from hpcdl.optim import steps_tensor_by_tensor
+
+        reducer = self.reducer
+        if not (self.config.comm.overlap_update and isinstance(reducer, GradientReducer)
+                and reducer.enabled and not reducer.reduce_scatter
+                and steps_tensor_by_tensor(self.optimizer)):
+            return False
+        if self._bucketed_params is None:
+            in_buckets = {id(p) for bucket in reducer.buckets for p in bucket.params}
+            self._bucketed_params = all(id(p) in in_buckets
+                                        for group in self.optimizer.param_groups
+                                        for p in group["params"])
+        return self._bucketed_params
+
+    def _update_bucket_by_bucket(self) -> None:
+        """Step each bucket's parameters as soon as their average arrives, the last layers'
+        first, while the first layers' buckets are still on the wire: the wait after
+        backward overlaps the update instead of preceding it. The same step as one
+        ``optimizer.step()`` (hpcdl.optim.step_parameters)."""
+        from hpcdl.optim import step_parameters
+
+        with contextlib.closing(self.reducer.reduced_buckets()) as buckets:
+            while True:
+                with self._span("allreduce wait", "comm"):
+                    params = next(buckets, None)
+                if params is None:
+                    return
+                with self._span("optimizer", "compute"):
+                    step_parameters(self.optimizer, params)
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8:
@@ -1029,6 +1080,7 @@ class Trainer:
             "reducer": ("enabled" if self.policy.communicates else "disabled (no_comm)"
                         if self.options.no_comm else "not needed (1 rank)"),
             "shard_update": self.shard_update,
+            "overlap_update": self._overlap_update(),
             "precision": self.precision,
             "wire_dtype": self.wire_dtype,
             "threads": torch.get_num_threads(),

@@ -35,7 +35,8 @@ CCL_MISSING = oneccl_missing()
 needs_oneccl = pytest.mark.skipif(CCL_MISSING is not None, reason=str(CCL_MISSING))
 #: oneCCL's own allreduce, and with bf16 on the wire (summed in bf16 by oneCCL)
 CCL_BACKENDS = [pytest.param(name, marks=needs_oneccl) for name in ("ccl", "ccl-bf16wire")]
-BACKENDS = ["mpi", "ring", "shm", "shm-nodes", "gloo", "ring-bf16wire", *CCL_BACKENDS]
+BACKENDS = ["mpi", "ring", "shm", "shm-nodes", "gloo", "ring-bf16wire", "gloo-bf16wire",
+            *CCL_BACKENDS]
 EXACT_BACKENDS = ["mpi", "ring", "shm", "shm-nodes", "gloo", CCL_BACKENDS[0]]
 
 
@@ -225,11 +226,26 @@ def test_allreduce_from_a_communication_thread(communicators, world, backend):
     assert_matches(buffer, reference_sum(world.size, 4099, torch.float64), torch.float64)
 
 
-def test_bf16_wire_gives_identical_results_on_every_rank(communicators, world):
-    tensor = rank_tensor(world.rank, 3001, torch.float32)
-    communicators["ring-bf16wire"].allreduce_(tensor, average=True)
-    everyone = world.allgather(tensor.numpy().tobytes())
+@pytest.mark.parametrize("backend", ["ring-bf16wire", "gloo-bf16wire"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bf16_wire_gives_identical_results_on_every_rank(communicators, world, backend, dtype):
+    tensor = rank_tensor(world.rank, 3001, dtype)
+    communicators[backend].allreduce_(tensor, average=True)
+    everyone = world.allgather(tensor.view(torch.uint8).numpy().tobytes())
     assert all(b == everyone[0] for b in everyone)
+
+
+@pytest.mark.parametrize("extra", [1, 0], ids=["unequal_slices", "equal_slices"])
+def test_gloo_bf16_wire_sums_in_fp32_and_rounds_once(communicators, world, extra):
+    """Rank 0 sends 1, every other rank 2⁻⁸ (half a bf16 step at 1): summed in fp32 and
+    rounded once, p ≥ 3 ranks give 1 + (p−1)·2⁻⁸ rounded; summed in bf16 step by step, every
+    addition would round back to 1 (ties to even) -- gloo's own bf16 allreduce, and the
+    ring's partial sums, which travel rounded hop by hop."""
+    numel = 1000 * world.size + extra
+    tensor = torch.full((numel,), 1.0 if world.rank == 0 else 2.0 ** -8, dtype=torch.bfloat16)
+    communicators["gloo-bf16wire"].allreduce_flat_(tensor, average=False)
+    once = torch.tensor(1.0 + (world.size - 1) * 2.0 ** -8).to(torch.bfloat16)
+    assert torch.equal(tensor, once.expand(numel)), (tensor[:4], once)
 
 
 def test_topology_of_one_machine(communicators, world):

@@ -295,3 +295,32 @@ def test_total_steps_runs_past_the_nominal_epochs_as_a_solver_s_max_iter(
     assert summary["steps"] == summary["total_steps"] == steps
     assert trainer.schedule(steps) == pytest.approx(0.0, abs=1e-12)   # poly reaches 0 there
     assert trainer.schedule(steps - 2) > 0.0
+
+
+def test_the_update_bucket_by_bucket_is_the_step_of_one_update(shards, comm, world, shared_tmp,
+                                                                monkeypatch):
+    """comm.overlap_update (the default): each bucket's parameters step as soon as their
+    average arrives; the run ends with the parameters of waiting for every bucket and then
+    one optimizer step."""
+    import dataclasses
+
+    import hpcdl.optim
+
+    config = recipe(world.size)
+    assert config.comm.overlap_update
+    once = dataclasses.replace(config, comm=dataclasses.replace(config.comm,
+                                                                overlap_update=False))
+    parts = []
+    step_parameters = hpcdl.optim.step_parameters
+    monkeypatch.setattr(hpcdl.optim, "step_parameters",
+                        lambda optimizer, params: (parts.append(len(params)),
+                                                   step_parameters(optimizer, params)))
+    trainer, overlapped = run_trainer(config, shards, os.path.join(shared_tmp, "ov"), comm,
+                                      max_steps=4, evaluate=False)
+    buckets = len(trainer.reducer.buckets)
+    assert world.size == 1 or (buckets > 1 and len(parts) == 4 * buckets)
+    parts.clear()
+    _, whole = run_trainer(once, shards, os.path.join(shared_tmp, "one"), comm, max_steps=4,
+                           evaluate=False)
+    assert parts == []
+    assert overlapped["params_sha256"] == whole["params_sha256"]
