@@ -126,6 +126,10 @@ def test_between_equals_a_transport_that_waits_in_the_kernel_replaces_one_that_p
     assert choose([polls, tie, ring]) is tie
     shm = Measurement("shm", 25.0, 1.0, 3, 3, 0.200)
     assert choose([shm, Measurement("gloo", 25.0, 1.0, 3, 3, 0.199)]) is shm
+    # a tie with the kept measurement is not enough when another was clearly faster than gloo
+    near = Measurement("ring", 25.0, 1.0, 3, 3, 0.200 * 0.96)   # kept out by the margin
+    late = Measurement("gloo", 25.0, 1.0, 3, 3, 0.200 * 1.04)   # ties mpi, 8% behind ring
+    assert choose([polls, near, late]) is polls
 
 
 def test_a_transports_cpu_is_scaled_bucket_by_bucket_and_averaged_over_rounds():

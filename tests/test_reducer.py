@@ -1,5 +1,8 @@
 """GradientReducer on one rank: bucket layout, hooks, unused parameters, accumulation, off."""
+import queue
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -299,6 +302,46 @@ def test_communication_error_is_raised_in_synchronize(comm):
             model(torch.randn(2, 4)).sum().backward()
             with pytest.raises(RuntimeError, match="link down"):
                 reducer.synchronize()
+    finally:
+        del comm.allreduce_flat_
+
+
+class SlowAfterFirst(queue.Queue):
+    """The communication thread's queue, handing out every item after the first 0.2 s late:
+    the main thread then acts on a failure before the thread has reached the next bucket."""
+
+    def get(self, *args, **kwargs):
+        item = super().get(*args, **kwargs)
+        self.handed = getattr(self, "handed", 0) + 1
+        if self.handed > 1 and item is not None:
+            time.sleep(0.2)
+        return item
+
+
+def test_a_failed_bucket_skips_the_rest_of_the_step_before_it_raises(comm, monkeypatch):
+    """After one bucket's collective fails, the thread skips every later bucket of that step
+    (a collective started on this rank alone would hang its peers) until the error is raised
+    here; raising clears it, so it must come after the skips."""
+    import hpcdl.comm.reducer as reducer_module
+
+    monkeypatch.setattr(reducer_module, "queue", SimpleNamespace(Queue=SlowAfterFirst))
+    model = TwoHeads()
+    calls = []
+
+    def broken(buf, average=True):
+        calls.append(buf.numel())
+        raise RuntimeError("link down")
+
+    comm.allreduce_flat_ = broken
+    try:
+        with GradientReducer(comm, model.named_parameters(), bucket_bytes=64,
+                             last_bucket_bytes=None) as reducer:
+            assert len(reducer.buckets) >= 3
+            reducer.arm(last=True)
+            model(torch.randn(2, 4)).sum().backward()
+            with pytest.raises(RuntimeError, match="link down"):
+                reducer.synchronize()
+            assert len(calls) == 1
     finally:
         del comm.allreduce_flat_
 

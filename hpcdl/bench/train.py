@@ -5,7 +5,7 @@ Trainer's step: overlapped GradientReducer, then LARS), ``no_comm`` (the same Tr
 reducer suspended: the ceiling, ``vs_no_comm``), ``ddp_gloo`` (PyTorch DDP on gloo,
 ``vs_ddp_gloo``), ``horovod`` (by name; absent, with the reason in ``absent_modes``, where
 ``horovod.torch`` does not import), ``ours@BACKEND``, ``ours_bf16`` (bf16 on the wire, on a
-communicator of its own: ``ours``'s backend, ``ring`` in place of ``mpi``), ``torch`` (plain
+communicator of its own: a bf16 trial's pick, or ``ours``'s named backend), ``torch`` (plain
 torch on the same model, LARS, schedule, precision and memory format, no hpcdl wrapper: each
 mode's ``vs_torch``) and, with ``--shard-update``, ``ours_allreduce``.
 Each step also records the NIC bytes of ``--nic``, the rank's CPU seconds and the reducer

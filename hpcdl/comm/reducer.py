@@ -212,6 +212,11 @@ class GradientReducer(Closing):
                 self._wait_for([bucket])
                 waited += time.perf_counter() - began
                 pending.pop(0)
+                if self._error is not None:
+                    # The thread skips what is queued only while the error stands: let it
+                    # skip every bucket of this step before raising clears it, or the next
+                    # bucket's collective would start on this rank alone.
+                    self._wait_for(pending)
                 self._raise_failure("gradient allreduce")
                 if not self.reduce_scatter:
                     # Every rank sets p.grad, even for a parameter it did not use, so the

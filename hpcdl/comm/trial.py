@@ -41,7 +41,6 @@ its reason (docs/comm.md, "The start-up trial"):
 """
 from __future__ import annotations
 
-import functools
 import statistics
 import threading
 import time
@@ -284,24 +283,32 @@ def layout_score(bucket_seconds: Sequence[float], scale: float = 1.0) -> float:
     return scale * sum(large) + 2 * last
 
 
-def beats(new: Measurement, best: Measurement) -> bool:
-    """Whether ``new`` replaces ``best``: faster by more than :data:`TRIAL_MARGIN`; or,
-    within the margin either way, a transport whose waits sleep in the kernel
-    (:data:`WAITS_IN_THE_KERNEL`) replacing one that polls from Python
-    (:data:`POLLS_FROM_PYTHON`). The trial's rounds wait urgently; a step's waits sit beside
-    backward, where every test-and-sleep of a polling transport is CPU taken from compute, so
-    between equals the quiet one is the faster step (docs/comm.md, "The start-up trial")."""
+def beats(new: Measurement, best: Measurement, fastest: float | None = None) -> bool:
+    """Whether ``new`` replaces ``best``: faster by more than :data:`TRIAL_MARGIN`; or, no
+    measurement so far (``best``, and ``fastest``: the least seconds of any) faster than it
+    by the margin, a transport whose waits sleep in the kernel (:data:`WAITS_IN_THE_KERNEL`)
+    replacing one that polls from Python (:data:`POLLS_FROM_PYTHON`). The trial's rounds
+    wait urgently; a step's waits sit beside backward, where every test-and-sleep of a
+    polling transport is CPU taken from compute, so between equals the quiet one is the
+    faster step (docs/comm.md, "The start-up trial")."""
     if new.seconds < best.seconds * (1.0 - TRIAL_MARGIN):
         return True
-    best_clearly_faster = best.seconds < new.seconds * (1.0 - TRIAL_MARGIN)
+    floor = best.seconds if fastest is None else min(best.seconds, fastest)
+    clearly_slower = floor < new.seconds * (1.0 - TRIAL_MARGIN)
     return (best.backend in POLLS_FROM_PYTHON and new.backend in WAITS_IN_THE_KERNEL
-            and not best_clearly_faster)
+            and not clearly_slower)
 
 
 def choose(measurements: Sequence[Measurement]) -> Measurement:
-    """The earliest measurement that no later one beats by the margin: the rule's candidate
-    at the recipe's layout unless another is clearly faster."""
-    return functools.reduce(lambda best, m: m if beats(m, best) else best, measurements)
+    """The earliest measurement that no later one beats (:func:`beats`, each judged against
+    the fastest before it too): the rule's candidate at the recipe's layout unless another
+    is clearly faster, or gloo ties with it."""
+    best, fastest = measurements[0], measurements[0].seconds
+    for m in measurements[1:]:
+        fastest = min(fastest, m.seconds)
+        if beats(m, best, fastest):
+            best = m
+    return best
 
 
 def rule_result(rule: str, bucket_mb: float, budget_s: float, why: str,
@@ -412,7 +419,8 @@ class _Trial:
         m = Measurement(name, layout.bucket_mb, layout.first_bucket_mb, len(buckets),
                         self.rounds, agreed, timed_share, round(cpu_s, 4), round(spread, 4))
         result.measurements.append(m)
-        if best is None or beats(m, best):
+        fastest = min(x.seconds for x in result.measurements)
+        if best is None or beats(m, best, fastest):
             if best is not None and best.backend != name:
                 self._drop(best.backend)
             return m

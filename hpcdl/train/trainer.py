@@ -250,6 +250,8 @@ class Trainer:
         #: whether the optimizer steps only parameters the reducer's buckets hold (the
         #: overlapped update's precondition; checked at the first step)
         self._bucketed_params: bool | None = None
+        #: the step's agreement left in flight by an error in backward (train_step)
+        self._abandoned_agreement: SumInFlight | None = None
 
     def _bucket_bytes(self) -> int:
         """The recipe's ``comm.bucket_mb``, unless a start-up trial chose the communicator's
@@ -432,6 +434,7 @@ class Trainer:
         self.policy.before_step(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = 0.0
+        agreement: SumInFlight | None = None
         n = len(micro_batches)
         for i, (images, labels) in enumerate(micro_batches):
             self.reducer.arm(last=(i == n - 1))
@@ -441,7 +444,15 @@ class Trainer:
             if i == n - 1:  # the agreement travels while the last backward runs
                 agreement = self._start_agreement(local_loss)
             with self._span("backward", "compute"):
-                loss.backward()
+                try:
+                    loss.backward()
+                except BaseException:
+                    # Every rank started the agreement: keep its request and buffers alive,
+                    # unread, rather than let them be freed while MPI may still write there.
+                    self._abandoned_agreement = agreement
+                    raise
+        if agreement is None:  # no micro-batch: still one agreement per step
+            agreement = self._start_agreement(local_loss)
         stop, nonfinite, loss_sum = self._agreed(agreement)
         if nonfinite:  # every rank raises here, at the same step, nothing left on the wire
             self.reducer.synchronize()

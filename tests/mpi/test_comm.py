@@ -235,6 +235,23 @@ def test_bf16_wire_gives_identical_results_on_every_rank(communicators, world, b
     assert all(b == everyone[0] for b in everyone)
 
 
+@pytest.mark.parametrize("average", [True, False], ids=["average", "sum"])
+def test_gloo_bf16_wire_reduces_a_bf16_bucket_of_any_size(communicators, world, average):
+    """The reducer's path: a bf16 buffer handed to ``allreduce_flat_`` travels in bf16 (not
+    through the fp32 staging of ``allreduce_``), at the sizes that leave ranks with no slice
+    or uneven slices; the result matches the float64 sum and is the same on every rank."""
+    comm = communicators["gloo-bf16wire"]
+    for size_name, numel in sizes_for(world.size).items():
+        buffer = rank_tensor(world.rank, numel, torch.bfloat16)
+        comm.allreduce_flat_(buffer, average=average)
+        expected = reference_sum(world.size, numel, torch.bfloat16) / (
+            world.size if average else 1)
+        assert buffer.dtype == torch.bfloat16 and buffer.shape == (numel,), size_name
+        assert_matches(buffer, expected, torch.bfloat16, wire_bf16=True)
+        everyone = world.allgather(buffer.view(torch.uint8).numpy().tobytes())
+        assert all(b == everyone[0] for b in everyone), size_name
+
+
 @pytest.mark.parametrize("extra", [1, 0], ids=["unequal_slices", "equal_slices"])
 def test_gloo_bf16_wire_sums_in_fp32_and_rounds_once(communicators, world, extra):
     """Rank 0 sends 1, every other rank 2⁻⁸ (half a bf16 step at 1): summed in fp32 and
