@@ -1,4 +1,5 @@
 """GradientReducer on one rank: bucket layout, hooks, unused parameters, accumulation, off."""
+import contextlib
 import queue
 import threading
 import time
@@ -161,6 +162,21 @@ def test_the_threads_waits_are_patient_beside_backward_and_urgent_once_the_step_
     assert wait_ceiling_s() == URGENT_WAIT_S  # a thread nobody marked: always urgent
 
 
+@contextlib.contextmanager
+def small_buckets_after_backward(comm, model, x, allreduce):
+    """A reducer of 64-byte buckets over ``model``, ``comm.allreduce_flat_`` replaced by
+    ``allreduce``, armed and after one backward of ``x``."""
+    comm.allreduce_flat_ = allreduce
+    try:
+        with GradientReducer(comm, model.named_parameters(), bucket_bytes=64,
+                             last_bucket_bytes=None) as reducer:
+            reducer.arm(last=True)
+            model(x).sum().backward()
+            yield reducer
+    finally:
+        del comm.allreduce_flat_
+
+
 def test_buckets_come_back_one_at_a_time_in_order_while_later_ones_travel(comm):
     """reduced_buckets: the caller holds bucket k (to update it) while bucket k+1 is still on
     the wire, and each bucket's gradients are final when it comes back."""
@@ -180,24 +196,17 @@ def test_buckets_come_back_one_at_a_time_in_order_while_later_ones_travel(comm):
             assert gate.wait(30)
         return original(buf, average=average)
 
-    comm.allreduce_flat_ = held
-    try:
-        with GradientReducer(comm, model.named_parameters(), bucket_bytes=64,
-                             last_bucket_bytes=None) as reducer:
-            assert len(reducer.buckets) >= 2
-            reducer.arm(last=True)
-            model(x).sum().backward()
-            came = []
-            for params in reducer.reduced_buckets():
-                if not came:
-                    assert not reducer.buckets[1].done.is_set()  # still travelling
-                    gate.set()
-                came.append(params)
-                for p in params:
-                    assert torch.equal(p.grad, expected[p])
-            assert came == [bucket.params for bucket in reducer.buckets]
-    finally:
-        del comm.allreduce_flat_
+    with small_buckets_after_backward(comm, model, x, held) as reducer:
+        assert len(reducer.buckets) >= 2
+        came = []
+        for params in reducer.reduced_buckets():
+            if not came:
+                assert not reducer.buckets[1].done.is_set()  # still travelling
+                gate.set()
+            came.append(params)
+            for p in params:
+                assert torch.equal(p.grad, expected[p])
+        assert came == [bucket.params for bucket in reducer.buckets]
 
 
 def test_a_caller_that_stops_early_leaves_no_bucket_in_flight(comm):
@@ -332,18 +341,11 @@ def test_a_failed_bucket_skips_the_rest_of_the_step_before_it_raises(comm, monke
         calls.append(buf.numel())
         raise RuntimeError("link down")
 
-    comm.allreduce_flat_ = broken
-    try:
-        with GradientReducer(comm, model.named_parameters(), bucket_bytes=64,
-                             last_bucket_bytes=None) as reducer:
-            assert len(reducer.buckets) >= 3
-            reducer.arm(last=True)
-            model(torch.randn(2, 4)).sum().backward()
-            with pytest.raises(RuntimeError, match="link down"):
-                reducer.synchronize()
-            assert len(calls) == 1
-    finally:
-        del comm.allreduce_flat_
+    with small_buckets_after_backward(comm, model, torch.randn(2, 4), broken) as reducer:
+        assert len(reducer.buckets) >= 3
+        with pytest.raises(RuntimeError, match="link down"):
+            reducer.synchronize()
+        assert len(calls) == 1
 
 
 def test_model_without_trainable_parameters_is_an_error(comm):
